@@ -1,0 +1,7 @@
+"""Subcommands for the generate stage (registered by cli.py)."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    """Add this module's subcommands to `subparsers`."""

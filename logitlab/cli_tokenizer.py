@@ -1,0 +1,7 @@
+"""Subcommands for the tokenizer stage (registered by cli.py)."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    """Add this module's subcommands to `subparsers`."""
