@@ -81,3 +81,103 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# --------------------------------------------------------------------------------------------
+# logitlab's own model directory: config.json {"format": "logitlab", "model": {...}} +
+# model.safetensors with logitlab's state-dict keys (see model.py). A tied LM head is stored
+# once, as tok_emb.weight.
+# --------------------------------------------------------------------------------------------
+
+MODEL_FORMAT = "logitlab"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.logitlab.json"
+
+
+def is_logitlab_dir(path: str | os.PathLike) -> bool:
+    import json
+
+    cfg = Path(path) / CONFIG_FILE
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("format") == MODEL_FORMAT
+    except (ValueError, AttributeError):
+        return False
+
+
+def write_model_files(model, directory: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors of `model` (unwrapped) into an existing directory.
+
+    Callers that want atomicity write into `atomic_directory(...)`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": MODEL_FORMAT})
+    payload = {"format": MODEL_FORMAT, "model": model.config.to_dict()}
+    (directory / CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def save_model(model, directory: str | os.PathLike) -> Path:
+    """Atomically write a logitlab model directory (config.json + model.safetensors)."""
+    with atomic_directory(directory) as tmp:
+        write_model_files(model, tmp)
+    return Path(directory)
+
+
+def read_model_config(directory: str | os.PathLike):
+    import json
+
+    from logitlab.model import ModelConfig
+
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}")
+    try:
+        payload = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    if payload.get("format") != MODEL_FORMAT or "model" not in payload:
+        raise ValueError(f"{path} is not a logitlab model config (expected \"format\": \"{MODEL_FORMAT}\")")
+    return ModelConfig.from_dict(payload["model"])
+
+
+def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
+    """Load a logitlab model directory written by save_model; keys and shapes are checked
+    against the config and a mismatch names the offending key."""
+    import torch
+    from safetensors.torch import load_file
+
+    from logitlab.model import Transformer
+
+    directory = Path(directory)
+    config = read_model_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
+    state = load_file(str(weights), device="cpu")
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = model.state_dict()
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{weights}: keys disagree with {directory / CONFIG_FILE}: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for key, tensor in expected.items():
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise ValueError(f"{weights}: {key} has shape {tuple(state[key].shape)}, "
+                             f"config expects {tuple(tensor.shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.tie_weights()
+    model.rebuild_buffers()
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
