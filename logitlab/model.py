@@ -7,6 +7,29 @@ families.py, checkpoint I/O in checkpoint.py / hf.py.
 Shapes: B batch, T positions in this call, S key/value length (cached + new), D d_model,
 V vocab (padded), H query heads, Hkv key/value heads, G = H // Hkv, Dh head_dim, F d_ff,
 L layers.
+
+The path: ids (B, T) -> tok_emb (+ pos_emb for learned positions) -> L blocks -> final_norm ->
+lm_head -> logits (B, T, V), sliced to config.vocab_size so padded rows never show.
+
+State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on them):
+
+    tok_emb.weight                              (V_padded, D)
+    pos_emb.weight                              (context_length, D)   positions="learned" only
+    blocks.{i}.attn_norm.weight / .bias         (D,)   bias only for norm="layernorm"
+    blocks.{i}.attn.q_proj.weight / .bias       (H*Dh, D) / (H*Dh,)    bias when qkv_bias
+    blocks.{i}.attn.k_proj.weight / .bias       (Hkv*Dh, D) / (Hkv*Dh,)
+    blocks.{i}.attn.v_proj.weight / .bias       (Hkv*Dh, D) / (Hkv*Dh,)
+    blocks.{i}.attn.o_proj.weight / .bias       (D, H*Dh) / (D,)       bias when bias
+    blocks.{i}.attn.q_norm.weight, k_norm.weight (Dh,)  qk_norm only
+    blocks.{i}.mlp_norm.weight / .bias          (D,)
+    blocks.{i}.mlp.gate_proj.weight / .bias     (F, D) / (F,)          mlp="swiglu" only
+    blocks.{i}.mlp.up_proj.weight / .bias       (F, D) / (F,)
+    blocks.{i}.mlp.down_proj.weight / .bias     (D, F) / (D,)
+    final_norm.weight / .bias                   (D,)
+    lm_head.weight                              (V_padded, D)  the same Parameter as tok_emb.weight
+                                                               when tie_embeddings
+RoPE cos/sin tables are non-persistent buffers (not in the state dict): `rebuild_buffers()`.
+With norm_placement="post" the final norm is kept, so the keys do not depend on placement.
 """
 
 from __future__ import annotations
@@ -15,6 +38,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
+from torch import nn
+
+from logitlab.kv_cache import KVCache
+from logitlab.layers import ATTN_IMPLS, Attention, LayerNorm, RMSNorm, RotaryEmbedding, make_mlp, make_norm
 
 
 def _help(text: str):
@@ -153,3 +182,260 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(names)}")
         return cls(**data)
+
+
+# ------------------------------------------------------------------------------------------
+# The Transformer
+# ------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """One Transformer block: attention then MLP, each with a norm and a residual add.
+
+    pre-norm (GPT-2, Llama):  x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
+    post-norm (Vaswani et al. 2017): x = attn_norm(x + attn(x));  x = mlp_norm(x + mlp(x))
+    Dropout (config.dropout, training only) acts on each sublayer's output before the add."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.post_norm = config.norm_placement == "post"
+        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.mlp = make_mlp(config)
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+
+    def forward(self, x, rope, *, cache=None, layer=0, mask=None, is_causal=False, impl="sdpa",
+                need_weights=False):
+        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
+        attn_args = dict(cache=cache, layer=layer, mask=mask, is_causal=is_causal, impl=impl,
+                         need_weights=need_weights)
+        if self.post_norm:
+            a, weights = self.attn(x, rope, **attn_args)
+            x = self.attn_norm(x + self.dropout(a))
+            x = self.mlp_norm(x + self.dropout(self.mlp(x)))
+        else:
+            a, weights = self.attn(self.attn_norm(x), rope, **attn_args)
+            x = x + self.dropout(a)
+            x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+        return x, weights
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab_size). See the module docstring for the keys.
+
+    attn_impl: "sdpa" (torch's fused scaled_dot_product_attention, default) or "eager" (the
+    explicit reference path); a plain attribute, settable at any time.
+    validate_inputs: when True (default) forward checks that ids and positions are in range,
+    which reads two numbers back from the device; a decode loop that already knows its ids are
+    valid may set it False to keep the step free of host syncs. Shape and length checks always run.
+    """
+
+    def __init__(self, config: ModelConfig, attn_impl: str = "sdpa"):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"Transformer needs a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        self.attn_impl = attn_impl
+        self.validate_inputs = True
+        V, D = config.padded_vocab_size, config.d_model
+        self.tok_emb = nn.Embedding(V, D)
+        self.pos_emb = nn.Embedding(config.context_length, D) if config.positions == "learned" else None
+        self.rope = (RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
+                                     config.rope_scaling) if config.positions == "rope" else None)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = make_norm(config.norm, D, config.norm_eps)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        if config.tie_embeddings:
+            self.tie_weights()
+        self.init_weights()
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    @property
+    def attn_impl(self) -> str:
+        return self._attn_impl
+
+    @attn_impl.setter
+    def attn_impl(self, value: str) -> None:
+        if value not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {value!r}")
+        self._attn_impl = value
+
+    def tie_weights(self) -> None:
+        """Make the LM head the embedding table itself (one Parameter), when tie_embeddings."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def rebuild_buffers(self) -> None:
+        """Recompute the non-persistent buffers (RoPE cos/sin, float32) on the parameters' device,
+        e.g. after `with torch.device("meta"): Transformer(cfg)` + load_state_dict(assign=True)."""
+        if self.rope is not None:
+            self.rope.rebuild(self.tok_emb.weight.device)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's initialisation (Radford et al. 2019), in one place:
+
+        - every Linear weight and both embedding tables ~ Normal(0, init_std);
+        - the residual output projections (attn.o_proj, mlp.down_proj) ~ Normal(0, init_std /
+          sqrt(2L)), so the residual stream's variance does not grow with depth (2 adds per block);
+        - every bias zeros; every norm weight ones (LayerNorm bias zeros).
+        A tied LM head is the embedding table and is initialised once, as the embedding."""
+        std, L = self.config.init_std, self.config.n_layers
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scaled = name.endswith("o_proj") or name.endswith("down_proj")
+                if not (module is self.lm_head and self.config.tie_embeddings):
+                    nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * L) if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, (RMSNorm, LayerNorm)):
+                module.reset_parameters()
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, *, cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (B, T) -> logits (B, T, vocab_size).
+
+        cache: a KVCache; new keys/values go to slots [cache.length, cache.length + T), attention
+        reads slots [0, cache.length + T), and the cache advances by T at the end of this call.
+        positions (B, T) (or (T,)) int: position of each token, default cache.length + arange(T)
+        (per-row positions let left-padded rows start at 0). attn_mask (B, S') bool with S' >=
+        S = cache.length + T (T without a cache): False marks key slot s of row b as padding.
+        Logits come in the model's compute dtype (bf16 under bf16 weights or autocast); loss and
+        sampling code upcast to float32. With vocabulary padding they are a view that drops the
+        padded columns (non-contiguous: use .reshape, not .view)."""
+        return self.unembed(self._run(ids, cache, positions, attn_mask)[0])
+
+    def forward_with_hidden(self, ids, *, cache=None, positions=None, attn_mask=None):
+        """-> (logits (B, T, V), hidden: list of L+1 tensors (B, T, D)).
+
+        As transformers' output_hidden_states: hidden[0] is the embedding output (token plus
+        learned position embedding), hidden[i] the output of block i (1 <= i < L), and hidden[L]
+        the last block's output AFTER the final norm."""
+        h, hidden, _ = self._run(ids, cache, positions, attn_mask, want_hidden=True)
+        hidden.append(self.final_norm(h))
+        return self._head(hidden[-1]), hidden
+
+    def forward_with_attention(self, ids, *, cache=None, positions=None, attn_mask=None):
+        """-> (logits (B, T, V), weights: list of L tensors (B, H, T, S)) through the eager path,
+        whatever attn_impl is. Masked slots have weight 0; each row sums to 1."""
+        h, _, weights = self._run(ids, cache, positions, attn_mask, want_weights=True)
+        return self.unembed(h), weights
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T, D), a residual-stream state before the final norm -> logits (B, T, V):
+        final norm, LM head, padded columns dropped (the logit lens reads any block this way)."""
+        return self._head(self.final_norm(h))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)                                   # (B, T, V_padded)
+        V = self.config.vocab_size
+        return logits if logits.shape[-1] == V else logits[..., :V]   # (B, T, V)
+
+    def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False):
+        """Embeddings and blocks: -> (h (B, T, D) before the final norm, hidden list, weights list)."""
+        cfg = self.config
+        self._check_ids(ids)
+        B, T = ids.shape
+        past = cache.length if cache is not None else 0
+        S = past + T
+        if S > cfg.context_length:
+            raise ValueError(f"sequence too long: {past} cached + {T} new = {S} positions exceed "
+                             f"context_length ({cfg.context_length})")
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"ids have batch size {B} but the KV cache was built for {cache.batch_size}")
+        if positions is None:
+            positions = torch.arange(past, S, device=ids.device).unsqueeze(0)          # (1, T)
+        else:
+            positions = self._check_positions(positions, B, T)
+        mask, is_causal = self._mask(attn_mask, B, T, past, ids.device)
+
+        x = self.tok_emb(ids)                                      # (B, T, D)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
+        rope = self.rope(positions) if self.rope is not None else None   # (B|1, 1, T, Dh/2) x 2
+        hidden, weights = ([x] if want_hidden else []), []
+        for i, block in enumerate(self.blocks):
+            x, w = block(x, rope, cache=cache, layer=i, mask=mask, is_causal=is_causal,
+                         impl=self.attn_impl, need_weights=want_weights)
+            if want_weights:
+                weights.append(w)
+            if want_hidden and i < len(self.blocks) - 1:
+                hidden.append(x)
+        if cache is not None:
+            cache.advance(T)  # the one place the cache moves
+        return x, hidden, weights
+
+    @staticmethod
+    def _mask(attn_mask, B, T, past, device):
+        """-> (mask (B|1, 1, T, S) bool or None, is_causal) for keys at slots [0, S), S = past + T.
+
+        The query at slot past+t may read key slot s when s <= past+t and attn_mask[b, s]. Every
+        query may always read its own slot, so a padding row never has all keys masked (which
+        would make softmax NaN); padding rows' outputs are meaningless and ignored."""
+        S = past + T
+        if attn_mask is None:
+            if past == 0:
+                return None, True                                  # plain causal, SDPA's fast path
+            if T == 1:
+                return None, False                                 # one new query sees every slot
+        q_slot = torch.arange(past, S, device=device)              # (T,)
+        k_slot = torch.arange(S, device=device)                    # (S,)
+        causal = k_slot[None, :] <= q_slot[:, None]                # (T, S)
+        if attn_mask is None:
+            return causal[None, None], False                       # (1, 1, T, S)
+        if attn_mask.dtype != torch.bool or attn_mask.ndim != 2 or attn_mask.shape[0] != B \
+                or attn_mask.shape[1] < S:
+            raise ValueError(f"attn_mask must be bool of shape (B={B}, S>={S}), got "
+                             f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
+        own = k_slot[None, :] == q_slot[:, None]                   # (T, S)
+        mask = (causal[None] & attn_mask[:, None, :S]) | own[None]   # (B, T, S)
+        return mask[:, None], False                                # (B, 1, T, S)
+
+    def _check_ids(self, ids) -> None:
+        if not isinstance(ids, torch.Tensor):
+            raise ValueError(f"ids must be a torch.Tensor of shape (B, T), got {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be int64 (or int32), got {ids.dtype}")
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"ids must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
+        if self.validate_inputs and ids.device.type != "meta":
+            lo, hi = torch.aminmax(ids)
+            lo, hi = int(lo), int(hi)                              # one host sync
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is out of range for vocab_size "
+                                 f"{self.config.vocab_size} (valid ids: 0..{self.config.vocab_size - 1})")
+
+    def _check_positions(self, positions, B, T):
+        if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
+            raise ValueError("positions must be an int64 tensor of shape (B, T)")
+        if positions.ndim == 1:
+            positions = positions.unsqueeze(0)                     # (T,) -> (1, T)
+        if positions.ndim != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
+            raise ValueError(f"positions must have shape (B={B}, T={T}) or (T,), got {tuple(positions.shape)}")
+        if self.validate_inputs and positions.device.type != "meta":
+            lo, hi = (int(v) for v in torch.aminmax(positions))
+            if lo < 0 or hi >= self.config.context_length:
+                raise ValueError(f"position {lo if lo < 0 else hi} is out of range for context_length "
+                                 f"{self.config.context_length}")
+        return positions
+
+    # --- Hugging Face entry points ----------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, directory, **kwargs) -> "Transformer":
+        """Load a Hugging Face or logitlab model directory (see logitlab.hf.load_pretrained)."""
+        from logitlab.hf import load_pretrained
+
+        return load_pretrained(directory, **kwargs)
+
+    def save_pretrained(self, directory, **kwargs):
+        """Write a Hugging Face directory that transformers loads (see logitlab.hf.save_pretrained)."""
+        from logitlab.hf import save_pretrained
+
+        return save_pretrained(self, directory, **kwargs)

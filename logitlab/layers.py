@@ -1,0 +1,265 @@
+"""The building blocks of a Transformer block: norms, rotary positions, attention, MLPs.
+
+layers.py owns the per-token and per-head arithmetic: RMSNorm, LayerNorm, rotary position
+embeddings (RoPE, rotate-half convention as Hugging Face, with Llama-3.1 frequency scaling),
+causal self-attention (MHA / GQA, optional per-head QK-norm, a fused SDPA path and an eager
+reference path that can return the attention weights) and the two MLP kinds (GELU, SwiGLU).
+How blocks are stacked, masks built and the KV cache advanced is model.py's business; this
+module imports nothing of logitlab (the cache is duck-typed: `update(layer, k, v)`).
+
+Shapes: B batch, T positions in this call, S key/value length (cached + new), D d_model,
+H query heads, Hkv key/value heads, G = H // Hkv, Dh head_dim, F d_ff.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTN_IMPLS = ("sdpa", "eager")
+
+
+# ------------------------------------------------------------------------------------------
+# Norms
+# ------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension (Zhang & Sennrich 2019).
+
+    The statistics are computed in float32 and the normalised value is cast back to the input
+    dtype before the weight multiplies it, exactly as Llama / Hugging Face do, so bf16 runs
+    match theirs bit for bit."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class LayerNorm(nn.Module):
+    """y = weight * (x - mean) / sqrt(var + eps) + bias over the last dimension (Ba et al. 2016).
+
+    Always with a bias, as GPT-2 has; the state-dict keys are `weight` and `bias`."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """`kind` is ModelConfig.norm: "rmsnorm" or "layernorm"."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps)
+    if kind == "layernorm":
+        return LayerNorm(dim, eps)
+    raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")
+
+
+# ------------------------------------------------------------------------------------------
+# Rotary position embeddings (Su et al. 2021, "RoFormer")
+# ------------------------------------------------------------------------------------------
+
+def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
+    """Inverse frequencies (Dh/2,) float32: theta^(-2i/Dh) for i = 0 .. Dh/2 - 1.
+
+    `scaling` (a RopeScaling or None) applies Llama-3.1's rule: with wavelength w = 2*pi/f and
+    the original context C, frequencies with w < C/high_freq_factor are kept, those with
+    w > C/low_freq_factor are divided by `factor`, and in between the two are blended with
+    s = (C/w - low_freq_factor) / (high_freq_factor - low_freq_factor): f' = (1-s)*f/factor + s*f."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    C = scaling.original_context_length
+    lo, hi, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (C / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > C / lo, inv_freq / factor, blended)
+    return torch.where(wavelen < C / hi, inv_freq, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for positions 0 .. context_length-1.
+
+    `cos`, `sin` are non-persistent float32 buffers of shape (context_length, Dh/2) (the
+    rotate-half convention repeats each frequency over both halves, so half the table is
+    enough). They are not in the state dict; after building on the meta device, call
+    `rebuild(device)`."""
+
+    def __init__(self, head_dim: int, context_length: int, theta: float, scaling=None):
+        super().__init__()
+        self.head_dim, self.context_length, self.theta, self.scaling = head_dim, context_length, theta, scaling
+        cos, sin = self._tables(None)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device=device)      # (Dh/2,)
+        pos = torch.arange(self.context_length, dtype=torch.int64, device=device).float()    # (ctx,)
+        angles = torch.outer(pos, inv_freq)                                                   # (ctx, Dh/2)
+        return angles.cos(), angles.sin()
+
+    def rebuild(self, device=None) -> None:
+        """Recompute the tables in float32 on `device` (default: where they are now)."""
+        cos, sin = self._tables(device if device is not None else self.cos.device)
+        self.cos, self.sin = cos, sin
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) int -> cos, sin (B, 1, T, Dh/2), broadcasting over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, Dh) by cos/sin (B, 1, T, Dh/2), rotate-half convention.
+
+    With x = [x1, x2] split into halves, the result is [x1*c - x2*s, x2*c + x1*s], the same
+    floating-point operations as Hugging Face's `x*cos + rotate_half(x)*sin`. cos/sin are cast
+    to x's dtype first (as Hugging Face does), so bf16 activations stay bf16."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)                                   # (B, H, T, Dh/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------
+
+def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """(B, Hkv, S, Dh) -> (B, Hkv*G, S, Dh): each key/value head serves G consecutive query
+    heads (query head h reads kv head h // G), as Hugging Face's repeat_kv."""
+    if n_groups == 1:
+        return x
+    B, Hkv, S, Dh = x.shape
+    return x[:, :, None].expand(B, Hkv, n_groups, S, Dh).reshape(B, Hkv * n_groups, S, Dh)
+
+
+def eager_attention(q, k, v, mask=None, is_causal=False):
+    """The reference path: softmax(q k^T / sqrt(Dh) + mask) v, softmax in float32.
+
+    q (B, H, T, Dh); k, v (B, H, S, Dh); mask None or bool broadcastable to (B, H, T, S) with
+    True = may attend; is_causal masks key s > query t (only valid when T == S).
+    Returns (out (B, H, T, Dh), weights (B, H, T, S) in q's dtype)."""
+    T, S, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(Dh)      # (B, H, T, S)
+    if is_causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v), weights
+
+
+class Attention(nn.Module):
+    """Causal self-attention: q/k/v projections, optional QK-norm, RoPE, SDPA or eager, o_proj.
+
+    q_proj: D -> H*Dh, k_proj / v_proj: D -> Hkv*Dh (GQA when Hkv < H), o_proj: H*Dh -> D.
+    QK-norm (Qwen3) is an RMSNorm over Dh applied to each head of q and k before RoPE."""
+
+    def __init__(self, config):
+        super().__init__()
+        D, H, Hkv, Dh = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim, self.n_groups = H, Hkv, Dh, H // Hkv
+        self.q_proj = nn.Linear(D, H * Dh, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(D, Hkv * Dh, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(D, Hkv * Dh, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * Dh, D, bias=config.bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(Dh, config.norm_eps)
+            self.k_norm = RMSNorm(Dh, config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
+                impl: str = "sdpa", need_weights: bool = False):
+        """x (B, T, D) -> (out (B, T, D), weights (B, H, T, S) or None).
+
+        rope: (cos, sin) each (B, 1, T, Dh/2) or None (no rotary positions). cache: anything with
+        `update(layer, k_new, v_new) -> (k_all, v_all)` of shape (B, Hkv, S, Dh), or None
+        (then S = T). mask: bool (B or 1, 1, T, S), True = may attend, or None; is_causal: use
+        the plain lower-triangular mask (only when T == S and mask is None).
+        need_weights forces the eager path and returns the attention weights."""
+        B, T, D = x.shape
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, Dh)                       # (B, T, H*Dh) -> (B, T, H, Dh)
+        k = self.k_proj(x).view(B, T, Hkv, Dh)                     # (B, T, Hkv, Dh)
+        v = self.v_proj(x).view(B, T, Hkv, Dh)                     # (B, T, Hkv, Dh)
+        dtype = v.dtype  # projection output dtype (bf16 under autocast); q, k are kept in it
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, H|Hkv, T, Dh)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = q.to(dtype), k.to(dtype)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)                       # (B, Hkv, S, Dh) views
+            k, v = k.to(dtype), v.to(dtype)
+        weights = None
+        if need_weights or impl == "eager":
+            out, weights = eager_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
+                                           mask, is_causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                 enable_gqa=self.n_groups > 1)      # (B, H, T, Dh)
+        out = out.transpose(1, 2).reshape(B, T, H * Dh)            # (B, H, T, Dh) -> (B, T, H*Dh)
+        return self.o_proj(out), (weights if need_weights else None)
+
+
+# ------------------------------------------------------------------------------------------
+# MLPs
+# ------------------------------------------------------------------------------------------
+
+class GeluMLP(nn.Module):
+    """down_proj(gelu(up_proj(x))): D -> F -> D (GPT-2; approximate="tanh" is GPT-2's gelu_new)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.approximate = config.gelu_approximate
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))
+
+
+class SwiGLU(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)): D -> F -> D (Shazeer 2020; Llama, Qwen)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def make_mlp(config) -> nn.Module:
+    """`config.mlp` is "gelu" or "swiglu"."""
+    if config.mlp == "swiglu":
+        return SwiGLU(config)
+    if config.mlp == "gelu":
+        return GeluMLP(config)
+    raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {config.mlp!r}")
