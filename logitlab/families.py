@@ -1,0 +1,362 @@
+"""Model families: named presets, Hugging Face config.json <-> ModelConfig, and state-dict key maps.
+
+families.py is the only module that knows family names (GPT-2, Llama, Mistral, Qwen). Everything
+else branches on the typed features of ModelConfig. It owns:
+
+- PRESETS / get_preset(name): the published shapes of GPT-2, Llama 3 and Qwen3 checkpoints, plus
+  small shapes meant for CPU training;
+- config_from_hf(dict) / config_to_hf(ModelConfig): Hugging Face config.json <-> ModelConfig;
+  the Hugging Face architecture is chosen from typed features (see `hf_architecture`);
+- state_dict_from_hf / state_dict_to_hf: pure functions between Hugging Face tensor names and
+  logitlab's (model.py documents ours). Two layouts exist: "gpt2" (Conv1D weights stored (in, out),
+  q, k, v fused in one c_attn) and "llama" (nn.Linear weights, shared by Llama, Mistral, Qwen2, Qwen3).
+
+File reading/writing lives in hf.py; this module never touches the disk.
+"""
+
+from __future__ import annotations
+
+import re
+
+from logitlab.model import ModelConfig, RopeScaling
+
+# --------------------------------------------------------------------------------------------
+# Presets (published hyper-parameters; vocabulary never padded so shapes match the checkpoints)
+# --------------------------------------------------------------------------------------------
+
+
+def _gpt2(d_model: int, n_layers: int, n_heads: int, **kw) -> ModelConfig:
+    base = dict(vocab_size=50257, context_length=1024, d_model=d_model, n_layers=n_layers,
+                n_heads=n_heads, norm="layernorm", norm_eps=1e-5, mlp="gelu", gelu_approximate="tanh",
+                positions="learned", bias=True, tie_embeddings=True)
+    return ModelConfig(**{**base, **kw})
+
+
+def _llama(**kw) -> ModelConfig:
+    base = dict(norm="rmsnorm", mlp="swiglu", positions="rope", bias=False, qkv_bias=False,
+                tie_embeddings=False)
+    return ModelConfig(**{**base, **kw})
+
+
+_LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0)
+_QWEN3 = dict(vocab_size=151936, context_length=40960, head_dim=128, norm_eps=1e-6,
+              rope_theta=1000000.0, qk_norm=True)
+
+PRESETS: dict[str, ModelConfig] = {
+    # GPT-2 (Radford et al. 2019), Hugging Face "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"
+    "gpt2": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    # Meta-Llama-3-8B / 70B (8K context, no RoPE scaling; Llama 3.1 adds it)
+    "llama3-8b": _llama(**_LLAMA3, context_length=8192, d_model=4096, n_layers=32, n_heads=32,
+                        n_kv_heads=8, d_ff=14336),
+    "llama3-70b": _llama(**_LLAMA3, context_length=8192, d_model=8192, n_layers=80, n_heads=64,
+                         n_kv_heads=8, d_ff=28672),
+    # Llama-3.2-1B: tied head, Llama-3.1 RoPE scaling to 128K context
+    "llama3.2-1b": _llama(**_LLAMA3, context_length=131072, d_model=2048, n_layers=16, n_heads=32,
+                          n_kv_heads=8, d_ff=8192, tie_embeddings=True,
+                          rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0,
+                                                   high_freq_factor=4.0, original_context_length=8192)),
+    # Qwen3: head_dim 128 decoupled from D / H, per-head RMSNorm on q and k
+    "qwen3-0.6b": _llama(**_QWEN3, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, d_ff=3072,
+                         tie_embeddings=True),
+    "qwen3-8b": _llama(**_QWEN3, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, d_ff=12288),
+    # Small shapes for CPU training (vocabulary padded to 64 for speed)
+    "gpt2-tiny": _gpt2(128, 4, 4, context_length=256, vocab_pad_multiple=64),
+    "tiny": _llama(vocab_size=8192, context_length=256, d_model=128, n_layers=4, n_heads=4,
+                   n_kv_heads=2, d_ff=384, tie_embeddings=True, vocab_pad_multiple=64),
+    "small": _llama(vocab_size=8192, context_length=512, d_model=384, n_layers=6, n_heads=6,
+                    n_kv_heads=2, d_ff=1024, tie_embeddings=True, vocab_pad_multiple=64),
+}
+PRESETS["llama-tiny"] = PRESETS["tiny"]
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The ModelConfig of a named preset; an unknown name lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face config.json <-> ModelConfig
+# --------------------------------------------------------------------------------------------
+
+_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+_LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = ("GPT2LMHeadModel", *_LLAMA_LIKE)
+
+
+def _architecture(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    if not archs:
+        by_type = {"gpt2": "GPT2LMHeadModel", **{v: k for k, v in _LLAMA_LIKE.items()}}
+        if hf.get("model_type") in by_type:
+            return by_type[hf["model_type"]]
+        raise ValueError(f"config.json names no architecture (architectures={archs!r}, "
+                         f"model_type={hf.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _need(hf: dict, key: str):
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"config.json lacks required field {key!r}")
+    return hf[key]
+
+
+def _refuse(arch: str, feature: str, value) -> None:
+    raise ValueError(f"{arch}: unsupported feature {feature}={value!r} (logitlab implements full "
+                     "causal attention only)")
+
+
+def _rope_from_hf(arch: str, hf: dict) -> tuple[float, RopeScaling | None]:
+    """rope_theta and Llama-3.1 scaling from either the classic keys (rope_theta, rope_scaling)
+    or the newer nested `rope_parameters`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or params
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        _refuse(arch, "rope_scaling.rope_type", kind)
+    return theta, RopeScaling(factor=float(scaling["factor"]),
+                              low_freq_factor=float(scaling["low_freq_factor"]),
+                              high_freq_factor=float(scaling["high_freq_factor"]),
+                              original_context_length=int(scaling["original_max_position_embeddings"]))
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dict (GPT2LMHeadModel, LlamaForCausalLM,
+    MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM). Features logitlab cannot run
+    exactly (sliding windows, other RoPE scalings, other activations) are refused by name."""
+    arch = _architecture(hf)
+    if arch == "GPT2LMHeadModel":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in _GELU:
+            _refuse(arch, "activation_function", act)
+        for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+            if hf.get(key, ok) != ok:
+                _refuse(arch, key, hf[key])
+        return ModelConfig(
+            vocab_size=_need(hf, "vocab_size"), context_length=_need(hf, "n_positions"),
+            d_model=_need(hf, "n_embd"), n_layers=_need(hf, "n_layer"), n_heads=_need(hf, "n_head"),
+            d_ff=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm",
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), mlp="gelu", gelu_approximate=_GELU[act],
+            positions="learned", bias=True, qkv_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(arch, "hidden_act", hf["hidden_act"])
+    context = _need(hf, "max_position_embeddings")
+    window = hf.get("sliding_window")
+    if window is not None and (hf.get("use_sliding_window", arch == "MistralForCausalLM")) and window < context:
+        _refuse(arch, "sliding_window", window)
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"} and hf.get("use_sliding_window", False):
+        _refuse(arch, "layer_types", sorted(layer_types))
+    family = _LLAMA_LIKE[arch]
+    attention_bias = bool(hf.get("attention_bias", False))
+    mlp_bias = bool(hf.get("mlp_bias", False))
+    if family == "qwen2":  # q, k, v always carry biases; o and the MLP never do
+        bias, qkv_bias = False, True
+    elif family == "llama" and attention_bias == mlp_bias:  # attention_bias covers q, k, v and o
+        bias = qkv_bias = attention_bias
+    elif attention_bias or mlp_bias:  # an o_proj bias without MLP biases has no logitlab switch
+        _refuse(arch, "attention_bias/mlp_bias", (attention_bias, mlp_bias))
+    else:
+        bias = qkv_bias = False
+    theta, scaling = _rope_from_hf(arch, hf)
+    d_model, n_heads = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
+    return ModelConfig(
+        vocab_size=_need(hf, "vocab_size"), context_length=context, d_model=d_model,
+        n_layers=_need(hf, "num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or d_model // n_heads, d_ff=_need(hf, "intermediate_size"),
+        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu", positions="rope",
+        rope_theta=theta, rope_scaling=scaling, qk_norm=family == "qwen3", bias=bias, qkv_bias=qkv_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def hf_architecture(config: ModelConfig) -> str:
+    """The Hugging Face class that runs `config` exactly, chosen from typed features:
+    learned positions + LayerNorm + GELU -> GPT2LMHeadModel; QK-norm -> Qwen3ForCausalLM; biases on
+    q/k/v only -> Qwen2ForCausalLM; otherwise LlamaForCausalLM. A config no class can run exactly
+    raises ValueError naming the field."""
+    c = config
+
+    def bad(field: str, value, arch: str) -> None:
+        raise ValueError(f"{field}={value!r} cannot be expressed as a Hugging Face {arch} checkpoint")
+
+    if c.norm_placement != "pre":
+        bad("norm_placement", c.norm_placement, "model")
+    if c.positions == "learned" and c.norm == "layernorm" and c.mlp == "gelu":
+        arch = "GPT2LMHeadModel"
+        if not (c.bias and c.qkv_bias):
+            bad("bias", (c.bias, c.qkv_bias), arch)
+        if c.qk_norm or c.n_kv_heads != c.n_heads or c.head_dim * c.n_heads != c.d_model:
+            bad("qk_norm/n_kv_heads/head_dim", (c.qk_norm, c.n_kv_heads, c.head_dim), arch)
+        return arch
+    if c.positions != "rope" or c.norm != "rmsnorm" or c.mlp != "swiglu":
+        bad("positions/norm/mlp", (c.positions, c.norm, c.mlp), "GPT-2 or Llama-style")
+    if c.qk_norm:
+        if c.bias or c.qkv_bias:
+            bad("bias/qkv_bias", (c.bias, c.qkv_bias), "Qwen3ForCausalLM")
+        return "Qwen3ForCausalLM"
+    if c.qkv_bias and not c.bias:
+        return "Qwen2ForCausalLM"
+    if c.bias != c.qkv_bias:
+        bad("bias/qkv_bias", (c.bias, c.qkv_bias), "LlamaForCausalLM")
+    return "LlamaForCausalLM"
+
+
+def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict:
+    """A Hugging Face config.json dict for `config` (classic rope_theta / rope_scaling keys, which
+    both old and new transformers read). The vocabulary is written unpadded (vocab_size rows)."""
+    c = config
+    arch = hf_architecture(c)
+    if arch == "GPT2LMHeadModel":
+        act = "gelu_new" if c.gelu_approximate == "tanh" else "gelu"
+        return dict(architectures=[arch], model_type="gpt2", vocab_size=c.vocab_size,
+                    n_positions=c.context_length, n_ctx=c.context_length, n_embd=c.d_model,
+                    n_layer=c.n_layers, n_head=c.n_heads, n_inner=c.d_ff, activation_function=act,
+                    layer_norm_epsilon=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=c.init_std,
+                    torch_dtype=dtype)
+    model_type = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2"}.get(arch, "llama")
+    out = dict(architectures=[arch], model_type=model_type, vocab_size=c.vocab_size,
+               max_position_embeddings=c.context_length, hidden_size=c.d_model,
+               num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+               num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.d_ff,
+               hidden_act="silu", rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+               rope_scaling=None, tie_word_embeddings=c.tie_embeddings, attention_dropout=0.0,
+               initializer_range=c.init_std, torch_dtype=dtype)
+    if c.rope_scaling is not None:
+        r = c.rope_scaling
+        out["rope_scaling"] = dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
+                                   high_freq_factor=r.high_freq_factor,
+                                   original_max_position_embeddings=r.original_context_length)
+    if arch == "LlamaForCausalLM":
+        out.update(attention_bias=c.bias, mlp_bias=c.bias)
+    elif arch == "Qwen3ForCausalLM":
+        out.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# State-dict key maps (pure functions over {name: tensor})
+# --------------------------------------------------------------------------------------------
+
+# Keys of buffers that old checkpoints carry and that hold no learned state.
+_IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+_LLAMA_BLOCK = {  # Hugging Face suffix under model.layers.{i}. -> logitlab suffix under blocks.{i}.
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+    **{f"self_attn.{p}": f"attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
+    **{f"mlp.{p}": f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
+}
+_LLAMA_TOP = {"model.embed_tokens": "tok_emb", "model.norm": "final_norm", "lm_head": "lm_head"}
+_GPT2_TOP = {"transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "final_norm",
+             "lm_head": "lm_head"}
+_GPT2_BLOCK = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_proj": "attn.o_proj",
+               "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}  # Conv1D: (in, out)
+
+
+def key_layout(config: ModelConfig) -> str:
+    """"gpt2" or "llama": which Hugging Face naming scheme `config` uses."""
+    return "gpt2" if hf_architecture(config) == "GPT2LMHeadModel" else "llama"
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    module, _, leaf = key.rpartition(".")
+    return module, leaf
+
+
+def hf_key_to_logitlab(key: str, layout: str) -> str | None:
+    """Name of one Hugging Face tensor in logitlab (None for GPT-2's fused c_attn, handled by
+    state_dict_from_hf). Unknown names raise ValueError naming the key."""
+    module, leaf = _split_key(key)
+    top, block_prefix, block = ((_GPT2_TOP, "transformer.h.", _GPT2_BLOCK) if layout == "gpt2"
+                                else (_LLAMA_TOP, "model.layers.", _LLAMA_BLOCK))
+    if module in top:
+        return f"{top[module]}.{leaf}"
+    m = re.fullmatch(re.escape(block_prefix) + r"(\d+)\.(.+)", module)
+    if m and m.group(2) in block:
+        return f"blocks.{m.group(1)}.{block[m.group(2)]}.{leaf}"
+    if m and layout == "gpt2" and m.group(2) == "attn.c_attn":
+        return None
+    raise ValueError(f"unexpected tensor {key!r} in a {layout}-layout checkpoint")
+
+
+def _normalise_prefix(state: dict, layout: str) -> dict:
+    """Base-model checkpoints (GPT2Model, LlamaModel) omit the "transformer." / "model." prefix."""
+    prefix = "transformer." if layout == "gpt2" else "model."
+    if any(k.startswith(prefix) for k in state):
+        return state
+    return {(k if k.startswith("lm_head.") else prefix + k): v for k, v in state.items()}
+
+
+def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
+    """Hugging Face tensors -> logitlab state dict (GPT-2 Conv1D weights transposed, c_attn split
+    into q, k, v). Buffers with no learned state are dropped; a tied lm_head is dropped."""
+    layout = key_layout(config)
+    state = _normalise_prefix({k: v for k, v in hf_state.items() if not _IGNORED.search(k)}, layout)
+    out = {}
+    for key, tensor in state.items():
+        if config.tie_embeddings and key == "lm_head.weight":
+            continue
+        name = hf_key_to_logitlab(key, layout)
+        module, leaf = _split_key(key)
+        if name is None:  # GPT-2 c_attn: weight (D, 3·H·Dh), bias (3·H·Dh), q | k | v along the last dim
+            i = module.split(".")[2]
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=-1)):
+                out[f"blocks.{i}.attn.{proj}.{leaf}"] = part.t().contiguous() if leaf == "weight" else part
+            continue
+        conv1d = layout == "gpt2" and leaf == "weight" and module.rsplit(".", 1)[-1] in ("c_proj", "c_fc")
+        out[name] = tensor.t().contiguous() if conv1d else tensor
+    return out
+
+
+def state_dict_to_hf(state: dict, config: ModelConfig) -> dict:
+    """logitlab state dict -> Hugging Face tensors; inverse of state_dict_from_hf. The vocabulary
+    padding rows are cut off; a tied head is written once, as the embedding (lm_head omitted)."""
+    import torch
+
+    layout = key_layout(config)
+    V = config.vocab_size
+    inverse_top = {v: k for k, v in (_GPT2_TOP if layout == "gpt2" else _LLAMA_TOP).items()}
+    inverse_block = {v: k for k, v in (_GPT2_BLOCK if layout == "gpt2" else _LLAMA_BLOCK).items()}
+    block_prefix = "transformer.h." if layout == "gpt2" else "model.layers."
+    out = {}
+    for key, tensor in state.items():
+        if key == "lm_head.weight" and config.tie_embeddings:
+            continue
+        module, leaf = _split_key(key)
+        if module in ("tok_emb", "lm_head"):
+            tensor = tensor[:V]
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
+        if m is None:
+            out[f"{inverse_top[module]}.{leaf}"] = tensor.contiguous()
+            continue
+        i, sub = m.groups()
+        if layout == "gpt2" and sub in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
+            if sub != "attn.q_proj":
+                continue  # fused below with q
+            parts = [state[f"blocks.{i}.attn.{p}.{leaf}"] for p in ("q_proj", "k_proj", "v_proj")]
+            fused = [p.t() for p in parts] if leaf == "weight" else parts
+            out[f"{block_prefix}{i}.attn.c_attn.{leaf}"] = torch.cat(fused, dim=-1).contiguous()
+            continue
+        if sub not in inverse_block:
+            raise ValueError(f"logitlab tensor {key!r} has no Hugging Face {layout}-layout name")
+        hf_module = inverse_block[sub]
+        if layout == "gpt2" and leaf == "weight" and hf_module.rsplit(".", 1)[-1] in ("c_proj", "c_fc"):
+            tensor = tensor.t()
+        out[f"{block_prefix}{i}.{hf_module}.{leaf}"] = tensor.contiguous()
+    return out
