@@ -302,8 +302,14 @@ def prefill(model, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | 
 
 def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One new token per row (B, 1) through the cached model -> logits (B, V) fp32."""
-    return model(token, cache=cache, positions=positions, attn_mask=attn_mask)[:, -1].float()
+    """One new token per row (B, 1) through the cached model -> logits (B, V) fp32.
+
+    The caller checked the ids, so the model's own range check (a host sync) is switched off."""
+    checking, model.validate_inputs = model.validate_inputs, False
+    try:
+        return model(token, cache=cache, positions=positions, attn_mask=attn_mask)[:, -1].float()
+    finally:
+        model.validate_inputs = checking
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], model_config, max_new_tokens: int) -> int:
@@ -376,9 +382,7 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
                     seen.scatter_(1, token[:, None], True)
                 if counts is not None:
                     counts.scatter_add_(1, token[:, None], torch.ones_like(counts[:, :1]))
-                S = cache.length + 1
-                logits = decode_fn(model, token[:, None], cache, position,
-                                   None if mask is None else mask[:, :S])
+                logits = decode_fn(model, token[:, None], cache, position, mask)
                 token = next_token(logits, config, generator, **state)
                 position += 1
             new = token.tolist()

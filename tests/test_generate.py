@@ -136,3 +136,121 @@ def test_sampling_is_reproducible_with_a_seed():
     b = sample(probs, make_generator(7))
     c = sample(probs, make_generator(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ---------------------------------------------------------------------------------- the loop
+
+from logitlab.generate import GenerationResult, generate, generate_reference, stream  # noqa: E402
+from logitlab.model import ModelConfig, Transformer  # noqa: E402
+
+# init_std 0.3 makes the random models' next-token distributions peaked, so greedy choices are
+# not decided by float rounding between code paths.
+FAMILIES = {
+    "gpt2-like": dict(),
+    "llama-like": dict(n_kv_heads=2, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False,
+                       tie_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, context_length=48, d_model=32, n_layers=2, n_heads=4,
+                      init_std=0.3, **FAMILIES[request.param])
+    return Transformer(cfg).eval()
+
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42]]
+GREEDY = SampleConfig(temperature=0, max_new_tokens=12)
+
+
+def test_cached_equals_uncached_greedy(model):
+    for p in PROMPTS:
+        cached = generate(model, p, GREEDY)
+        assert cached.tokens == generate_reference(model, p, GREEDY).tokens
+        assert len(cached.tokens[0]) == 12 and cached.stop_reasons == ["max_new_tokens"]
+
+
+def test_cached_equals_uncached_sampling_with_penalties(model):
+    cfg = SampleConfig(temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, repetition_penalty=1.3,
+                       frequency_penalty=0.2, presence_penalty=0.3, seed=11, max_new_tokens=12)
+    assert generate(model, PROMPTS[1], cfg).tokens == generate(model, PROMPTS[1], cfg, use_cache=False).tokens
+
+
+def test_cache_logits_match_full_forward(model):
+    """prefill + decode steps give the same last-position logits as the full forward."""
+    from logitlab.generate import decode_step, prefill
+    from logitlab.kv_cache import KVCache
+
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        cache = KVCache.for_model(model.config, 1, 16)
+        got = [prefill(model, ids[:, :4], cache)]
+        for t in range(4, 8):
+            got.append(decode_step(model, ids[:, t:t + 1], cache))
+        full = model(ids)[0, 3:].float()
+    assert torch.allclose(torch.cat(got), full, atol=1e-5)
+
+
+def test_batch_with_left_padding_equals_each_prompt_alone(model):
+    batch = generate(model, PROMPTS, GREEDY)
+    alone = [generate(model, p, GREEDY).tokens[0] for p in PROMPTS]
+    assert batch.tokens == alone
+    assert batch.decode_tokens == 3 * 11
+
+
+def test_seeded_runs_are_reproducible(model):
+    cfg = SampleConfig(temperature=1.0, seed=5, max_new_tokens=16)
+    a, b = generate(model, PROMPTS[0], cfg), generate(model, PROMPTS[0], cfg)
+    c = generate(model, PROMPTS[0], SampleConfig(temperature=1.0, seed=6, max_new_tokens=16))
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_stream_yields_the_same_ids_and_fills_the_result(model):
+    s = stream(model, PROMPTS[1], GREEDY)
+    ids = list(s)
+    assert ids == generate(model, PROMPTS[1], GREEDY).tokens[0]
+    r = s.result
+    assert isinstance(r, GenerationResult) and r.stop_reasons == ["max_new_tokens"]
+    assert r.prefill_seconds > 0 and r.decode_seconds > 0 and r.decode_tokens == 11
+    assert r.decode_tokens_per_second > 0
+
+
+def test_stop_reasons(model):
+    p = PROMPTS[1]
+    free = generate(model, p, GREEDY).tokens[0]
+    # end-of-text: the 4th greedy token, kept as the last id
+    r = generate(model, p, GREEDY, eot_id=free[3])
+    first = free.index(free[3])
+    assert r.tokens[0] == free[:first + 1] and r.stop_reasons == ["eot"]
+    r = generate(model, p, SampleConfig(temperature=0, max_new_tokens=12, stop_ids=(free[5],)))
+    assert r.stop_reasons == ["stop_id"] and r.tokens[0][-1] == free[5]
+    seq = tuple(free[6:8])
+    r = generate(model, p, SampleConfig(temperature=0, max_new_tokens=12, stop_sequences=(seq,)))
+    assert r.stop_reasons == ["stop_sequence"] and tuple(r.tokens[0][-2:]) == seq
+    # byte strings: each token is two bytes, the stop string straddles tokens 7 and 8
+    table = [bytes([65 + i % 26, 97 + i % 26]) for i in range(97)]
+    stop = table[free[7]][1:] + table[free[8]][:1]
+    r = generate(model, p, SampleConfig(temperature=0, max_new_tokens=12, stop_bytes=(stop,)),
+                 token_bytes=table)
+    generated = b"".join(table[t] for t in r.tokens[0])
+    assert r.stop_reasons == ["stop_sequence"] and stop in generated and stop not in generated[:-2]
+    with pytest.raises(ValueError, match="token_bytes"):
+        generate(model, p, SampleConfig(stop_bytes=(b"x",)))
+    # context: 48 positions, a 40-token prompt leaves room for 8 new tokens
+    r = generate(model, list(range(40)), GREEDY)
+    assert len(r.tokens[0]) == 8 and r.stop_reasons == ["context_length"]
+    with pytest.raises(ValueError, match="no room"):
+        generate(model, list(range(48)), GREEDY)
+    with pytest.raises(ValueError, match="token id 97"):
+        generate(model, [1, 97], GREEDY)
+
+
+def test_batch_rows_stop_independently(model):
+    alone = [generate(model, p, GREEDY).tokens[0] for p in PROMPTS]
+    eot = alone[0][2]
+    r = generate(model, PROMPTS, GREEDY, eot_id=eot)
+    for row, ids in zip(r.tokens, alone):
+        expect = ids[:ids.index(eot) + 1] if eot in ids else ids
+        assert row == expect
+    assert r.stop_reasons[0] == "eot"
