@@ -181,3 +181,173 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
         model.tie_weights()
     model.rebuild_buffers()
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Run checkpoints: RUN/ckpt-000500/ holds everything needed to continue a run exactly:
+#   config.json + model.safetensors   the model (write_model_files: load_model / HF export work)
+#   tokenizer.logitlab.json           the tokenizer, when the run has one
+#   optimizer.pt                      optimizer state_dict (torch.save; loaded weights_only=True)
+#   rng.pt                            every generator's state (runtime.capture_rng_state)
+#   state.json                        step, data sampler position, schedule, configs, val loss
+#   metrics.jsonl                     the run's metrics up to this step
+# Each directory appears atomically; after a save the oldest are pruned, keeping the last K
+# and the best by validation loss.
+# --------------------------------------------------------------------------------------------
+
+CKPT_PREFIX = "ckpt-"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "state.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / f"{CKPT_PREFIX}{step:06d}"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint directories of a run, oldest step first (temporary ones ignored)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for p in run_dir.iterdir():
+        if p.is_dir() and p.name.startswith(CKPT_PREFIX) and (p / STATE_FILE).is_file():
+            try:
+                found.append((int(p.name[len(CKPT_PREFIX):]), p))
+            except ValueError:
+                continue
+    return [p for _step, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint with the highest step, or None when the run has none."""
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def read_state(ckpt: str | os.PathLike) -> dict:
+    import json
+
+    path = Path(ckpt) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {STATE_FILE} in {ckpt}: not a run checkpoint")
+    return json.loads(path.read_text())
+
+
+def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint with the lowest validation loss (ties: the later one), or None."""
+    best, best_loss = None, float("inf")
+    for p in list_checkpoints(run_dir):
+        loss = read_state(p).get("val_loss")
+        if loss is not None and loss <= best_loss:
+            best, best_loss = p, loss
+    return best
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None, *,
+                    state: dict | None = None, rng: dict | None = None, tokenizer=None,
+                    metrics: list[dict] | None = None, keep_last: int | None = 3) -> Path:
+    """Atomically write RUN/ckpt-{step:06d}/ (see the layout above) and prune old checkpoints.
+
+    `model` is the unwrapped module; `state` is JSON-ready (step is added); `rng` comes from
+    runtime.capture_rng_state(); `metrics` is the list of metric records so far."""
+    import json
+
+    import torch
+
+    target = checkpoint_dir(run_dir, step)
+    with atomic_directory(target) as tmp:
+        write_model_files(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_FILE)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if rng is not None:
+            torch.save(rng, tmp / RNG_FILE)
+        payload = dict(state or {}, step=int(step))
+        (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+        if metrics is not None:
+            (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if keep_last is not None:
+        prune_checkpoints(run_dir, keep_last)
+    return target
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints and the best by validation loss;
+    returns the deleted paths."""
+    ckpts = list_checkpoints(run_dir)
+    keep = set(ckpts[-keep_last:]) if keep_last > 0 else set()
+    best = best_checkpoint(run_dir)
+    if best is not None:
+        keep.add(best)
+    removed = [p for p in ckpts if p not in keep]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def load_checkpoint(ckpt: str | os.PathLike, model=None, optimizer=None) -> dict:
+    """Read a run checkpoint. Loads the weights into `model` in place (exact copies) and the
+    optimizer state into `optimizer` when given. Returns {"state", "rng", "metrics", "path"}.
+    Nothing is unpickled: safetensors, JSON and torch.load(weights_only=True)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    if model is not None:
+        weights = load_file(str(ckpt / WEIGHTS_FILE), device="cpu")
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if model.config.tie_embeddings:
+            missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"{ckpt / WEIGHTS_FILE} does not match the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    if optimizer is not None:
+        path = ckpt / OPTIMIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no {OPTIMIZER_FILE} in {ckpt}")
+        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    rng = torch.load(ckpt / RNG_FILE, weights_only=True) if (ckpt / RNG_FILE).is_file() else None
+    metrics = []
+    if (ckpt / METRICS_FILE).is_file():
+        metrics = [json.loads(line) for line in (ckpt / METRICS_FILE).read_text().splitlines() if line]
+    return {"state": state, "rng": rng, "metrics": metrics, "path": ckpt}
+
+
+def resolve_model_dir(path: str | os.PathLike, which: str = "latest") -> Path:
+    """A model directory from a checkpoint dir, a logitlab model dir, or a run dir (its latest
+    or best checkpoint)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such run or checkpoint directory: {path}")
+    if is_logitlab_dir(path):
+        return path
+    if which not in ("latest", "best"):
+        raise ValueError(f"which must be 'latest' or 'best', got {which!r}")
+    ckpt = best_checkpoint(path) if which == "best" else latest_checkpoint(path)
+    if ckpt is None and which == "best":
+        ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path} holds no checkpoint (expected {CONFIG_FILE} or {CKPT_PREFIX}*/)")
+    return ckpt
+
+
+def load_for_inference(path: str | os.PathLike, which: str = "latest", device: str = "cpu"):
+    """(model in eval mode, tokenizer or None) from a run dir, checkpoint dir or model dir."""
+    directory = resolve_model_dir(path, which)
+    model = load_model(directory, device=device).eval()
+    tokenizer = None
+    tok_file = directory / TOKENIZER_FILE
+    if not tok_file.is_file() and (directory.parent / TOKENIZER_FILE).is_file():
+        tok_file = directory.parent / TOKENIZER_FILE
+    if tok_file.is_file():
+        from logitlab.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(tok_file)
+    return model, tokenizer

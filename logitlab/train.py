@@ -1,0 +1,373 @@
+"""The training loop: TrainConfig, teacher-forced cross-entropy, evaluation, metrics, checkpoints.
+
+train.py owns TrainConfig (frozen, validated; field help feeds the CLI flags) and `train()`,
+one loop that: draws batches (data.RandomWindows), runs forward under bf16 autocast where
+runtime chose it, computes cross-entropy on float32 logits, accumulates gradients over
+micro-steps, clips by the global norm, steps AdamW on the warmup+cosine schedule, evaluates on
+the fixed validation pass every `eval_every` steps, appends a metrics record per step to
+RUN/metrics.jsonl (and TensorBoard when installed), and writes atomic run checkpoints
+(checkpoint.save_checkpoint) that resume bit for bit.
+
+Failure handling: a NaN/inf loss raises TrainingDiverged naming the step before the optimizer
+applies it (the last good checkpoint stays); SIGINT/SIGTERM finish the current step, save a
+checkpoint and return. Progress display is the caller's: `callback(event, record)`.
+
+Distributed hooks (used from outside by parallel.py): `rank` / `world_size` select this
+process's slice of each global batch and of the validation windows; only rank 0 writes files;
+`wrap(model)` returns the module to run forward on (DDP/compile), `all_reduce(float) -> float`
+averages a scalar over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+
+from logitlab import checkpoint as ckpt_io
+from logitlab import data as data_io
+from logitlab import runtime
+from logitlab.optim import WarmupCosine, build_adamw, clip_grad_norm
+
+
+def _f(default, help_text: str):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a training run (the model's live in ModelConfig)."""
+
+    data_dir: str | None = _f(None, "prepared token directory (logitlab prepare); default: prepare the stdlib corpus")
+    out_dir: str = _f("runs/run", "run directory: checkpoints, metrics.jsonl, plots")
+    steps: int = _f(1000, "optimizer steps")
+    batch_size: int = _f(16, "sequences per micro-step, summed over all ranks (B)")
+    grad_accum: int = _f(1, "micro-steps accumulated per optimizer step")
+    seq_len: int | None = _f(None, "tokens per sequence T (default: the model's context_length)")
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float | None = _f(None, "learning-rate floor of the cosine decay (default lr / 10)")
+    warmup_steps: int = _f(100, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
+    decay_embeddings: bool = _f(False, "also decay the embedding tables")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
+    eval_every: int = _f(100, "evaluate every N steps (0 = only at the end)")
+    eval_tokens: int = _f(65536, "validation tokens per evaluation (a fixed sequential pass)")
+    save_every: int | None = _f(None, "checkpoint every N steps (default eval_every; 0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints kept besides the best by validation loss")
+    seed: int = _f(1337, "seed of the model init, data order and dropout")
+    device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps")
+    precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto = bf16 autocast on capable GPUs, else fp32")
+    compile: bool = _f(False, "torch.compile the model")
+    log_every: int = _f(1, "metrics record every N steps")
+    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch_size", "grad_accum", "eval_tokens", "keep_last", "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.save_every is not None and self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {self.seq_len}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
+            raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
+                             f">= 0 and eps ({self.eps}) > 0")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig field(s) {unknown}")
+        return cls(**data)
+
+    def schedule(self) -> WarmupCosine:
+        min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
+        return WarmupCosine(self.lr, self.warmup_steps, self.steps, min_lr)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and the last good checkpoint."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int                      # optimizer steps completed
+    last_loss: float | None
+    val_loss: float | None
+    stopped: Literal["done", "signal"]
+    checkpoint: Path | None
+
+
+# --------------------------------------------------------------------------------------------
+# Loss and evaluation
+# --------------------------------------------------------------------------------------------
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats: logits (B, T, V) upcast to float32, targets (B, T)."""
+    B, T, V = logits.shape
+    return F.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T))
+
+
+def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Slow reference: -log softmax(logits)[target], averaged over every (b, t)."""
+    logp = logits.double() - logits.double().logsumexp(dim=-1, keepdim=True)  # (B, T, V)
+    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).mean()
+
+
+@torch.no_grad()
+def evaluate(model, tokens, seq_len: int, batch_size: int, max_tokens: int, device,
+             amp_dtype=None, rank: int = 0, world_size: int = 1, all_reduce=None) -> float:
+    """Mean cross-entropy (nats/token) over the fixed sequential validation pass."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in data_io.eval_windows(tokens, seq_len, batch_size, max_tokens, rank, world_size):
+        x, y = x.to(device), y.to(device)
+        with runtime.autocast(device, amp_dtype):
+            logits = model(x)
+        total += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
+        count += y.numel()
+    model.train(was_training)
+    if all_reduce is not None:
+        total, count = all_reduce(total), all_reduce(float(count))
+    return total / max(count, 1)
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls of N parameters (embedding lookups
+    excluded, a tied LM head counted once) plus 12·L·H·Dh·T for attention scores and values
+    (Kaplan et al. 2020; PaLM appendix B)."""
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    if not cfg.tie_embeddings:
+        n -= model.tok_emb.weight.numel()
+    if getattr(model, "pos_emb", None) is not None:
+        n -= model.pos_emb.weight.numel()
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop saves and returns after the current step. Installed
+    only from the main thread; previous handlers are restored afterwards."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops without waiting
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _tensorboard_writer(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = None, tokenizer=None,
+          resume: bool = False, callback: Callable[[str, dict], None] | None = None,
+          rank: int = 0, world_size: int = 1, wrap: Callable | None = None,
+          all_reduce: Callable[[float], float] | None = None, extra_state: dict | None = None) -> TrainResult:
+    """Train `model` (an unwrapped Transformer, already initialised) per `config`.
+
+    With resume=True the latest checkpoint of the run directory is loaded (weights, optimizer,
+    schedule step, sampler position, RNG states, metrics) and the run continues exactly.
+    `callback(event, record)` receives "start", "step", "eval", "checkpoint" and "end".
+    `extra_state` (JSON) is stored in every checkpoint's state.json."""
+    run_dir = Path(run_dir or config.out_dir)
+    main = rank == 0
+    emit = callback or (lambda event, record: None)
+    if config.data_dir is None:
+        raise ValueError("TrainConfig.data_dir is not set: prepare a corpus first (logitlab prepare)")
+    manifest = data_io.read_manifest(config.data_dir)
+    seq_len = config.seq_len or model.config.context_length
+    if seq_len > model.config.context_length:
+        raise ValueError(f"seq_len ({seq_len}) exceeds the model's context_length ({model.config.context_length})")
+    if manifest["vocab_size"] > model.config.vocab_size:
+        raise ValueError(f"data vocab_size ({manifest['vocab_size']}) exceeds the model's vocab_size "
+                         f"({model.config.vocab_size})")
+    if tokenizer is not None and tokenizer.fingerprint() != manifest["tokenizer_fingerprint"]:
+        raise ValueError(f"{config.data_dir} was tokenized with a different tokenizer "
+                         f"(fingerprint {manifest['tokenizer_fingerprint'][:12]} vs {tokenizer.fingerprint()[:12]})")
+    if config.batch_size % world_size:
+        raise ValueError(f"batch_size ({config.batch_size}) must be divisible by world_size ({world_size})")
+    train_tokens = data_io.load_tokens(config.data_dir, "train")
+    val_tokens = data_io.load_tokens(config.data_dir, "val")
+    has_val = len(val_tokens) > seq_len
+    device = runtime.pick_device(config.device)
+    amp_dtype = runtime.autocast_dtype(device, config.precision)
+    sampler = data_io.RandomWindows(train_tokens, seq_len, config.batch_size, config.seed, rank, world_size)
+    schedule = config.schedule()
+
+    model.to(device).train()
+    optimizer = build_adamw(model, config.lr, config.weight_decay, (config.beta1, config.beta2),
+                            config.eps, config.decay_embeddings)
+    metrics: list[dict] = []
+    step, best_val = 0, None
+    latest = ckpt_io.latest_checkpoint(run_dir)
+    if resume:
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
+        loaded = ckpt_io.load_checkpoint(latest, model, optimizer)
+        state = loaded["state"]
+        step, best_val, metrics = state["step"], state.get("best_val_loss"), loaded["metrics"]
+        sampler.load_state_dict(state["sampler"])
+        if loaded["rng"] is not None:
+            runtime.restore_rng_state(loaded["rng"])
+    elif latest is not None:
+        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
+    else:
+        runtime.seed_everything(config.seed)
+    runner = wrap(model) if wrap is not None else model
+    if config.compile:
+        runner = torch.compile(runner)
+
+    tokens_per_step = config.batch_size * config.grad_accum * seq_len  # global, all ranks
+    fpt = flops_per_token(model, seq_len)
+    peak = runtime.matmul_peak_flops(device, amp_dtype) * world_size
+    writer = _tensorboard_writer(run_dir) if (main and config.tensorboard) else None
+    save_every = config.eval_every if config.save_every is None else config.save_every
+    metrics_path = run_dir / ckpt_io.METRICS_FILE
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.json").write_text(json.dumps(
+            {"train": config.to_dict(), "model": model.config.to_dict(), "data": manifest}, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(run_dir / ckpt_io.TOKENIZER_FILE)
+        # after a resume the file restarts from the checkpoint's copy (drops steps past it)
+        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    metrics_file = metrics_path.open("a") if main else None
+
+    def save(val_loss: float | None) -> Path | None:
+        if not main:
+            return None
+        state = {"sampler": sampler.state_dict(), "schedule": dataclasses.asdict(schedule),
+                 "train_config": config.to_dict(), "val_loss": val_loss, "best_val_loss": best_val,
+                 "tokens_seen": step * tokens_per_step, **(extra_state or {})}
+        path = ckpt_io.save_checkpoint(run_dir, step, model, optimizer, state=state,
+                                       rng=runtime.capture_rng_state(), tokenizer=tokenizer,
+                                       metrics=metrics, keep_last=config.keep_last)
+        emit("checkpoint", {"step": step, "path": str(path)})
+        return path
+
+    emit("start", {"step": step, "steps": config.steps, "tokens_per_step": tokens_per_step,
+                   "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir)})
+    last_loss, val_loss, last_ckpt, stopped = None, None, latest if resume else None, "done"
+    try:
+        with _StopFlag() as stop:
+            while step < config.steps:
+                t0 = time.perf_counter()
+                lr = schedule.apply(optimizer, step)
+                loss_sum = 0.0
+                for micro in range(config.grad_accum):
+                    x, y = sampler.next()
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    # DDP: skip the gradient all-reduce on every micro-step but the last
+                    skip_sync = micro < config.grad_accum - 1 and hasattr(runner, "no_sync")
+                    with runner.no_sync() if skip_sync else contextlib.nullcontext():
+                        with runtime.autocast(device, amp_dtype):
+                            loss = cross_entropy(runner(x), y)
+                        (loss / config.grad_accum).backward()
+                    loss_sum += float(loss.detach())
+                step_loss = loss_sum / config.grad_accum
+                if all_reduce is not None:
+                    step_loss = all_reduce(step_loss)
+                if not math.isfinite(step_loss):
+                    optimizer.zero_grad(set_to_none=True)
+                    where = f"; last good checkpoint: {last_ckpt}" if last_ckpt else "; no checkpoint was written"
+                    raise TrainingDiverged(f"loss is {step_loss} at step {step + 1} (lr {lr:.3g}); "
+                                           f"the run stopped before applying it{where}")
+                grad_norm = clip_grad_norm(model.parameters(), config.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                runtime.synchronize(device)
+                step += 1
+                last_loss = step_loss
+                dt = time.perf_counter() - t0
+                record = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+                          "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / dt,
+                          "mfu": fpt * tokens_per_step / dt / peak, "time_s": dt}
+                final = step == config.steps or stop.signum is not None
+                if has_val and ((config.eval_every and step % config.eval_every == 0) or final):
+                    val_loss = evaluate(model, val_tokens, seq_len, config.batch_size // world_size,
+                                        config.eval_tokens, device, amp_dtype, rank, world_size, all_reduce)
+                    record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
+                    if best_val is None or val_loss < best_val:
+                        best_val = val_loss
+                    emit("eval", record)
+                if step % config.log_every == 0 or final or "val_loss" in record:
+                    metrics.append(record)
+                    if metrics_file is not None:
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+                    if writer is not None:
+                        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss", "val_ppl"):
+                            if key in record:
+                                writer.add_scalar(key, record[key], step)
+                emit("step", record)
+                if final or (save_every and step % save_every == 0):
+                    last_ckpt = save(record.get("val_loss")) or last_ckpt
+                if stop.signum is not None:
+                    stopped = "signal"
+                    break
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+        if writer is not None:
+            writer.close()
+    result = TrainResult(run_dir, step, last_loss, val_loss, stopped, last_ckpt)
+    emit("end", dataclasses.asdict(result))
+    return result
+
