@@ -1,0 +1,107 @@
+"""Tests for introspect.py: surprisal and perplexity (the worked example and a model pass),
+next-token tables, the logit lens against the model's own logits, embedding neighbours."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from logitlab.generate import SampleConfig
+from logitlab.introspect import (
+    embedding_neighbours, lens_logits, logit_lens, next_token_table, summarize, token_surprisals,
+)
+from logitlab.model import ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module", params=["gpt2-like", "llama-like"])
+def model(request):
+    torch.manual_seed(0)
+    extra = {} if request.param == "gpt2-like" else dict(
+        n_kv_heads=2, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False, tie_embeddings=False)
+    cfg = ModelConfig(vocab_size=61, context_length=32, d_model=32, n_layers=3, n_heads=4, init_std=0.2,
+                      vocab_pad_multiple=64, **extra)
+    return Transformer(cfg).eval()
+
+
+TEXT = [3, 14, 15, 9, 26, 5, 35, 8]
+
+
+def test_summarize_worked_example():
+    total, mean, ppl = summarize([0.04, 0.01, 0.20, 0.30, 0.10])
+    assert round(total, 2) == 12.94 and round(mean, 3) == 2.588 and round(ppl, 1) == 13.3
+    with pytest.raises(ValueError, match="probabilities"):
+        summarize([0.5, 0.0])
+
+
+def test_token_surprisals_match_a_direct_computation(model):
+    report = token_surprisals(model, TEXT, token_text=lambda i: f"<{i}>")
+    assert report.tokens[0].probability is None and report.scored == len(TEXT) - 1
+    with torch.no_grad():
+        probs = model(torch.tensor([TEXT]))[0].softmax(-1)
+    for t in range(1, len(TEXT)):
+        row = report.tokens[t]
+        p = probs[t - 1, TEXT[t]].item()
+        assert row.id == TEXT[t] and row.text == f"<{TEXT[t]}>"
+        assert abs(row.probability - p) < 1e-5
+        assert abs(row.surprisal_nats + math.log(p)) < 1e-4
+        assert abs(row.surprisal_bits - row.surprisal_nats / math.log(2)) < 1e-9
+    total, mean, ppl = summarize([r.probability for r in report.tokens[1:]])
+    assert abs(report.total_nats - total) < 1e-4 and abs(report.perplexity - ppl) < 1e-3
+    assert abs(report.mean_bits * math.log(2) - report.mean_nats) < 1e-9
+
+
+def test_next_token_table_before_and_after(model):
+    table = next_token_table(model, TEXT, position=4, config=SampleConfig(top_k=3, temperature=0.5), k=5)
+    assert table.position == 4 and len(table.before) == 5 and len(table.after) == 3 and table.kept == 3
+    with torch.no_grad():
+        p = model(torch.tensor([TEXT[:5]]))[0, -1].softmax(-1)
+    top = torch.topk(p, 5)
+    assert [c.id for c in table.before] == top.indices.tolist()
+    assert torch.allclose(torch.tensor([c.probability for c in table.before]), top.values, atol=1e-5)
+    # sharper after temperature 0.5 and renormalised over three tokens
+    assert [c.id for c in table.after] == top.indices[:3].tolist()
+    assert table.after[0].probability > table.before[0].probability
+    assert abs(sum(c.probability for c in table.after) - 1) < 1e-5
+    with pytest.raises(ValueError, match="position 8"):
+        next_token_table(model, TEXT, position=8)
+
+
+def test_logit_lens_last_layer_equals_model_logits(model):
+    lens = lens_logits(model, TEXT)  # (L+1, T, V)
+    L, V = model.config.n_layers, model.config.vocab_size
+    assert lens.shape == (L + 1, len(TEXT), V)
+    with torch.no_grad():
+        logits = model(torch.tensor([TEXT]))[0]
+        assert torch.allclose(lens[-1], logits, atol=1e-5)
+        # intermediate entries: block outputs through final norm + head, computed by hand
+        h = model.tok_emb(torch.tensor([TEXT]))
+        if model.pos_emb is not None:
+            h = h + model.pos_emb(torch.arange(len(TEXT)))
+        assert torch.allclose(lens[0], model.lm_head(model.final_norm(h))[0, :, :V], atol=1e-5)
+    entries = logit_lens(model, TEXT, position=2, k=2)
+    assert [e.layer for e in entries] == list(range(L + 1))
+    p_last = logits[2].softmax(-1)
+    assert entries[-1].top[0].id == int(p_last.argmax())
+    assert abs(entries[-1].target_probability - p_last[TEXT[3]].item()) < 1e-5
+    assert logit_lens(model, TEXT)[-1].target_probability is None
+
+
+def test_embedding_neighbours_by_cosine(model):
+    model = copy.deepcopy(model)  # the rows are edited below
+    V = model.config.vocab_size
+    with torch.no_grad():
+        w = model.tok_emb.weight
+        w[7] = 2.5 * w[3]          # same direction as token 3, other length: cosine 1
+        w[11] = -w[3]              # opposite direction: cosine -1
+    near = embedding_neighbours(model, 3, k=V - 1, token_text=str)
+    assert near[0].id == 7 and abs(near[0].cosine - 1) < 1e-5 and near[0].text == "7"
+    assert near[-1].id == 11 and abs(near[-1].cosine + 1) < 1e-5
+    assert 3 not in [n.id for n in near] and max(n.id for n in near) < V  # no padded rows
+    cos = torch.nn.functional.cosine_similarity(w[:V], w[5][None], dim=-1)
+    cos[5] = -2
+    assert [n.id for n in embedding_neighbours(model, 5, k=4)] == torch.topk(cos, 4).indices.tolist()
+    with pytest.raises(ValueError, match="token id 61"):
+        embedding_neighbours(model, 61)
