@@ -254,3 +254,33 @@ def test_batch_rows_stop_independently(model):
         expect = ids[:ids.index(eot) + 1] if eot in ids else ids
         assert row == expect
     assert r.stop_reasons[0] == "eot"
+
+
+# ---------------------------------------------------------------------------------- the peer
+
+def _hf_configs():
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=101, initializer_range=0.3, bos_token_id=None, eos_token_id=None)
+    return {
+        "gpt2": transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, **common),
+        "llama": transformers.LlamaConfig(max_position_embeddings=64, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          pad_token_id=None, **common),
+    }
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_equals_transformers_generate(family, tmp_path):
+    """A random transformers model saved to disk, loaded into logitlab: greedy generation agrees
+    with transformers' generate(do_sample=False) token for token."""
+    transformers = pytest.importorskip("transformers")
+    hf = pytest.importorskip("logitlab.hf", reason="logitlab.hf (Hugging Face import) is not available")
+    torch.manual_seed(0)
+    peer = transformers.AutoModelForCausalLM.from_config(_hf_configs()[family]).eval()
+    peer.save_pretrained(tmp_path)
+    ours = hf.load_pretrained(tmp_path)
+    prompt = [5, 17, 3, 88, 42]
+    expected = peer.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 5, dtype=torch.long),
+                             do_sample=False, max_new_tokens=24, pad_token_id=0)[0, 5:].tolist()
+    got = generate(ours, prompt, SampleConfig(temperature=0, max_new_tokens=24)).tokens[0]
+    assert got == expected
