@@ -1,7 +1,210 @@
-"""Subcommands for the model stage (registered by cli.py)."""
+"""Subcommands for model size and checkpoints: `logitlab params` and `logitlab convert`.
+
+params: parameter/FLOP/memory accounting of a preset, a config JSON or a model directory
+(accounting.py does the arithmetic; this module only formats it). convert: Hugging Face
+directory <-> logitlab directory (hf.py), optionally verified against transformers.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 def register(subparsers) -> None:
-    """Add this module's subcommands to `subparsers`."""
+    """Add `params` and `convert` to `subparsers`."""
+    p = subparsers.add_parser("params", help="parameter counts, FLOPs, memory and a training planner",
+                              description="Exact parameter counts (model built on the meta device) beside "
+                              "the back-of-envelope formula, FLOPs per token, weight and KV-cache memory, "
+                              "and a training memory/time planner.")
+    p.add_argument("target", metavar="PRESET|CONFIG.json|MODEL_DIR",
+                   help="a preset name, a config JSON (Hugging Face or logitlab) or a model directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--batch", type=int, default=1, help="planner: sequences per step (default 1)")
+    p.add_argument("--context", type=int, default=None, help="planner and FLOPs: tokens per sequence "
+                   "(default: the model's context_length)")
+    p.add_argument("--dtype", default="bf16", help="planner compute dtype and KV-cache dtype (default bf16)")
+    p.add_argument("--memory-gb", type=float, default=None, help="planner: memory available, GiB")
+    p.add_argument("--tflops", type=float, default=None,
+                   help="planner: matmul rate in TFLOP/s (default: measured here with a 1024^3 matmul)")
+    p.set_defaults(func=_params)
+
+    c = subparsers.add_parser("convert", help="Hugging Face <-> logitlab model directories",
+                              description="--hf DIR: read a Hugging Face directory (GPT-2, Llama, Mistral, "
+                              "Qwen2, Qwen3), write a logitlab directory to --out. --to-hf DIR: read a "
+                              "logitlab directory, write a Hugging Face directory to --out. --verify "
+                              "compares every hidden state and the logits with transformers.")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", metavar="DIR", help="Hugging Face directory to import")
+    src.add_argument("--to-hf", metavar="DIR", help="logitlab directory to export")
+    c.add_argument("--out", metavar="DIR", help="directory to write (required with --to-hf)")
+    c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
+                   "largest difference per layer and of the logits; exit 1 above tolerance")
+    c.add_argument("--dtype", default=None, help="cast weights on import (fp32, bf16, fp16)")
+    c.set_defaults(func=_convert)
+
+
+# --------------------------------------------------------------------------------------------
+# params
+# --------------------------------------------------------------------------------------------
+
+def resolve_config(target: str):
+    """A ModelConfig from a preset name, a config JSON file or a model directory."""
+    from logitlab import checkpoint, families
+    from logitlab.model import ModelConfig
+
+    if target in families.PRESETS:
+        return families.PRESETS[target]
+    path = Path(target)
+    if path.is_dir():
+        if checkpoint.is_logitlab_dir(path):
+            return checkpoint.read_model_config(path)
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{target!r} is neither a preset ({', '.join(families.PRESETS)}) "
+                                "nor a config file or model directory")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    if data.get("format") == checkpoint.MODEL_FORMAT:
+        return ModelConfig.from_dict(data["model"])
+    if "architectures" in data or "model_type" in data:
+        return families.config_from_hf(data)
+    return ModelConfig.from_dict(data)
+
+
+def params_report(config, batch: int = 1, context: int | None = None, dtype: str = "bf16",
+                  memory_gb: float | None = None, tflops: float | None = None) -> dict:
+    """Everything `logitlab params` shows, as one JSON-ready dict."""
+    from logitlab import accounting as acc
+
+    exact = acc.count_parameters(config)
+    formula = acc.formula_count(config)
+    rate = tflops * 1e12 if tflops else acc.measure_matmul_flops(dtype, seconds=0.3)
+    plan = acc.plan_training(config, batch, context, dtype, memory_gb, rate, n_params=exact.total)
+    return {"config": config.to_dict(), "exact": exact.as_dict(), "formula": formula.as_dict(),
+            "difference": acc.explain_difference(config, exact), "classic_note": acc.explain_classic(config),
+            "flops_per_token": acc.flops_per_token(config, plan.context),
+            "weight_bytes": acc.weight_bytes(exact.total),
+            "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
+            "matmul_rate_source": "given" if tflops else "measured"}
+
+
+def _n(x) -> str:
+    return f"{x:,}"
+
+
+def _bytes(x: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:,.1f} {unit}" if unit != "B" else f"{int(x)} B"
+        x /= 1024
+    return str(x)
+
+
+def _params(args) -> int:
+    from rich.table import Table
+
+    from logitlab.cli import console
+
+    config = resolve_config(args.target)
+    r = params_report(config, args.batch, args.context, args.dtype, args.memory_gb, args.tflops)
+    out = console()
+    if args.json:
+        out.print_json(json.dumps(r))
+        return 0
+    e, f, c = r["exact"], r["formula"], config
+    t = Table(title=f"{args.target}: D {c.d_model}, L {c.n_layers}, H {c.n_heads}, Hkv {c.n_kv_heads}, "
+                    f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, {'tied' if c.tie_embeddings else 'untied'}")
+    for col in ("component", "exact / layer", "exact total", "formula / layer", "formula total"):
+        t.add_column(col, justify="left" if col == "component" else "right")
+    L = c.n_layers
+    t.add_row("embeddings", "", _n(e["embeddings"]), "", _n(c.vocab_size * c.d_model))
+    if e["positions"]:
+        t.add_row("positions", "", _n(e["positions"]), "", "")
+    t.add_row("attention", _n(e["attention_per_layer"]), _n(e["attention"]),
+              _n(f["attention_per_layer"]), _n(f["attention_per_layer"] * L))
+    t.add_row("MLP", _n(e["mlp_per_layer"]), _n(e["mlp"]), _n(f["mlp_per_layer"]), _n(f["mlp_per_layer"] * L))
+    t.add_row("norms", _n(e["norms_per_layer"]), _n(e["norms"]), "", "")
+    t.add_row("LM head", "", _n(e["lm_head"]) + (" (tied)" if e["tied"] else ""), "",
+              _n(0 if c.tie_embeddings else c.vocab_size * c.d_model))
+    t.add_row("[bold]total[/bold]", _n(e["per_layer"]), f"[bold]{_n(e['total'])}[/bold]",
+              _n(f["per_layer"]), f"[bold]{_n(f['total'])}[/bold]")
+    out.print(t)
+    diff = ", ".join(f"{k} {_n(v)}" for k, v in r["difference"].items()) or "nothing"
+    out.print(f"exact - formula = {_n(e['total'] - f['total'])}: {diff}")
+    out.print(f"classic 12·D²·L = {_n(f['classic_12_D2_L'])} vs formula layers {_n(f['layers'])} "
+              f"({r['classic_note']})")
+    fl = r["flops_per_token"]
+    out.print(f"FLOPs/token at context {fl['context']:,}: forward {fl['forward']:.3e} (2·N_matmul "
+              f"{fl['dense']:.3e} + attention 2·L·T·H·Dh {fl['attention']:.3e}), training {fl['training']:.3e} (3x)")
+    w = r["weight_bytes"]
+    out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])}")
+    kv = r["kv_cache"]
+    out.print(f"KV cache ({args.dtype}): {_bytes(kv['per_token'])} per token, {_bytes(kv['total'])} "
+              f"at {kv['tokens']:,} tokens")
+    p = r["plan"]
+    pt = Table(title=f"training step: batch {p['batch_size']} x context {p['context']}, activations "
+                     f"{p['dtype']}, AdamW")
+    pt.add_column("item")
+    pt.add_column("memory", justify="right")
+    for key, label in (("weights", "weights (fp32)"), ("gradients", "gradients (fp32)"),
+                       ("optimizer", "AdamW moments (2 x fp32)"), ("activations", "activations (estimate)"),
+                       ("logits", "logits + grad (fp32)"), ("total", "total")):
+        pt.add_row(label, _bytes(p[key]))
+    out.print(pt)
+    if p["memory_limit"] is not None:
+        verdict = "[green]fits[/green]" if p["fits"] else "[red]does not fit[/red]"
+        out.print(f"{verdict} in {_bytes(p['memory_limit'])}")
+    out.print(f"step: {p['flops_per_step']:.3e} FLOPs; at the {r['matmul_rate_source']} matmul rate "
+              f"{p['matmul_flops_per_s'] / 1e12:.3f} TFLOP/s that is {p['seconds_per_step']:.3g} s at 100% MFU")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# convert
+# --------------------------------------------------------------------------------------------
+
+def _print_report(report: dict) -> None:
+    from rich.table import Table
+
+    from logitlab.cli import console
+
+    t = Table(title=f"logitlab vs transformers ({report['dtype']}, ids {report['ids_shape']})")
+    t.add_column("output")
+    t.add_column("max |diff|", justify="right")
+    L = len(report["hidden"]) - 1
+    for i, d in enumerate(report["hidden"]):
+        label = "embeddings" if i == 0 else (f"block {i - 1}" if i < L else f"block {i - 1} + final norm")
+        t.add_row(label, f"{d:.2e}")
+    t.add_row("logits", f"{report['logits']:.2e}")
+    out = console()
+    out.print(t)
+    ok = "[green]OK[/green]" if report["ok"] else "[red]MISMATCH[/red]"
+    out.print(f"{ok} (tolerance {report['tolerance']:.0e} relative to max(1, |reference|))")
+
+
+def _convert(args) -> int:
+    from logitlab import checkpoint, hf
+    from logitlab.cli import console
+
+    if args.to_hf:
+        if not args.out:
+            raise ValueError("--to-hf needs --out DIR (the Hugging Face directory to write)")
+        model = checkpoint.load_model(args.to_hf, dtype=hf.parse_dtype(args.dtype))
+        hf.save_pretrained(model, args.out)
+        console().print(f"wrote Hugging Face directory {args.out} "
+                        f"({json.loads((Path(args.out) / 'config.json').read_text())['architectures'][0]})")
+        reference = args.out
+    else:
+        model = hf.load_pretrained(args.hf, dtype=args.dtype)
+        if args.out:
+            checkpoint.save_model(model, args.out)
+            console().print(f"wrote logitlab directory {args.out}")
+        reference = args.hf
+    if args.verify:
+        report = hf.verify_against_transformers(model, reference)
+        _print_report(report)
+        return 0 if report["ok"] else 1
+    return 0

@@ -303,15 +303,23 @@ def _normalise_prefix(state: dict, layout: str) -> dict:
     return {(k if k.startswith("lm_head.") else prefix + k): v for k, v in state.items()}
 
 
-def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
-    """Hugging Face tensors -> logitlab state dict (GPT-2 Conv1D weights transposed, c_attn split
-    into q, k, v). Buffers with no learned state are dropped; a tied lm_head is dropped."""
+def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
+    """The learned tensors of a Hugging Face checkpoint under their full names: buffers with no
+    learned state dropped, a missing "transformer." / "model." prefix restored, and a tied
+    lm_head (which some checkpoints store as a copy of the embedding) dropped."""
     layout = key_layout(config)
     state = _normalise_prefix({k: v for k, v in hf_state.items() if not _IGNORED.search(k)}, layout)
+    if config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
+    """Hugging Face tensors -> logitlab state dict (GPT-2 Conv1D weights transposed, c_attn split
+    into q, k, v); see clean_hf_state for what is dropped."""
+    layout = key_layout(config)
     out = {}
-    for key, tensor in state.items():
-        if config.tie_embeddings and key == "lm_head.weight":
-            continue
+    for key, tensor in clean_hf_state(hf_state, config).items():
         name = hf_key_to_logitlab(key, layout)
         module, leaf = _split_key(key)
         if name is None:  # GPT-2 c_attn: weight (D, 3·H·Dh), bias (3·H·Dh), q | k | v along the last dim
