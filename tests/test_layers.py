@@ -1,0 +1,185 @@
+"""Layers against independent formulas: norms, RoPE, MLPs, and the two attention paths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from logitlab.layers import (Attention, GeluMLP, LayerNorm, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope,
+                             eager_attention, repeat_kv, rope_inv_freq)
+from logitlab.model import ModelConfig, RopeScaling
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=50, context_length=32, d_model=32, n_layers=2, n_heads=4)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+# --- norms ---------------------------------------------------------------------------------
+
+def test_rmsnorm_matches_formula():
+    x = torch.randn(3, 5, 16) * 3 + 1
+    norm = RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    rms = torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(norm(x), norm.weight * x / rms, rtol=1e-6, atol=1e-6)
+
+
+def test_rmsnorm_bf16_computes_in_float32_then_casts():
+    x = (torch.randn(4, 64) * 50).bfloat16()
+    norm = RMSNorm(64).bfloat16()
+    x32 = x.float()
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).bfloat16()
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+def test_layernorm_matches_formula_and_torch():
+    x = torch.randn(2, 7, 24) * 2 - 1
+    norm = LayerNorm(24, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24))
+        norm.bias.copy_(torch.randn(24))
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    expected = (x - mean) / torch.sqrt(var + 1e-5) * norm.weight + norm.bias
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+    ref = torch.nn.LayerNorm(24, eps=1e-5)
+    ref.load_state_dict(norm.state_dict())
+    torch.testing.assert_close(norm(x), ref(x))
+
+
+# --- RoPE ----------------------------------------------------------------------------------
+
+def test_rope_matches_complex_rotation():
+    """Rotate-half pairs dimension i with i + Dh/2 and turns the pair by angle pos * f_i."""
+    Dh, T = 8, 6
+    rope = RotaryEmbedding(Dh, context_length=16, theta=10000.0)
+    x = torch.randn(1, 2, T, Dh)
+    cos, sin = rope(torch.arange(T)[None])
+    out = apply_rope(x, cos, sin)
+    f = torch.tensor([10000.0 ** (-2 * i / Dh) for i in range(Dh // 2)], dtype=torch.float64)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * f[None]            # (T, Dh/2)
+    z = torch.complex(x[..., : Dh // 2].double(), x[..., Dh // 2:].double()) * torch.polar(torch.ones_like(angle), angle)
+    expected = torch.cat((z.real, z.imag), dim=-1).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_dot_product_depends_only_on_relative_position():
+    Dh = 16
+    rope = RotaryEmbedding(Dh, context_length=64, theta=10000.0)
+    q, k = torch.randn(Dh, dtype=torch.float32), torch.randn(Dh)
+
+    def rotated(v, pos):
+        cos, sin = rope(torch.tensor([[pos]]))
+        return apply_rope(v.view(1, 1, 1, Dh), cos, sin).flatten()
+
+    for offset in (0, 3, 17):
+        dots = [rotated(q, m + offset) @ rotated(k, m) for m in (0, 5, 20, 40)]
+        for d in dots[1:]:
+            assert abs(float(d - dots[0])) < 1e-4
+    by_offset = torch.stack([rotated(q, d) @ rotated(k, 0) for d in range(12)])
+    assert float(by_offset.max() - by_offset.min()) > 0.1     # it does depend on the offset
+
+
+def test_rope_scaling_frequencies_hand_computed():
+    # Dh 8, theta 1e4: f = 1, 0.1, 0.01, 0.001; wavelengths 2*pi/f = 6.28, 62.8, 628, 6283.
+    # C = 100, low 1, high 4, factor 8: w < 25 kept, w > 100 divided by 8, 62.8 blended with
+    # s = (100/62.83 - 1) / 3 = 0.197183 -> (1 - s) * 0.1/8 + s * 0.1 = 0.0297535.
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context_length=100)
+    got = rope_inv_freq(8, 10000.0, scaling).tolist()
+    assert got == pytest.approx([1.0, 0.0297535, 0.00125, 0.000125], rel=1e-5)
+    assert rope_inv_freq(8, 10000.0).tolist() == pytest.approx([1.0, 0.1, 0.01, 0.001], rel=1e-6)
+
+
+def test_rope_tables_are_float32_non_persistent():
+    rope = RotaryEmbedding(8, context_length=10, theta=500000.0)
+    assert rope.cos.dtype == torch.float32 and rope.cos.shape == (10, 4)
+    assert rope.state_dict() == {}
+
+
+# --- MLPs ----------------------------------------------------------------------------------
+
+def test_swiglu_matches_formula():
+    mlp = SwiGLU(tiny(mlp="swiglu", d_ff=48, bias=False))
+    x = torch.randn(2, 3, 32)
+    g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
+    expected = (g * torch.sigmoid(g) * u) @ mlp.down_proj.weight.T
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_mlp_tanh_matches_formula():
+    mlp = GeluMLP(tiny(mlp="gelu", gelu_approximate="tanh"))
+    x = torch.randn(2, 3, 32)
+    h = x @ mlp.up_proj.weight.T + mlp.up_proj.bias
+    gelu = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    expected = gelu @ mlp.down_proj.weight.T + mlp.down_proj.bias
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- attention -----------------------------------------------------------------------------
+
+def test_repeat_kv_query_head_reads_kv_head_h_div_g():
+    k = torch.randn(2, 3, 5, 4)                      # Hkv = 3
+    out = repeat_kv(k, 4)                            # H = 12, G = 4
+    for h in range(12):
+        assert torch.equal(out[:, h], k[:, h // 4])
+
+
+def test_eager_attention_matches_sdpa_and_weights_are_causal():
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    out, w = eager_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
+    assert torch.all(w.triu(1) == 0)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6))
+    mask = torch.rand(2, 1, 6, 6) > 0.3
+    mask |= torch.eye(6, dtype=torch.bool)
+    out, w = eager_attention(q, k, v, mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-5)
+    assert torch.all(w.masked_select(~mask.expand_as(w)) == 0)
+
+
+@pytest.mark.parametrize("n_kv_heads,qk_norm", [(4, False), (2, False), (1, True)])
+def test_attention_module_sdpa_equals_eager(n_kv_heads, qk_norm):
+    cfg = tiny(n_kv_heads=n_kv_heads, qk_norm=qk_norm, positions="rope")
+    attn = Attention(cfg)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+    x = torch.randn(2, 7, 32)
+    cs = rope(torch.arange(7)[None])
+    a, _ = attn(x, cs, is_causal=True, impl="sdpa")
+    b, w = attn(x, cs, is_causal=True, impl="eager", need_weights=True)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert w.shape == (2, 4, 7, 7)
+    mask = (torch.rand(2, 1, 7, 7) > 0.4) | torch.eye(7, dtype=torch.bool)
+    a, _ = attn(x, cs, mask=mask, impl="sdpa")
+    b, _ = attn(x, cs, mask=mask, impl="eager")
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_is_applied_per_head_before_rope():
+    cfg = tiny(qk_norm=True, positions="rope", n_kv_heads=2)
+    attn = Attention(cfg)
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(torch.rand(8) + 0.5)
+        attn.k_norm.weight.copy_(torch.rand(8) + 0.5)
+    rope = RotaryEmbedding(8, 32, 10000.0)
+    x = torch.randn(1, 5, 32)
+    cos, sin = rope(torch.arange(5)[None])
+    q = attn.q_proj(x).view(1, 5, 4, 8)
+    k = attn.k_proj(x).view(1, 5, 2, 8)
+    v = attn.v_proj(x).view(1, 5, 2, 8).transpose(1, 2)
+
+    def rms(t, w):
+        return w * t / torch.sqrt((t ** 2).mean(-1, keepdim=True) + cfg.norm_eps)
+
+    q = apply_rope(rms(q, attn.q_norm.weight).transpose(1, 2), cos, sin)
+    k = apply_rope(rms(k, attn.k_norm.weight).transpose(1, 2), cos, sin)
+    out, _ = eager_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+    expected = attn.o_proj(out.transpose(1, 2).reshape(1, 5, 32))
+    torch.testing.assert_close(attn(x, (cos, sin), is_causal=True)[0], expected, rtol=1e-5, atol=1e-5)
