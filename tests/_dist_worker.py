@@ -1,0 +1,168 @@
+"""A tiny training run on top of logitlab.parallel, used by test_parallel.py.
+
+Run it on its own (rank 0 of 1) or under torchrun / a launcher environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): `python tests/_dist_worker.py OUT_DIR SCENARIO...`. Rank 0 writes
+OUT_DIR/<scenario>.json with the loss and grad-norm sequence. The test process imports the same
+functions to compute the single-process reference, so both sides run identical code.
+
+The data are random tokens from a fixed seed; the global batch of every step is drawn from
+a generator seeded by the step alone, so it is the same for every world size and after a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from logitlab import parallel  # noqa: E402
+from logitlab.checkpoint import atomic_directory  # noqa: E402
+
+SEED = 1234
+T = 16            # positions per row
+GLOBAL_ROWS = 8   # global batch: micro_batch x grad_accum x world_size
+STEPS = 6
+RESUME_AT = 3     # checkpoints are written after this many steps
+MAX_NORM = 0.5    # small enough that clipping is active
+TOKENS = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(SEED))
+
+
+def tiny_model():
+    from logitlab.model import ModelConfig, Transformer
+
+    torch.manual_seed(SEED)
+    config = ModelConfig(vocab_size=64, context_length=T, d_model=32, n_layers=2, n_heads=4,
+                         n_kv_heads=2, norm="rmsnorm", mlp="swiglu", d_ff=64, positions="rope",
+                         bias=False, tie_embeddings=True, dropout=0.0)
+    return Transformer(config)
+
+
+def global_offsets(step: int) -> torch.Tensor:
+    """Start offsets (GLOBAL_ROWS,) of the windows of the global batch at `step`."""
+    g = torch.Generator().manual_seed(SEED * 1000 + step)
+    return torch.randint(0, len(TOKENS) - T - 1, (GLOBAL_ROWS,), generator=g)
+
+
+def read_rows(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of T + 1 tokens -> inputs (B, T) and targets (B, T) shifted by one."""
+    windows = torch.stack([TOKENS[o:o + T + 1] for o in offsets.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def make_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def train(model, optimizer, info, steps: range, grad_accum: int = 1) -> dict:
+    """Run `steps`; return the global-batch loss and pre-clip grad norm of each step."""
+    losses, norms = [], []
+    for step in steps:
+        offsets = global_offsets(step)
+        total = torch.zeros((), device=info.device)
+        for micro in range(grad_accum):
+            x, y = read_rows(parallel.shard_for_rank(offsets, info, micro, grad_accum))
+            x, y = x.to(info.device), y.to(info.device)
+            with parallel.sync_gradients(model, micro == grad_accum - 1):
+                logits = model(x)  # (B, T, V)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / grad_accum
+                loss.backward()
+            total += loss.detach()
+        norms.append(parallel.clip_grad_norm(model, MAX_NORM))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(parallel.all_reduce_mean(total).item())
+    return {"losses": losses, "norms": norms}
+
+
+def save(model, optimizer, directory: Path) -> None:
+    """Full state gathered to rank 0, written atomically by rank 0 only."""
+    from safetensors.torch import save_file
+
+    state = parallel.full_state_dict(model)
+    optim_state = parallel.full_optimizer_state_dict(model, optimizer)
+    if parallel.is_main_process():
+        with atomic_directory(directory) as tmp:
+            save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"},
+                      str(tmp / "model.safetensors"))
+            torch.save(optim_state, tmp / "optimizer.pt")
+    parallel.barrier()
+
+
+def load(model, optimizer, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / "model.safetensors"))
+    optim_state = torch.load(directory / "optimizer.pt", weights_only=True)
+    parallel.load_full_state_dict(model, state, optimizer, optim_state)
+
+
+def run(scenario: str, out: Path, info) -> dict:
+    """One scenario; see test_parallel.py for what each one checks."""
+    mode, _, variant = scenario.partition("_")
+    model = parallel.wrap_model(tiny_model(), mode, mixed_precision=variant == "bf16", info=info)
+    optimizer = make_optimizer(model)
+    accum = 2 if variant == "accum" else 1
+    if variant == "resume":  # continue a checkpoint written by a different world size
+        load(model, optimizer, out / "ckpt_none")
+        return train(model, optimizer, info, range(RESUME_AT, STEPS))
+    first = train(model, optimizer, info, range(RESUME_AT), accum)
+    if variant == "":
+        save(model, optimizer, out / f"ckpt_{mode}")
+    rest = train(model, optimizer, info, range(RESUME_AT, STEPS), accum)
+    return {k: first[k] + rest[k] for k in first}
+
+
+def die(info) -> None:
+    """Rank 1 is killed in the middle of the second step; rank 0 must stop with a clear error."""
+    model = parallel.wrap_model(tiny_model(), "ddp", info=info)
+    optimizer = make_optimizer(model)
+    with parallel.rank_failure_guard(info):
+        for step in range(50):
+            if step == 2 and info.rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            train(model, optimizer, info, range(step, step + 1))
+    print("rank", info.rank, "finished without noticing", flush=True)
+
+
+def hang(info) -> None:
+    """Rank 1 stops answering (alive, silent); rank 0 must give up after the timeout."""
+    with parallel.rank_failure_guard(info):
+        for step in range(50):
+            if step == 2 and info.rank == 1:
+                time.sleep(600)
+            parallel.all_reduce_mean(torch.ones(()))
+    print("rank", info.rank, "finished without noticing", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    out, scenarios = Path(argv[0]), argv[1:]
+    torch.set_num_threads(1)
+    timeout = float(os.environ.get("LOGITLAB_TEST_TIMEOUT_S", "60"))
+    info = parallel.init_distributed(timeout_s=timeout)
+    try:
+        for scenario in scenarios:
+            if scenario == "die":
+                die(info)
+            elif scenario == "hang":
+                hang(info)
+            else:
+                result = run(scenario, out, info)
+                if info.is_main:
+                    result["world_size"] = info.world_size
+                    (out / f"{scenario}.json").write_text(json.dumps(result))
+    finally:
+        if scenarios[-1] not in ("die", "hang"):
+            parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

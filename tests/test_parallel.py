@@ -1,0 +1,271 @@
+"""Distributed training on CPU with gloo: 2 processes must train exactly like 1.
+
+One torchrun launch (2 ranks) runs every two-process scenario of tests/_dist_worker.py; the
+single-process reference runs in this process with the same code. Scenarios:
+ddp / fsdp: 2 ranks x 4 rows vs 1 process x 8 rows, same loss sequence (fp32, 1e-5);
+*_accum: 2 micro-steps per step with the gradient sync skipped on the first;
+ckpt_*: saved by 2 ranks after 3 steps, resumed here in 1 process; *_resume: the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import _dist_worker as worker
+from logitlab import parallel
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(worker.__file__)
+TWO_RANK_SCENARIOS = ("ddp", "ddp_accum", "fsdp", "fsdp_accum", "ddp_resume", "fsdp_resume")
+TOL = 1e-5
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+def _torchrun(out: Path, scenarios, timeout: float = 180) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc_per_node", "2", str(WORKER), str(out), *scenarios]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Results of the single-process reference (key "none") and of every 2-rank scenario."""
+    out = tmp_path_factory.mktemp("dist")
+    info = parallel.init_distributed()
+    assert info.world_size == 1
+    results = {"none": worker.run("none", out, info), "out": out}  # also writes ckpt_none
+    _torchrun(out, TWO_RANK_SCENARIOS)
+    for name in TWO_RANK_SCENARIOS:
+        results[name] = json.loads((out / f"{name}.json").read_text())
+        assert results[name]["world_size"] == 2
+    return results
+
+
+def _close(a: list[float], b: list[float], tol: float = TOL) -> None:
+    assert len(a) == len(b), (a, b)
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    assert max(diffs) <= tol, f"max difference {max(diffs):.3g} > {tol}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process_with_twice_the_batch(runs, mode):
+    ref = runs["none"]
+    _close(runs[mode]["losses"], ref["losses"])
+    _close(runs[mode]["norms"], ref["norms"])  # clipping sees the global gradient norm
+    assert ref["losses"][-1] < ref["losses"][0] and len(set(ref["losses"])) == worker.STEPS
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_grad_accumulation_with_skipped_sync_matches(runs, mode):
+    _close(runs[f"{mode}_accum"]["losses"], runs["none"]["losses"])
+    _close(runs[f"{mode}_accum"]["norms"], runs["none"]["norms"])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_checkpoint_saved_by_two_ranks_resumes_in_one(runs, mode):
+    ckpt = runs["out"] / f"ckpt_{mode}"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.pt"]
+    assert not [p for p in ckpt.parent.iterdir() if ".tmp-" in p.name]  # atomic: nothing left over
+    model = worker.tiny_model()
+    optimizer = worker.make_optimizer(model)
+    worker.load(model, optimizer, ckpt)
+    resumed = worker.train(model, optimizer, parallel.DistInfo(), range(worker.RESUME_AT, worker.STEPS))
+    _close(resumed["losses"], runs["none"]["losses"][worker.RESUME_AT:])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_checkpoint_saved_by_one_process_resumes_in_two_ranks(runs, mode):
+    _close(runs[f"{mode}_resume"]["losses"], runs["none"]["losses"][worker.RESUME_AT:])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_gathered_optimizer_state_has_the_single_process_layout(runs, mode):
+    single = torch.load(runs["out"] / "ckpt_none" / "optimizer.pt", weights_only=True)
+    gathered = torch.load(runs["out"] / f"ckpt_{mode}" / "optimizer.pt", weights_only=True)
+    assert [g["params"] for g in gathered["param_groups"]] == [g["params"] for g in single["param_groups"]]
+    assert sorted(gathered["state"]) == sorted(single["state"])
+    for i, state in single["state"].items():
+        assert {k: tuple(v.shape) for k, v in gathered["state"][i].items()} == \
+               {k: tuple(v.shape) for k, v in state.items()}, f"parameter {i}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_pair(tmp_path: Path, scenario: str, timeout_s: float) -> list[subprocess.Popen]:
+    """Two ranks started directly with torchrun's environment variables (no agent that would
+    tear the survivor down), so the survivor's own reaction is what gets tested."""
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, LOGITLAB_TEST_TIMEOUT_S=str(timeout_s))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), scenario], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    return procs
+
+
+def _survivor(procs, deadline_s: float) -> tuple[int, str, float]:
+    start = time.monotonic()
+    try:
+        _, err = procs[0].communicate(timeout=deadline_s)
+        return procs[0].returncode, err, time.monotonic() - start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+def test_killed_rank_stops_the_survivor_with_a_clear_error(tmp_path):
+    procs = _launch_pair(tmp_path, "die", timeout_s=60)
+    code, err, _ = _survivor(procs, deadline_s=50)  # a dead peer is noticed at once, not at the timeout
+    assert procs[1].returncode == -9
+    assert code != 0
+    assert "RankFailureError: rank 0 of 2" in err and "another rank crashed, was killed" in err, err[-2000:]
+    assert "finished without noticing" not in err
+
+
+@pytest.mark.slow
+def test_silent_rank_makes_the_survivor_give_up_after_the_timeout(tmp_path):
+    procs = _launch_pair(tmp_path, "hang", timeout_s=10)
+    code, err, elapsed = _survivor(procs, deadline_s=60)
+    assert code != 0 and "RankFailureError: rank 0 of 2" in err and "10 s timeout" in err, err[-2000:]
+    assert "Timed out" in err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL + bf16 FSDP2 needs 2 CUDA devices; "
+                    "CPU/gloo runs FSDP2 in fp32 only (bf16 mixed precision is used on CUDA only)")
+def test_fsdp_bf16_on_two_gpus(tmp_path):  # pragma: no cover - no GPU on the CPU test machines
+    ref = worker.run("none", tmp_path, parallel.DistInfo())
+    _torchrun(tmp_path, ["fsdp_bf16"])
+    got = json.loads((tmp_path / "fsdp_bf16.json").read_text())
+    _close(got["losses"], ref["losses"], tol=3e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Single-process behaviour: no launcher, no process group
+# --------------------------------------------------------------------------------------------
+
+def test_rank_slices_cover_the_global_batch_once_for_any_world_size():
+    rows = torch.arange(24)
+    for world in (1, 2, 3, 4):
+        for accum in (1, 2):
+            if 24 % (world * accum):
+                continue
+            parts = [parallel.shard_for_rank(rows, parallel.DistInfo(rank=r, world_size=world), k, accum)
+                     for k in range(accum) for r in range(world)]
+            assert torch.equal(torch.cat(parts), rows), (world, accum)
+    # W = 2: rank r takes rows r*b:(r+1)*b of the 2b-row global batch
+    assert parallel.shard_for_rank(list(range(8)), parallel.DistInfo(rank=1, world_size=2)) == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"grad_accum \(1\) x world_size \(3\)"):
+        parallel.rank_slice(8, parallel.DistInfo(rank=0, world_size=3))
+    with pytest.raises(ValueError, match="micro_step"):
+        parallel.rank_slice(8, parallel.DistInfo(), micro_step=2, grad_accum=2)
+
+
+def test_plan_grad_accum_keeps_the_global_batch():
+    assert [parallel.plan_grad_accum(64, 8, w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(ValueError, match=r"global_batch \(64\) must be divisible by micro_batch \(8\) "
+                                         r"x world_size \(3\)"):
+        parallel.plan_grad_accum(64, 8, 3)
+    with pytest.raises(ValueError, match="micro_batch"):
+        parallel.plan_grad_accum(64, 0, 1)
+
+
+def test_plain_process_is_rank_zero_of_one(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    info = parallel.init_distributed()
+    assert (info.rank, info.world_size, info.is_main, info.backend) == (0, 1, True, None)
+    assert not torch.distributed.is_initialized()
+    x = torch.tensor([1.0, 3.0])
+    assert torch.equal(parallel.all_reduce_mean(x), x)
+    with pytest.raises(ValueError, match="timeout_s"):
+        parallel.init_distributed(timeout_s=0)
+
+
+def test_incomplete_launcher_environment_names_what_is_missing(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match=r"\['MASTER_ADDR', 'MASTER_PORT'\] not set"):
+        parallel.init_distributed()
+
+
+def test_main_process_only_runs_on_rank_zero(monkeypatch, capsys):
+    calls = []
+    fn = parallel.main_process_only(lambda v: calls.append(v) or v)
+    monkeypatch.setenv("RANK", "1")
+    assert fn(5) is None and calls == []
+    parallel.print_main("hidden")
+    monkeypatch.setenv("RANK", "0")
+    assert fn(5) == 5 and calls == [5]
+    parallel.print_main("shown")
+    assert capsys.readouterr().out == "shown\n"
+
+
+def test_wrap_model_rejects_bad_modes():
+    model = torch.nn.Linear(2, 2)
+    assert parallel.wrap_model(model, "none") is model
+    with pytest.raises(ValueError, match="must be one of"):
+        parallel.wrap_model(model, "zero3")
+    with pytest.raises(ValueError, match="needs a process group"):
+        parallel.wrap_model(model, "ddp")
+    with pytest.raises(ValueError, match="2 unrelated copies"):
+        parallel.wrap_model(model, "none", info=parallel.DistInfo(rank=0, world_size=2))
+    assert not parallel.bf16_supported(torch.device("cpu"))
+
+
+def test_single_process_state_dicts_and_tied_weights_round_trip():
+    model = worker.tiny_model()
+    state = parallel.full_state_dict(model)
+    assert state.keys() == model.state_dict().keys()
+    stored = {k: v.clone() for k, v in state.items() if k != "lm_head.weight"}  # tied: stored once
+    other = worker.tiny_model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    parallel.load_full_state_dict(other, stored)
+    for key, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value), key
+    assert other.lm_head.weight is other.tok_emb.weight
+    assert parallel.unwrap(model) is model
+
+
+def test_sync_gradients_is_a_no_op_for_a_plain_model():
+    model = torch.nn.Linear(3, 1)
+    with parallel.sync_gradients(model, sync=False):
+        model(torch.ones(2, 3)).sum().backward()
+    assert model.weight.grad is not None
+
+
+def test_rank_failure_guard_converts_backend_errors_only():
+    with pytest.raises(parallel.RankFailureError, match="rank 0 of 1: a collective operation failed"):
+        with parallel.rank_failure_guard(parallel.DistInfo()):
+            raise torch.distributed.DistBackendError("Connection closed by peer")
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        with parallel.rank_failure_guard(parallel.DistInfo()):
+            raise RuntimeError("shape mismatch")
