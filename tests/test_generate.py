@@ -284,3 +284,92 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
                              do_sample=False, max_new_tokens=24, pad_token_id=0)[0, 5:].tolist()
     got = generate(ours, prompt, SampleConfig(temperature=0, max_new_tokens=24)).tokens[0]
     assert got == expected
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+MERGES = [(b"t", b"h"), (b"th", b"e"), (b" ", b"c"), (b" c", b"a"), (b" ca", b"t"), (b"e", b"l"),
+          (b"el", b"l"), (b"ell", b"o"), (b"H", b"ello"), (b" ", b"w"), (b"o", b"r")]
+
+
+def small_tokenizer():
+    """256 bytes + a few merges + <|endoftext|>: fast to build, save and load."""
+    from logitlab.tokenizer import Tokenizer
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    for a, b in MERGES:
+        vocab[len(vocab)] = a + b
+    return Tokenizer(vocab, MERGES, special_tokens=["<|endoftext|>"])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small random GPT-2 in a Hugging Face directory with a tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("logitlab.hf", reason="logitlab.hf (Hugging Face import) is not available")
+    tok = small_tokenizer()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=128, n_embd=32, n_layer=2, n_head=4,
+                                  initializer_range=0.3, eos_token_id=tok.eot_id, bos_token_id=tok.eot_id)
+    d = tmp_path_factory.mktemp("hf")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    tok.save_hf(d / "tokenizer.json")
+    return d
+
+
+def _cli_json(capsys, argv):
+    import json
+
+    from logitlab.cli import main
+
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_generate_streams_and_stops(hf_dir, capsys):
+    from logitlab.cli import main
+    from logitlab.hf import load_pretrained
+    from logitlab.tokenizer import Tokenizer
+
+    out = _cli_json(capsys, ["generate", "--hf", str(hf_dir), "Hello, world", "--temperature", "0",
+                             "--max-new-tokens", "12", "--json"])
+    model = load_pretrained(hf_dir)
+    tok = Tokenizer.from_hf(hf_dir / "tokenizer.json")
+    ids = tok.encode("Hello, world")
+    assert out["prompt_ids"] == ids
+    expect = generate(model, ids, SampleConfig(temperature=0, max_new_tokens=12), eot_id=tok.eot_id).tokens[0]
+    assert out["ids"] == expect and out["text"] == tok.decode(expect)
+    assert out["stop_reason"] in ("max_new_tokens", "eot") and out["decode_tokens_per_second"] > 0
+    # ASCII only (bytes 128-255 banned), then a stop string from the middle: the text ends before it
+    ascii_only = ["--banned-ids"] + [str(i) for i in range(128, 256)]
+    base = ["generate", "--hf", str(hf_dir), "Hello, world", "--temperature", "0", "--max-new-tokens", "12",
+            "--json"] + ascii_only
+    text = _cli_json(capsys, base)["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    out2 = _cli_json(capsys, base + ["--stop", stop])
+    assert out2["stop_reason"] == "stop_sequence" and out2["text"] == text[:text.index(stop)]
+    # streaming mode prints the prompt, the text and the timings line
+    assert main(["generate", "--hf", str(hf_dir), "Hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("Hi") and "tok/s" in printed and "stop: max_new_tokens" in printed
+
+
+def test_cli_checkpoint_dir_and_chat(hf_dir, tmp_path, capsys, monkeypatch):
+    import io
+
+    from logitlab import checkpoint
+    from logitlab.cli import main
+    from logitlab.hf import load_pretrained
+
+    d = tmp_path / "model"
+    checkpoint.save_model(load_pretrained(hf_dir), d)
+    small_tokenizer().save(d / checkpoint.TOKENIZER_FILE)
+    argv = ["Hello, world", "--temperature", "0", "--max-new-tokens", "6", "--json"]
+    a = _cli_json(capsys, ["generate", "--checkpoint", str(d)] + argv)
+    b = _cli_json(capsys, ["generate", "--hf", str(hf_dir)] + argv)
+    assert a["ids"] == b["ids"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n/reset\nAgain\n"))
+    assert main(["chat", "--checkpoint", str(d), "--max-new-tokens", "5", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("you> ") == 4 and out.count("tok/s") == 2
+    assert main(["generate", "--hf", str(tmp_path), "x"]) == 2  # no model there: a clean error

@@ -105,3 +105,30 @@ def test_embedding_neighbours_by_cosine(model):
     assert [n.id for n in embedding_neighbours(model, 5, k=4)] == torch.topk(cos, 4).indices.tolist()
     with pytest.raises(ValueError, match="token id 61"):
         embedding_neighbours(model, 61)
+
+
+def test_cli_inspect_json(tmp_path, capsys):
+    import json
+
+    from logitlab import checkpoint
+    from logitlab.cli import main
+    from tests.test_generate import small_tokenizer
+
+    tok = small_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2,
+                                    n_heads=4))
+    d = tmp_path / "m"
+    checkpoint.save_model(model, d)
+    tok.save(d / checkpoint.TOKENIZER_FILE)
+    assert main(["inspect", "--checkpoint", str(d), "The cat sat", "--lens", "--neighbours", " cat",
+                 "--top-k", "3", "--rows", "5", "--json", "--bos"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ids = [tok.eot_id] + tok.encode("The cat sat")
+    assert out["ids"] == ids
+    assert [r["id"] for r in out["surprisal"]["tokens"]] == ids and out["surprisal"]["scored"] == len(ids) - 1
+    assert len(out["next"]["before"]) == 5 and len(out["next"]["after"]) == 3
+    assert len(out["lens"]) == 3 and out["neighbours"]["id"] == tok.encode(" cat")[0]
+    assert main(["inspect", "--checkpoint", str(d), "The cat", "--neighbours", "two tokens"]) == 2
+    assert main(["inspect", "--checkpoint", str(d), "The cat", "--lens"]) == 0
+    assert "logit lens" in capsys.readouterr().out
