@@ -1,7 +1,404 @@
-"""Subcommands for the train stage (registered by cli.py)."""
+"""Subcommands of the training stage: prepare, train, plot, export, demo (registered by cli.py).
+
+This module turns flags and TOML into TrainConfig / ModelConfig, draws progress bars and tables,
+and strings the library calls together; the work itself lives in data.py, train.py, checkpoint.py
+and hf.py. `logitlab demo` is the README's first command: tokenizer, corpus, model, plot, sample.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+from logitlab import cli
+
+EOT = "<|endoftext|>"
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", nargs="+", metavar="PATH",
+                   help="text files, directories, globs, .jsonl or .parquet (default: the Python stdlib source)")
+    p.add_argument("--text-field", default="text", help=".jsonl field holding the text (default: text)")
+    p.add_argument("--column", default="text", help=".parquet column holding the text (default: text)")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: min(4, CPUs))")
+    p.add_argument("--max-bytes", type=int, default=None, help="stop after about this many characters of text")
+
+
+def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from logitlab import data
+
+    with Progress(TextColumn("tokenizing"), BarColumn(bar_width=None), TextColumn("{task.fields[docs]} docs"),
+                  TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), console=con,
+                  transient=True) as bar:
+        task = bar.add_task("tok", total=None, docs=0, tokens=0)
+        manifest = data.prepare_corpus(args.data, tokenizer, out_dir, val_fraction=args.val_fraction,
+                                       workers=args.workers, text_field=args.text_field, column=args.column,
+                                       max_bytes=args.max_bytes,
+                                       progress=lambda d, t, _c: bar.update(task, docs=d, tokens=t))
+    s = manifest["splits"]
+    con.print(f"prepared {out_dir}: train {s['train']['tokens']:,} tokens / {s['train']['documents']} docs, "
+              f"val {s['val']['tokens']:,} tokens / {s['val']['documents']} docs ({manifest['dtype']})")
+    return manifest
+
+
+def _train_tokenizer(sources, vocab_size: int, max_bytes: int, con):
+    """A BPE tokenizer trained on about `max_bytes` of `sources` (default: spread over the stdlib)."""
+    from logitlab import bpe, data
+
+    files = data.resolve_sources(sources) if sources else data.default_corpus_files()
+    if not sources:  # every k-th stdlib file, so the sample spans the whole library
+        files = [f for f in files if f.stat().st_size < 200_000]
+        step = max(1, sum(f.stat().st_size for f in files) // max(max_bytes, 1))
+        files = files[::step]
+    picked, total = [], 0
+    for f in files:
+        if total >= max_bytes:
+            break
+        picked.append(f)
+        total += f.stat().st_size
+    t0 = time.perf_counter()
+    with con.status(f"training a {vocab_size}-token BPE tokenizer on {total / 1e6:.1f} MB"):
+        tok = bpe.train_tokenizer([str(p) for p in picked], vocab_size, [EOT])
+    con.print(f"tokenizer: {tok.vocab_size} tokens trained on {len(picked)} files "
+              f"({total / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    return tok
+
+
+class _LiveProgress:
+    """The train callback: a rich progress bar (step, loss, val, tok/s, ETA) when the console is
+    interactive, else a line per evaluation."""
+
+    def __init__(self, con, enabled: bool) -> None:
+        self.con, self.enabled, self.bar, self.task = con, enabled and con.is_terminal, None, None
+        self.quiet = not enabled
+
+    def __call__(self, event: str, r: dict) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if event == "start":
+            if not self.quiet:
+                self.con.print(f"training on {r['device']} (autocast {r['amp']}), "
+                               f"{r['tokens_per_step']:,} tokens/step -> {r['run_dir']}")
+            if self.enabled:
+                self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=30),
+                                    TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  "
+                                               "{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+                                    console=self.con)
+                self.bar.start()
+                self.task = self.bar.add_task("train", total=r["steps"], completed=r["step"],
+                                              loss="-", val="-", tps="-")
+        elif event == "step" and self.bar is not None:
+            fields = dict(loss=f"{r['loss']:.3f}", tps=f"{r['tokens_per_s']:,.0f}")
+            if "val_loss" in r:
+                fields["val"] = f"{r['val_loss']:.3f}"
+            self.bar.update(self.task, completed=r["step"], **fields)
+        elif event == "eval" and self.bar is None and not self.quiet:
+            self.con.print(f"step {r['step']}: loss {r['loss']:.4f}, val {r['val_loss']:.4f} "
+                           f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s")
+        elif event == "end":
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool):
+    from logitlab.train import train
+
+    live = _LiveProgress(con, progress)
+    try:
+        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live)
+    finally:
+        live.close()
+    if result.stopped == "signal":
+        con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
+    else:
+        val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+        con.print(f"done: {result.step} steps, loss {result.last_loss:.4f}{val}; checkpoint {result.checkpoint}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# prepare / train
+# --------------------------------------------------------------------------------------------
+
+def cmd_prepare(args) -> int:
+    from logitlab.tokenizer import Tokenizer
+
+    _prepare(args, Tokenizer.load(args.tokenizer), Path(args.out), cli.console())
+    return 0
+
+
+def _model_config(args, table: dict, tokenizer):
+    from logitlab.families import get_preset
+    from logitlab.model import ModelConfig
+
+    preset = args.preset or table.get("preset")
+    base = get_preset(preset).to_dict() if preset else {}
+    merged = {**base, **table.get("model", {})}
+    if tokenizer is not None:
+        merged["vocab_size"] = tokenizer.vocab_size
+    cfg = cli.build_config(ModelConfig, args, merged)
+    if tokenizer is not None and cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size})")
+    return cfg
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    from logitlab.model import ModelConfig, Transformer
+    from logitlab.tokenizer import Tokenizer
+    from logitlab.train import TrainConfig
+
+    con = cli.console()
+    table = cli.read_toml(args.config) if args.config else {}
+    if args.resume:  # the run's own configs, with typed flags overriding (e.g. --steps)
+        run = json.loads((Path(args.resume) / "run.json").read_text())
+        train_cfg = cli.build_config(TrainConfig, args, run["train"], out_dir=str(args.resume))
+        model_cfg = ModelConfig.from_dict(run["model"])
+        tok_file = Path(args.resume) / "tokenizer.logitlab.json"
+        tokenizer = Tokenizer.load(tok_file) if tok_file.is_file() else None
+        torch.manual_seed(train_cfg.seed)
+        return 0 if _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True) else 1
+    train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))  # validated before any work
+    tokenizer_path = args.tokenizer or table.get("tokenizer")
+    out = Path(train_cfg.out_dir)
+    if train_cfg.data_dir:
+        from logitlab.data import read_manifest
+
+        read_manifest(train_cfg.data_dir)
+        tokenizer_path = tokenizer_path or Path(train_cfg.data_dir) / "tokenizer.logitlab.json"
+    tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
+    if tokenizer is None:
+        tokenizer = _train_tokenizer(args.data, args.tokenizer_vocab, args.tokenizer_bytes, con)
+    model_cfg = _model_config(args, table, tokenizer)
+    if (out / "run.json").exists():
+        raise ValueError(f"{out} already holds a run; use --resume {out} or another --out-dir")
+    if not train_cfg.data_dir:
+        _prepare(args, tokenizer, out / "data", con)
+        train_cfg = dataclasses.replace(train_cfg, data_dir=str(out / "data"))
+    torch.manual_seed(train_cfg.seed)
+    model = Transformer(model_cfg)
+    n = sum(p.numel() for p in model.parameters())
+    con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
+              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
+    _run_training(model, train_cfg, tokenizer, con, args.progress, False)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# plot / export
+# --------------------------------------------------------------------------------------------
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """PNG of train/val loss, learning rate and gradient norm from RUN/metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no records yet")
+    steps = [r["step"] for r in rows]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    axes[0].plot(steps, [r["loss"] for r in rows], label="train", lw=1)
+    if val:
+        axes[0].plot(*zip(*val), "o-", label="validation")
+    axes[0].set_ylabel("loss (nats/token)")
+    axes[0].legend()
+    axes[1].plot(steps, [r["lr"] for r in rows])
+    axes[1].set_ylabel("learning rate")
+    axes[2].plot(steps, [r["grad_norm"] for r in rows], lw=1)
+    axes[2].set_ylabel("grad norm (pre-clip)")
+    axes[2].set_xlabel("step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(Path(run_dir).resolve().name)
+    fig.tight_layout()
+    out = Path(out) if out else Path(run_dir) / "loss.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def cmd_plot(args) -> int:
+    out = plot_run(args.run_dir, args.out)
+    cli.console().print(f"wrote {out}")
+    return 0
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
+    """Model (hf.save_pretrained) + tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+    so transformers' AutoModelForCausalLM and AutoTokenizer load the directory."""
+    from logitlab import hf
+    from logitlab.checkpoint import load_for_inference
+
+    model, tokenizer = load_for_inference(run_dir, which)
+    out = hf.save_pretrained(model, out_dir)
+    if tokenizer is not None:
+        tokenizer.save_hf(out / "tokenizer.json")
+        special = {}
+        if tokenizer.eot_id is not None:
+            special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
+        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.context_length,
+                   "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
+def cmd_export(args) -> int:
+    out = export_hf(args.run_dir, args.hf, args.which)
+    cli.console().print(f"wrote {out} (AutoModelForCausalLM / AutoTokenizer)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# demo
+# --------------------------------------------------------------------------------------------
+
+# (tokenizer vocab, tokenizer bytes, corpus chars, model fields, train fields)
+_DEMO = {
+    "full": dict(vocab=4096, tok_bytes=1_500_000, corpus=12_000_000,
+                 model=dict(context_length=128, d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, d_ff=512),
+                 train=dict(steps=600, batch_size=16, lr=2e-3, warmup_steps=30, eval_every=100,
+                            eval_tokens=32768)),
+    "quick": dict(vocab=512, tok_bytes=150_000, corpus=600_000,
+                  model=dict(context_length=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192),
+                  train=dict(steps=60, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=20, eval_tokens=4096)),
+}
+DEMO_PROMPT = "def main(argv=None):\n    "
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from logitlab.families import get_preset
+    from logitlab.model import Transformer
+    from logitlab.train import TrainConfig
+
+    con = cli.console()
+    spec = _DEMO["quick" if args.quick else "full"]
+    out = Path(args.out)
+    if out.exists():
+        if not (out / "demo.json").is_file():
+            raise ValueError(f"{out} exists and is not a demo run directory; choose another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "demo.json").write_text(json.dumps({"quick": args.quick, **spec}, indent=2) + "\n")
+    t0 = time.perf_counter()
+    tok = _train_tokenizer(None, spec["vocab"], spec["tok_bytes"], con)
+    ns = argparse.Namespace(data=None, text_field="text", column="text", val_fraction=0.01, workers=args.workers,
+                            max_bytes=spec["corpus"])
+    _prepare(ns, tok, out / "data", con)
+    model_cfg = dataclasses.replace(get_preset("tiny"), vocab_size=tok.vocab_size, **spec["model"])
+    train_cfg = TrainConfig(data_dir=str(out / "data"), out_dir=str(out), seed=args.seed, **spec["train"])
+    torch.manual_seed(train_cfg.seed)
+    model = Transformer(model_cfg)
+    con.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters "
+              f"(L={model_cfg.n_layers}, D={model_cfg.d_model}, V={model_cfg.vocab_size}, T={model_cfg.context_length})")
+    result = _run_training(model, train_cfg, tok, con, args.progress, False)
+    png = plot_run(out)
+    model.eval()
+    _show_sample(model, tok, args.prompt, con, seed=args.seed)
+    wall = time.perf_counter() - t0
+    ln_v = math.log(tok.vocab_size)
+    summary = {"val_loss": result.val_loss, "ln_V": ln_v, "wall_s": wall, "steps": result.step}
+    (out / "demo.json").write_text(json.dumps({"quick": args.quick, **spec, "result": summary}, indent=2) + "\n")
+    con.print(f"\nvalidation loss {result.val_loss:.3f} nats/token (uniform guess: ln V = {ln_v:.3f}); "
+              f"total wall time {wall:.0f} s. Run directory: {out} (loss plot {png})")
+    con.print(f"next: logitlab generate {out} --prompt '...'   |   logitlab export {out} --hf {out}/hf")
+    return 0
+
+
+def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
+    """A sampled continuation of `prompt` and the top next-token probabilities after it."""
+    import torch
+    from rich.table import Table
+
+    from logitlab.generate import SampleConfig, generate
+
+    ids = tok.encode_ordinary(prompt)
+    result = generate(model, ids, SampleConfig(max_new_tokens=60, temperature=0.8, top_k=50, seed=seed),
+                      eot_id=tok.eot_id)
+    con.print("\n[bold]sample[/bold] (temperature 0.8, top-k 50):")
+    con.print(prompt + tok.decode(result.tokens[0]), markup=False)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([ids]))[0, -1].float(), dim=-1)  # (V,)
+    values, order = torch.topk(probs, 10)
+    table = Table(title=f"next-token probabilities after {prompt!r}")
+    table.add_column("id", justify="right")
+    table.add_column("token")
+    table.add_column("p", justify="right")
+    for p, i in zip(values.tolist(), order.tolist()):
+        table.add_row(str(i), repr(tok.decode([i])), f"{p:.3f}")
+    con.print(table)
+
+
+# --------------------------------------------------------------------------------------------
+# registration
+# --------------------------------------------------------------------------------------------
 
 def register(subparsers) -> None:
-    """Add this module's subcommands to `subparsers`."""
+    """Add prepare, train, plot, export and demo to `subparsers`."""
+    from logitlab.model import ModelConfig
+    from logitlab.train import TrainConfig
+
+    p = subparsers.add_parser("prepare", help="tokenize a corpus into train.bin / val.bin + manifest.json")
+    _add_data_flags(p)
+    p.add_argument("--tokenizer", required=True, help="tokenizer file (logitlab JSON)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_prepare)
+
+    p = subparsers.add_parser("train", help="train a model (flags override --config FILE.toml)")
+    p.add_argument("--config", help="TOML file: [train] and [model] tables, optional preset/tokenizer keys")
+    p.add_argument("--preset", help="model preset name (logitlab.families), fields override it")
+    p.add_argument("--tokenizer", help="tokenizer file; default: the data dir's, or train one")
+    p.add_argument("--tokenizer-vocab", type=int, default=4096, help="vocab size when training a tokenizer")
+    p.add_argument("--tokenizer-bytes", type=int, default=2_000_000, help="text used to train it")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL")
+    _add_data_flags(p)
+    cli.add_config_flags(p, TrainConfig)
+    cli.add_config_flags(p, ModelConfig)
+    p.set_defaults(func=cmd_train)
+
+    p = subparsers.add_parser("plot", help="PNG of train/val loss, learning rate and grad norm")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/loss.png)")
+    p.set_defaults(func=cmd_plot)
+
+    p = subparsers.add_parser("export", help="write a Hugging Face directory (model + tokenizer)")
+    p.add_argument("run_dir", help="run directory or checkpoint directory")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR")
+    p.add_argument("--which", choices=["latest", "best"], default="latest")
+    p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser("demo", help="train a tokenizer and a small model on the stdlib, then sample")
+    p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced if a demo)")
+    p.add_argument("--quick", action="store_true", help="a ~30 s version")
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL")
+    p.set_defaults(func=cmd_demo)

@@ -357,7 +357,7 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                             if key in record:
                                 writer.add_scalar(key, record[key], step)
                 emit("step", record)
-                if final or (save_every and step % save_every == 0):
+                if final or stop.signum is not None or (save_every and step % save_every == 0):
                     last_ckpt = save(record.get("val_loss")) or last_ckpt
                 if stop.signum is not None:
                     stopped = "signal"

@@ -1,0 +1,198 @@
+"""train.py: overfitting, exact resume (in process and after kill -9), NaN stop, signals, config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitlab import data
+from logitlab.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from logitlab.model import ModelConfig, Transformer
+from logitlab.tokenizer import Tokenizer
+from logitlab.train import TrainConfig, TrainingDiverged, cross_entropy, cross_entropy_reference, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+        "must be in want of a wife.\n")
+
+
+def byte_tokenizer() -> Tokenizer:
+    return Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|endoftext|>"])
+
+
+def tiny_model(seed: int = 0, **kw) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=257, context_length=32, d_model=48, n_layers=2, n_heads=4, norm="rmsnorm",
+               positions="rope", mlp="swiglu", d_ff=96, bias=False, dropout=0.1)
+    cfg.update(kw)
+    return Transformer(ModelConfig(**cfg))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("corpus")
+    src = tmp / "docs"
+    src.mkdir()
+    for k in range(30):
+        (src / f"{k:02d}.txt").write_text(f"{k}: {TEXT * (1 + k % 3)}")
+    data.prepare_corpus([src], byte_tokenizer(), tmp / "prep", val_fraction=0.1, workers=1)
+    return tmp / "prep"
+
+
+def _cfg(corpus, out, **kw) -> TrainConfig:
+    base = dict(data_dir=str(corpus), out_dir=str(out), steps=12, batch_size=4, seq_len=32, lr=3e-3,
+                warmup_steps=2, eval_every=4, save_every=3, eval_tokens=256, device="cpu", precision="fp32",
+                seed=5, keep_last=10)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_cross_entropy_matches_reference():
+    logits = torch.randn(2, 5, 11, dtype=torch.bfloat16)
+    targets = torch.randint(0, 11, (2, 5))
+    assert float(cross_entropy(logits, targets)) == pytest.approx(float(cross_entropy_reference(logits, targets)),
+                                                                  rel=1e-5)
+
+
+def test_tiny_model_overfits_short_text(tmp_path):
+    src = tmp_path / "one.txt"
+    src.write_text("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs!\n")
+    data.prepare_corpus([src], byte_tokenizer(), tmp_path / "prep", val_fraction=0.0, workers=1)
+    model = tiny_model(dropout=0.0, context_length=64)
+    cfg = _cfg(tmp_path / "prep", tmp_path / "run", steps=150, batch_size=8, seq_len=64, lr=1e-2,
+               warmup_steps=10, eval_every=0, save_every=0, weight_decay=0.0, min_lr=1e-3)
+    result = train(model, cfg)
+    assert result.last_loss < 0.1, result.last_loss
+    assert result.val_loss is None  # no validation documents
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["ckpt-000150"]
+
+
+def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
+    full = train(tiny_model(), _cfg(corpus, tmp_path / "full"))
+    assert full.step == 12
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_6(event, record):
+        if event == "checkpoint" and record["step"] == 6:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(tiny_model(), _cfg(corpus, tmp_path / "part"), callback=crash_after_6)
+    assert latest_checkpoint(tmp_path / "part").name == "ckpt-000006"
+    resumed = train(tiny_model(seed=99), _cfg(corpus, tmp_path / "part"), resume=True)
+    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "part")
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    assert [a[s] for s in range(1, 13)] == [b[s] for s in range(1, 13)]  # exact float equality
+    assert resumed.val_loss == full.val_loss
+    ws_full = load_checkpoint(latest_checkpoint(tmp_path / "full"))
+    assert ws_full["state"]["step"] == 12 and ws_full["state"]["sampler"]["index"] == 12
+
+
+def test_resume_after_kill_9_matches(corpus, tmp_path):
+    run = tmp_path / "killed"
+    script = textwrap.dedent(f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+        torch.set_num_threads({torch.get_num_threads()})
+        from test_train import tiny_model, _cfg
+        from logitlab.train import train
+        from pathlib import Path
+        slow = lambda event, record: time.sleep(0.1) if event == "step" else None
+        train(tiny_model(), _cfg(Path({str(corpus)!r}), Path({str(run)!r}), save_every=1, steps=20), callback=slow)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (run / "ckpt-000005").is_dir():
+            assert proc.poll() is None, "training subprocess ended early"
+            time.sleep(0.05)
+        time.sleep(0.17)  # land somewhere inside a later step or save
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    ckpts = list_checkpoints(run)
+    assert ckpts and ckpts[-1].name >= "ckpt-000005"
+    for c in ckpts:  # every complete checkpoint loads
+        load_checkpoint(c, tiny_model(), None)
+    killed_at = load_checkpoint(ckpts[-1])["state"]["step"]
+    assert killed_at < 20
+    cfg_full = _cfg(corpus, tmp_path / "full", save_every=1, steps=20)
+    train(tiny_model(), cfg_full)
+    train(tiny_model(seed=3), _cfg(corpus, run, save_every=1, steps=20), resume=True)
+    a, b = _losses(tmp_path / "full"), _losses(run)
+    assert [a[s] for s in range(1, 21)] == [b[s] for s in range(1, 21)]
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(corpus, tmp_path):
+    model = tiny_model()
+
+    def poison(event, record):
+        if event == "step" and record["step"] == 3:
+            with torch.no_grad():
+                model.blocks[0].attn.q_proj.weight.fill_(float("nan"))
+
+    with pytest.raises(TrainingDiverged, match="at step 4") as info:
+        train(model, _cfg(corpus, tmp_path / "run", save_every=2), callback=poison)
+    assert "ckpt-000002" in str(info.value)
+    good = latest_checkpoint(tmp_path / "run")
+    assert good.name == "ckpt-000002"
+    fresh = tiny_model()
+    load_checkpoint(good, fresh)
+    assert all(torch.isfinite(p).all() for p in fresh.parameters())
+
+
+def test_sigterm_saves_a_checkpoint_and_returns(corpus, tmp_path):
+    def term(event, record):
+        if event == "step" and record["step"] == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = train(tiny_model(), _cfg(corpus, tmp_path / "run", save_every=0), callback=term)
+    assert result.stopped == "signal" and result.step == 5
+    assert latest_checkpoint(tmp_path / "run").name == "ckpt-000005"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def test_grad_accumulation_matches_one_big_batch(corpus, tmp_path):
+    """batch 4 x accum 2 draws batches 0 and 1 of 4 rows; the same rows as one batch of 8 give
+    the same mean gradient (up to float rounding)."""
+    m1, m2 = tiny_model(dropout=0.0), tiny_model(dropout=0.0)
+    s = data.RandomWindows(data.load_tokens(corpus, "train"), 32, 4, seed=1)
+    (x1, y1), (x2, y2) = s.next(), s.next()
+    for x, y in ((x1, y1), (x2, y2)):
+        (cross_entropy(m1(x), y) / 2).backward()
+    cross_entropy(m2(torch.cat([x1, x2])), torch.cat([y1, y2])).backward()
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_config_errors_come_first(corpus, tmp_path):
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TrainConfig(steps=5, warmup_steps=10)
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp8")
+    with pytest.raises(ValueError, match="context_length"):
+        train(tiny_model(), _cfg(corpus, tmp_path / "r", seq_len=64))
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        train(tiny_model(), _cfg(tmp_path / "nowhere", tmp_path / "r"))
+    train(tiny_model(), _cfg(corpus, tmp_path / "r2", steps=2, warmup_steps=1))
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train(tiny_model(), _cfg(corpus, tmp_path / "r2", steps=2, warmup_steps=1))
