@@ -1,0 +1,136 @@
+"""checkpoint.py: model directories, run checkpoints (round trip, pruning, best, inference
+loading) and atomic saves under kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitlab import checkpoint as ck
+from logitlab import runtime
+from logitlab.model import ModelConfig, Transformer
+from logitlab.optim import build_adamw
+from logitlab.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=257, context_length=16, d_model=32, n_layers=2, n_heads=4))
+
+
+def one_step(model, opt):
+    ids = torch.randint(0, 257, (2, 8))
+    model(ids).float().logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_model_dir_round_trip(tmp_path):
+    model = tiny()
+    ck.save_model(model, tmp_path / "m")
+    assert ck.is_logitlab_dir(tmp_path / "m")
+    loaded = ck.load_model(tmp_path / "m")
+    ids = torch.randint(0, 257, (1, 8))
+    assert torch.equal(model(ids), loaded(ids))
+
+
+def test_run_checkpoint_round_trip_restores_everything(tmp_path):
+    model = tiny()
+    opt = build_adamw(model, lr=1e-3)
+    one_step(model, opt)
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|endoftext|>"])
+    runtime.seed_everything(11)
+    rng = runtime.capture_rng_state()
+    expected_draw = torch.rand(3)
+    path = ck.save_checkpoint(tmp_path, 7, model, opt, state={"sampler": {"index": 7}, "val_loss": 2.5},
+                              rng=rng, tokenizer=tok, metrics=[{"step": 7, "loss": 3.0}])
+    assert path.name == "ckpt-000007"
+    assert ck.latest_checkpoint(tmp_path) == path
+    other = tiny(seed=1)
+    opt2 = build_adamw(other, lr=1e-3)
+    loaded = ck.load_checkpoint(path, other, opt2)
+    assert loaded["state"]["step"] == 7 and loaded["state"]["sampler"] == {"index": 7}
+    assert loaded["metrics"] == [{"step": 7, "loss": 3.0}]
+    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)
+    runtime.restore_rng_state(loaded["rng"])
+    assert torch.equal(torch.rand(3), expected_draw)
+    # nothing in the directory needs unpickling of code
+    torch.load(path / ck.OPTIMIZER_FILE, weights_only=True)
+    torch.load(path / ck.RNG_FILE, weights_only=True)
+    m, t = ck.load_for_inference(tmp_path)
+    assert t is not None and t.fingerprint() == tok.fingerprint() and not m.training
+    m2, _ = ck.load_for_inference(path)
+    ids = torch.randint(0, 257, (1, 8))
+    assert torch.equal(m(ids), m2(ids))
+
+
+def test_keep_last_k_plus_best(tmp_path):
+    model = tiny()
+    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: 2.7}
+    for step, loss in losses.items():
+        ck.save_checkpoint(tmp_path, step, model, state={"val_loss": loss}, keep_last=2)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["ckpt-000002", "ckpt-000004", "ckpt-000005"]
+    assert ck.best_checkpoint(tmp_path).name == "ckpt-000002"
+    assert ck.resolve_model_dir(tmp_path, "best").name == "ckpt-000002"
+    assert ck.resolve_model_dir(tmp_path).name == "ckpt-000005"
+
+
+def test_missing_and_half_written_are_ignored_or_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        ck.load_for_inference(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such"):
+        ck.load_for_inference(tmp_path / "nope")
+    (tmp_path / ".ckpt-000009.tmp-abc").mkdir()
+    (tmp_path / "ckpt-000010").mkdir()  # no state.json: not complete
+    assert ck.latest_checkpoint(tmp_path) is None
+
+
+def test_atomic_save_survives_kill_9(tmp_path):
+    """A process saving checkpoints in a loop is killed at an arbitrary instant; every checkpoint
+    directory that exists afterwards loads completely."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        from logitlab.checkpoint import save_checkpoint
+        from logitlab.model import ModelConfig, Transformer
+        from logitlab.optim import build_adamw
+        m = Transformer(ModelConfig(vocab_size=257, context_length=16, d_model=64, n_layers=4, n_heads=4))
+        opt = build_adamw(m, 1e-3)
+        step = 0
+        while True:
+            step += 1
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.fill_(float(step))
+            save_checkpoint({str(tmp_path)!r}, step, m, opt, state={{"val_loss": 1.0 / step}}, keep_last=2)
+            print(step, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):  # a few saves done, then kill at an arbitrary instant
+            proc.stdout.readline()
+        time.sleep(0.037)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.stdout.close()
+    ckpts = ck.list_checkpoints(tmp_path)
+    assert len(ckpts) >= 2
+    for c in ckpts:
+        step = ck.read_state(c)["step"]
+        model = ck.load_model(c)
+        assert all(torch.all(p == step) for p in model.parameters()), c
+        ck.load_checkpoint(c, model, build_adamw(model, 1e-3))
