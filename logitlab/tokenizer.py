@@ -1,0 +1,453 @@
+"""Text <-> token ids: split patterns, special tokens and the byte-level BPE `Tokenizer`.
+
+This module owns encoding and decoding. Learning merges lives in bpe.py; reading and writing
+file formats (logitlab JSON, GPT-2 vocab.json + merges.txt, Hugging Face tokenizer.json,
+tiktoken rank files) lives in tokenizer_formats.py.
+
+Id layout. A tokenizer we train puts the 256 byte values at ids 0..255 (id == byte value), one
+id per merge after them in learned order (256, 257, ...), and the special tokens last, in the
+order given. This is GPT-2's own layout (its <|endoftext|> is 50256), so token ids are also
+tiktoken ranks. Loaded vocabularies keep the ids their files give (GPT-2's byte tokens, for
+example, are not in byte order).
+
+Encoding. Text is first cut at special tokens (leftmost match; at one position the longest
+special token wins), then each piece is split by the pre-tokenization regex, and each
+pre-token's UTF-8 bytes are merged by BPE. Two encoders give the same ids:
+
+* the reference path (`encode(..., fast=False)`): replays merges, lowest rank first, exactly as
+  training learned them, with a cache of already-encoded pre-tokens;
+* the fast path (default): tiktoken's Rust core built from the same ranks. tiktoken merges the
+  adjacent pair whose *concatenation* has the lowest rank, which equals replaying merges only
+  when the vocabulary is consistent: merge results are distinct byte strings whose ids grow with
+  merge order, and every token's own bytes encode to that single token. `Tokenizer` checks this
+  when it is built (`fast_path_ok`) and uses the reference path when the check fails.
+
+Special tokens: `encode(text)` turns every special-token string into its id
+(`allowed_special="all"`, the default). For untrusted text use `encode_ordinary(text)` or
+`encode(text, allowed_special="none")`: special-token strings are then ordinary text.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from collections.abc import Iterable, Iterator
+
+import regex
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
+                  r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PATTERNS = {"gpt2": GPT2_PATTERN, "cl100k": CL100K_PATTERN}
+
+# The same two patterns for pure-ASCII text, spelled for the standard `re` module, which runs
+# them about twice as fast as `regex`. On ASCII, \p{L} is [A-Za-z], \p{N} is [0-9] and `regex`'s
+# \s is [\t\n\v\f\r ] (`re`'s \s would add \x1c-\x1f, hence the explicit classes).
+_W, _NW = r"[\t\n\x0b\x0c\r ]", r"[^\t\n\x0b\x0c\r ]"
+ASCII_PATTERNS = {
+    GPT2_PATTERN: rf"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\t\n\x0b\x0c\r A-Za-z0-9]+"""
+                  rf"""|{_W}+(?!{_NW})|{_W}+""",
+    CL100K_PATTERN: rf"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{{1,3}}"""
+                    rf"""| ?[^\t\n\x0b\x0c\r A-Za-z0-9]+[\r\n]*|{_W}*[\r\n]+|{_W}+(?!{_NW})|{_W}+""",
+}
+
+# A position where no pre-token of the GPT-2 or cl100k pattern can continue across: before a
+# single space between two non-spaces, or after a newline that precedes a non-space. Used to cut
+# long text into independent pieces (encode_iterable, parallel training).
+SAFE_CUT = regex.compile(r"(?r)(?<=\S) (?=\S)|(?<=\n)(?=\S)")
+_REFERENCE_CACHE_LIMIT = 100_000  # encoded pre-tokens kept by the reference path
+
+
+def resolve_pattern(pattern: str) -> str:
+    """A pattern name ("gpt2", "cl100k") or a regex -> the regex (compiled once to check it)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"pattern must be 'gpt2', 'cl100k' or a non-empty regex, got {pattern!r}")
+    text = PATTERNS.get(pattern, pattern)
+    try:
+        regex.compile(text)
+    except regex.error as exc:
+        raise ValueError(f"pattern {pattern!r} is not a valid regex: {exc}") from exc
+    return text
+
+
+def pretokenizer(pattern: str):
+    """text -> list of pre-tokens for a resolved pattern (ASCII text takes the `re` fast lane)."""
+    full = regex.compile(pattern).findall
+    ascii_pattern = ASCII_PATTERNS.get(pattern)
+    if ascii_pattern is None:
+        return full
+    fast = re.compile(ascii_pattern).findall
+
+    def split(text: str) -> list[str]:
+        return fast(text) if text.isascii() else full(text)
+
+    return split
+
+
+def pattern_name(pattern: str) -> str | None:
+    """The name of a built-in pattern ("gpt2", "cl100k"), or None for a custom regex."""
+    for name, text in PATTERNS.items():
+        if pattern in (name, text):
+            return name
+    return None
+
+
+def special_regex(specials: Iterable[str]) -> regex.Pattern | None:
+    """Alternation of escaped special tokens, longest first, so the longest one wins at a position."""
+    items = sorted(set(specials), key=lambda s: (-len(s), s))
+    if not items:
+        return None
+    return regex.compile("|".join(regex.escape(s) for s in items))
+
+
+def check_special_tokens(specials: Iterable[str]) -> list[str]:
+    out = []
+    for s in specials:
+        if not isinstance(s, str) or s == "":
+            raise ValueError(f"special tokens must be non-empty strings, got {s!r}")
+        if s not in out:
+            out.append(s)
+    return out
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer: `Tokenizer(vocab, merges, special_tokens=None, pattern="gpt2")`.
+
+    vocab: id -> bytes for the 256 single bytes, every merge result and (optionally) the special
+    tokens' UTF-8 bytes. merges: (left bytes, right bytes) in learned order (rank = index).
+    special_tokens: a list of strings (ids looked up in `vocab` by their bytes among entries that
+    are neither bytes nor merge results, or else appended after the last id) or a dict str -> id.
+    pattern: "gpt2" (default), "cl100k" or any regex.
+    """
+
+    def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
+                 special_tokens: Iterable[str] | dict[str, int] | None = None, pattern: str = "gpt2"):
+        self.pattern = resolve_pattern(pattern)
+        self.pattern_name = pattern_name(self.pattern)
+        self._split = pretokenizer(self.pattern)
+        self.merges = [(bytes(a), bytes(b)) for a, b in merges]
+        vocab = {int(i): bytes(t) for i, t in vocab.items()}
+        # The ordinary tokens: the 256 bytes and each merge result.
+        ordinary = {bytes([b]) for b in range(256)} | {a + b for a, b in self.merges}
+        encoder: dict[bytes, int] = {}
+        others: dict[int, bytes] = {}
+        for i, tok in sorted(vocab.items()):
+            if i < 0:
+                raise ValueError(f"vocab id {i} is negative")
+            if tok in ordinary and tok not in encoder:
+                encoder[tok] = i
+            else:
+                others[i] = tok
+        missing = sorted(ordinary - encoder.keys())
+        if missing:
+            raise ValueError(f"vocab lacks {len(missing)} byte/merge token(s), e.g. {missing[0]!r}")
+        specials = self._place_specials(special_tokens, others, len(vocab) and max(vocab) + 1)
+        used = set(encoder.values())
+        clash = [i for i in specials.values() if i in used]
+        if clash:
+            raise ValueError(f"special token id {clash[0]} is already an ordinary token's id")
+        self._encoder = encoder
+        self._decoder: dict[int, bytes] = {i: t for t, i in encoder.items()}
+        self._special = specials
+        self._special_decoder = {i: s.encode("utf-8") for s, i in specials.items()}
+        all_ids = set(self._decoder) | set(self._special_decoder)
+        self.vocab_size = max(all_ids) + 1
+        gaps = self.vocab_size - len(all_ids)
+        if gaps:
+            first = next(i for i in range(self.vocab_size) if i not in all_ids)
+            raise ValueError(f"vocab ids must run 0..{self.vocab_size - 1} without gaps; id {first} is missing")
+        self._byte_ids = [encoder[bytes([b])] for b in range(256)]
+        # (left id, right id) -> (rank, merged id): the reference path's merge table.
+        self._ranks: dict[tuple[int, int], tuple[int, int]] = {}
+        for rank, (a, b) in enumerate(self.merges):
+            self._ranks.setdefault((encoder[a], encoder[b]), (rank, encoder[a + b]))
+        self._special_re = special_regex(specials)
+        self._cache: dict[str, list[int]] = {}
+        self.fast_path_ok = self._consistent_for_tiktoken()
+        self._tiktoken = None
+
+    # ---------------------------------------------------------------- construction details
+    @staticmethod
+    def _place_specials(special_tokens, others: dict[int, bytes], next_id: int) -> dict[str, int]:
+        if special_tokens is None:
+            special_tokens = []
+        if isinstance(special_tokens, dict):
+            check_special_tokens(special_tokens)
+            specials = {s: int(i) for s, i in special_tokens.items()}
+        else:
+            specials = {}
+            by_bytes = {t: i for i, t in sorted(others.items(), reverse=True)}
+            for s in check_special_tokens(special_tokens):
+                i = by_bytes.get(s.encode("utf-8"))
+                if i is None:
+                    i, next_id = next_id, next_id + 1
+                specials[s] = i
+        for i, tok in others.items():
+            if i not in specials.values():
+                raise ValueError(f"vocab id {i} ({tok!r}) is neither a byte, a merge result "
+                                 f"nor a special token")
+        if len(set(specials.values())) != len(specials):
+            raise ValueError(f"special tokens share ids: {specials}")
+        return specials
+
+    def _consistent_for_tiktoken(self) -> bool:
+        """True when merging by rank of the concatenation (tiktoken) equals replaying merges."""
+        last = -1
+        seen: set[bytes] = set()
+        for a, b in self.merges:
+            ab = a + b
+            i = self._encoder[ab]
+            if ab in seen or i <= last or self._encoder[a] >= i or self._encoder[b] >= i:
+                return False  # duplicate result, ids out of merge order, or a part made later
+            seen.add(ab)
+            last = i
+        # Every token's own bytes must replay to that single token.
+        return all(self._bpe(tok) == [i] for tok, i in self._encoder.items() if len(tok) > 1)
+
+    def _fast(self):
+        if self._tiktoken is None:
+            import tiktoken
+
+            self._tiktoken = tiktoken.Encoding(
+                f"logitlab-{self.fingerprint()}", pat_str=self.pattern,
+                mergeable_ranks=dict(self._encoder), special_tokens=dict(self._special))
+        return self._tiktoken
+
+    # ---------------------------------------------------------------- look-ups
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special)
+
+    @property
+    def eot_id(self) -> int | None:
+        return self._special.get("<|endoftext|>")
+
+    @property
+    def vocab(self) -> dict[int, bytes]:
+        """id -> bytes for every id (special tokens as their UTF-8 bytes)."""
+        return {**self._decoder, **self._special_decoder}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        try:
+            return self._decoder[token_id]
+        except (KeyError, TypeError):
+            if token_id in self._special_decoder:
+                return self._special_decoder[token_id]
+            raise ValueError(f"token id {token_id!r} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})") from None
+
+    id_to_token = token_bytes
+
+    def token_to_id(self, token: bytes | str) -> int:
+        if isinstance(token, str):
+            if token in self._special:
+                return self._special[token]
+            token = token.encode("utf-8")
+        if token in self._encoder:
+            return self._encoder[token]
+        raise ValueError(f"token {token!r} is not in the vocabulary")
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_decoder
+
+    # ---------------------------------------------------------------- encoding
+    def _bpe(self, data: bytes) -> list[int]:
+        """Replay merges on one pre-token's bytes: merge the lowest-rank pair, all occurrences
+        left to right, until no adjacent pair is a merge."""
+        parts = [self._byte_ids[b] for b in data]
+        ranks = self._ranks
+        while len(parts) > 1:
+            best = min(zip(parts, parts[1:]), key=lambda p: ranks.get(p, (1 << 62,))[0])
+            hit = ranks.get(best)
+            if hit is None:
+                break
+            new_id, out, i, n = hit[1], [], 0, len(parts)
+            while i < n:
+                if i + 1 < n and parts[i] == best[0] and parts[i + 1] == best[1]:
+                    out.append(new_id)
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            parts = out
+        return parts
+
+    def _encode_plain_reference(self, text: str, out: list[int]) -> None:
+        cache = self._cache
+        for piece in self._split(text):
+            ids = cache.get(piece)
+            if ids is None:
+                ids = self._bpe(_utf8(piece))
+                if len(cache) >= _REFERENCE_CACHE_LIMIT:
+                    cache.clear()
+                cache[piece] = ids
+            out.extend(ids)
+
+    def _allowed(self, allowed_special) -> set[str]:
+        if allowed_special == "all":
+            return set(self._special)
+        if allowed_special in ("none", None):
+            return set()
+        allowed = set(allowed_special)
+        unknown = allowed - self._special.keys()
+        if unknown:
+            raise ValueError(f"allowed_special names unknown special tokens: {sorted(unknown)}")
+        return allowed
+
+    def encode(self, text: str, allowed_special: str | Iterable[str] = "all", fast: bool | None = None) -> list[int]:
+        """Text -> ids. allowed_special: "all" (default: special-token strings become their ids),
+        "none" (untrusted text: they are ordinary text) or a set of special-token strings.
+        fast: None/True -> tiktoken core when the vocabulary allows it; False -> reference path."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode expects str, got {type(text).__name__}")
+        allowed = self._allowed(allowed_special)
+        use_fast = self.fast_path_ok and fast is not False
+        if use_fast and not _prefix_overlap(allowed):
+            return self._fast().encode(text, allowed_special=allowed, disallowed_special=())
+        out: list[int] = []
+        for piece, special in self._split_special(text, allowed):
+            if special is not None:
+                out.append(special)
+            elif use_fast:
+                out.extend(self._fast().encode_ordinary(piece))
+            else:
+                self._encode_plain_reference(piece, out)
+        return out
+
+    def encode_ordinary(self, text: str, fast: bool | None = None) -> list[int]:
+        """Encode untrusted text: special-token strings are ordinary text."""
+        return self.encode(text, allowed_special="none", fast=fast)
+
+    def _split_special(self, text: str, allowed: set[str]) -> Iterator[tuple[str, int | None]]:
+        rx = self._special_re if allowed == set(self._special) else special_regex(allowed)
+        start = 0
+        if rx is not None:
+            for m in rx.finditer(text):
+                if m.start() > start:
+                    yield text[start:m.start()], None
+                yield "", self._special[m.group()]
+                start = m.end()
+        if start < len(text):
+            yield text[start:], None
+
+    def encode_iterable(self, iterable: Iterable[str], allowed_special="all", fast: bool | None = None,
+                        chunk_chars: int = 1 << 16) -> Iterator[int]:
+        """Lazily encode a stream of strings (e.g. an open file's lines) in bounded memory.
+
+        Text is buffered until about `chunk_chars` characters, then cut at the last position no
+        pre-token crosses (SAFE_CUT, outside any special token) and the part before it is encoded.
+        The ids equal `encode("".join(iterable))` for the gpt2 and cl100k patterns."""
+        pending: list[str] = []
+        size = 0
+        for text in iterable:
+            pending.append(text)
+            size += len(text)
+            if size < chunk_chars:
+                continue
+            buf = "".join(pending)
+            cut = self._safe_cut(buf)
+            if cut > 0:
+                yield from self.encode(buf[:cut], allowed_special, fast)
+                buf = buf[cut:]
+            pending, size = [buf], len(buf)
+        if pending:
+            yield from self.encode("".join(pending), allowed_special, fast)
+
+    def _safe_cut(self, buf: str) -> int:
+        return find_safe_cut(buf, self._special_re)
+
+    # ---------------------------------------------------------------- decoding
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Yield text as soon as it is valid UTF-8; a character split across tokens waits."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for i in ids:
+            piece = decoder.decode(self.token_bytes(i))
+            if piece:
+                yield piece
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield tail
+
+    # ---------------------------------------------------------------- formats
+    def fingerprint(self) -> str:
+        from logitlab.tokenizer_formats import fingerprint
+
+        return fingerprint(self)
+
+    def save(self, path) -> None:
+        """logitlab's JSON (bytes as hex, lossless) plus a readable `.vocab` listing beside it."""
+        from logitlab.tokenizer_formats import save_logitlab
+
+        save_logitlab(self, path)
+
+    @classmethod
+    def load(cls, path) -> Tokenizer:
+        from logitlab.tokenizer_formats import load_logitlab
+
+        return load_logitlab(cls, path)
+
+    @classmethod
+    def from_gpt2_files(cls, vocab_json, merges_txt) -> Tokenizer:
+        from logitlab.tokenizer_formats import load_gpt2
+
+        return load_gpt2(cls, vocab_json, merges_txt)
+
+    def save_hf(self, path) -> None:
+        from logitlab.tokenizer_formats import save_hf
+
+        save_hf(self, path)
+
+    @classmethod
+    def from_hf(cls, path) -> Tokenizer:
+        from logitlab.tokenizer_formats import load_hf
+
+        return load_hf(cls, path)
+
+    def save_tiktoken(self, path) -> None:
+        from logitlab.tokenizer_formats import save_tiktoken
+
+        save_tiktoken(self, path)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+                f"special_tokens={list(self._special)}, pattern={self.pattern_name or self.pattern!r})")
+
+
+def _utf8(text: str) -> bytes:
+    """UTF-8 bytes; lone surrogates become U+FFFD (as tiktoken does)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+
+
+def find_safe_cut(buf: str, special_re: regex.Pattern | None) -> int:
+    """The last SAFE_CUT position in `buf` that is not inside a special-token match (0: none)."""
+    longest = 0 if special_re is None else len(special_re.pattern)  # >= the longest special token
+    end = len(buf)
+    while True:
+        m = SAFE_CUT.search(buf, 0, end)
+        if m is None:
+            return 0
+        cut, inside = m.start(), None
+        if special_re is not None:
+            for s in special_re.finditer(buf, max(0, cut - longest), min(len(buf), cut + longest)):
+                if s.start() < cut < s.end():
+                    inside = s.start()
+        if inside is None:
+            return cut
+        end = inside
+
+
+def _prefix_overlap(specials: set[str]) -> bool:
+    """True when one special token is a prefix of another: tiktoken's alternation order is then
+    unspecified, so we cut at special tokens ourselves (longest first)."""
+    items = sorted(specials)
+    return any(b.startswith(a) for a, b in zip(items, items[1:]))
