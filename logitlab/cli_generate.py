@@ -332,6 +332,10 @@ def _plain(x):
     return x
 
 
+def _p(p: float) -> str:
+    return f"{p:.4f}" if p >= 1e-3 else f"{p:.2e}"
+
+
 def _print_inspect(report: dict) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -347,27 +351,28 @@ def _print_inspect(report: dict) -> None:
         for r in s.tokens:
             t.add_row(str(r.position), str(r.id), Text(r.text or ""),
                       *(("-",) * 3 if r.probability is None else
-                        (f"{r.probability:.4f}", f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}")))
+                        (_p(r.probability), f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}")))
         out.print(t)
         out.print(f"{s.scored} tokens scored: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
                   f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}")
     n = report["next"]
-    t = Table(title=f"next token after position {n.position} (before | after {n.settings}; {n.kept} kept)")
+    after = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())
+    t = Table(title=f"next token after position {n.position}: before | after {after} ({n.kept} kept)")
     for col in ("rank", "before", "p", "after", "p "):
         t.add_column(col, justify="left" if col in ("before", "after") else "right")
     for rank in range(max(len(n.before), len(n.after))):
         b = n.before[rank] if rank < len(n.before) else None
         a = n.after[rank] if rank < len(n.after) else None
-        t.add_row(str(rank + 1), Text(b.text if b else ""), f"{b.probability:.4f}" if b else "",
-                  Text(a.text if a else ""), f"{a.probability:.4f}" if a else "")
+        t.add_row(str(rank + 1), Text(b.text if b else ""), _p(b.probability) if b else "",
+                  Text(a.text if a else ""), _p(a.probability) if a else "")
     out.print(t)
     if "lens" in report:
         t = Table(title=f"logit lens at position {n.position} (layer 0 = embeddings)")
         for col in ("layer", "top token", "p", "p(actual next)"):
             t.add_column(col, justify="left" if col == "top token" else "right")
         for e in report["lens"]:
-            t.add_row(str(e.layer), Text(e.top[0].text or ""), f"{e.top[0].probability:.4f}",
-                      "-" if e.target_probability is None else f"{e.target_probability:.4f}")
+            t.add_row(str(e.layer), Text(e.top[0].text or ""), _p(e.top[0].probability),
+                      "-" if e.target_probability is None else _p(e.target_probability))
         out.print(t)
     if "neighbours" in report:
         nb = report["neighbours"]

@@ -1,0 +1,147 @@
+"""Generation speed: logitlab's prefill/decode loop vs transformers' generate, side by side.
+
+Both sides get the same random weights (logitlab model -> logitlab.hf.save_pretrained ->
+transformers.AutoModelForCausalLM.from_pretrained), the same prompts (B x 32 random ids, no
+padding) and greedy decoding with a KV cache; neither is compiled. Each side is measured the
+same way from outside: prefill = the time to generate 1 token, decode tokens/s =
+B x (N - 1) / (time to generate N tokens - prefill). Runs alternate (ours, peer, ours, peer)
+after a warm-up; ratios are peer time / our time per pair (> 1: logitlab faster).
+
+    python3 -m bench.generate            # GPT-2-small shape and a small Llama, B 1 and 8, fp32 and bf16
+    python3 -m bench.generate --quick    # fewer points and tokens, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from bench.common import command_line, machine_info, markdown_table, update_doc_section, write_results
+from logitlab.generate import SampleConfig, generate
+from logitlab.hf import save_pretrained
+from logitlab.model import ModelConfig, Transformer
+
+SHAPES = {
+    "gpt2-small": ModelConfig(vocab_size=50257, context_length=1024, d_model=768, n_layers=12, n_heads=12),
+    "llama-small": ModelConfig(vocab_size=8192, context_length=1024, d_model=384, n_layers=6, n_heads=6,
+                               n_kv_heads=2, d_ff=1024, norm="rmsnorm", mlp="swiglu", positions="rope",
+                               bias=False, tie_embeddings=False),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build(shape: str, dtype: torch.dtype):
+    """(logitlab model, transformers model) holding the same random weights, in eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    ours = Transformer(SHAPES[shape]).eval()
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(ours, d)
+        peer = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+    peer.generation_config.eos_token_id = None
+    peer.generation_config.pad_token_id = 0
+    return ours.to(dtype), peer
+
+
+def runners(ours, peer, prompts: torch.Tensor):
+    """n -> a callable generating n tokens per row, for each side."""
+    rows = prompts.tolist()
+    mask = torch.ones_like(prompts)
+
+    def run_ours(n):
+        return lambda: generate(ours, rows, SampleConfig(temperature=0, max_new_tokens=n))
+
+    def run_peer(n):
+        return lambda: peer.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                     min_new_tokens=n)
+
+    return run_ours, run_peer
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn()
+    return time.perf_counter() - t0
+
+
+def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repeats: int) -> dict:
+    ours, peer = build(shape, DTYPES[dtype_name])
+    prompts = torch.randint(0, SHAPES[shape].vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(1))
+    run_ours, run_peer = runners(ours, peer, prompts)
+    run_ours(4)(), run_peer(4)()  # warm-up
+    got = {"ours": {"prefill": [], "total": []}, "peer": {"prefill": [], "total": []}}
+    for _ in range(repeats):  # A B A B
+        for side, run in (("ours", run_ours), ("peer", run_peer)):
+            got[side]["prefill"].append(timed(run(1)))
+            got[side]["total"].append(timed(run(new)))
+    # same tokens on both sides (greedy, same weights), checked once
+    with torch.no_grad():
+        same = run_ours(new)().tokens == run_peer(new)()[:, prompt_len:].tolist()
+    out = dict(shape=shape, dtype=dtype_name, batch=B, prompt=prompt_len, new_tokens=new, same_tokens=same)
+    for side in ("ours", "peer"):
+        pre, tot = got[side]["prefill"], got[side]["total"]
+        tps = [B * (new - 1) / max(t - p, 1e-9) for p, t in zip(pre, tot)]
+        out[side] = dict(prefill_ms=1e3 * statistics.median(pre), decode_tok_s=statistics.median(tps),
+                         decode_tok_s_all=tps, prefill_s_all=pre, total_s_all=tot)
+    ratios = [a / b for a, b in zip(out["ours"]["decode_tok_s_all"], out["peer"]["decode_tok_s_all"])]
+    out["decode_ratio"] = statistics.median(ratios)
+    out["decode_ratio_min"], out["decode_ratio_max"] = min(ratios), max(ratios)
+    pre_ratios = [p / o for o, p in zip(out["ours"]["prefill_s_all"], out["peer"]["prefill_s_all"])]
+    out["prefill_ratio"] = statistics.median(pre_ratios)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batch 1 only, 32 new tokens, one repeat")
+    ap.add_argument("--repeats", type=int, default=None, help="timed pairs per point (default 3; --quick 1)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens per row (default 128; --quick 32)")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--batches", nargs="*", type=int, default=None, help="batch sizes (default 1 8; --quick 1)")
+    ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    new = args.new_tokens or (32 if args.quick else 128)
+    batches = args.batches or ([1] if args.quick else [1, 8])
+    info = machine_info()
+    results = []
+    for shape in args.shapes:
+        for dtype_name in args.dtypes:
+            for B in batches:
+                r = measure(shape, dtype_name, B, 32, new, repeats)
+                results.append(r)
+                print(f"{shape:12s} {dtype_name} B={B}: decode {r['ours']['decode_tok_s']:8.1f} vs "
+                      f"{r['peer']['decode_tok_s']:8.1f} tok/s  x{r['decode_ratio']:.2f} "
+                      f"({r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f}); prefill "
+                      f"{r['ours']['prefill_ms']:.1f} vs {r['peer']['prefill_ms']:.1f} ms; "
+                      f"same tokens: {r['same_tokens']}", flush=True)
+    write_results("generate", dict(machine=info, command=command_line(), results=results))
+    if not args.no_doc:
+        rows = [[r["shape"], r["dtype"], r["batch"], f"{r['ours']['decode_tok_s']:.1f}",
+                 f"{r['peer']['decode_tok_s']:.1f}",
+                 f"**{r['decode_ratio']:.2f}x** ({r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f})",
+                 f"{r['ours']['prefill_ms']:.1f}", f"{r['peer']['prefill_ms']:.1f}",
+                 "yes" if r["same_tokens"] else "no"] for r in results]
+        table = markdown_table(["shape", "dtype", "B", "logitlab decode tok/s", "transformers decode tok/s",
+                                "decode ratio (min-max)", "logitlab prefill ms", "transformers prefill ms",
+                                "same tokens"], rows)
+        body = (f"Greedy generation with a KV cache, prompt 32 tokens, {new} new tokens per row, no "
+                f"compilation, transformers `generate` as the peer (same weights via `save_pretrained`). "
+                f"Median of {repeats} alternating pair(s) after a warm-up; ratio = logitlab decode tok/s / "
+                f"transformers decode tok/s.\n\n"
+                f"Command: `{command_line()}`  \nMachine: {info['nproc']} CPUs ({info['cpu']}), torch "
+                f"{info['torch']} with {info['torch_threads']} threads, transformers {info['transformers']}, "
+                f"commit {info['commit']}. The machine was shared with other work while this ran.\n\n{table}")
+        update_doc_section("Generation", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
