@@ -68,88 +68,77 @@ class DistInfo:
         return self.world_size > 1
 
 
-def _env_int(name: str) -> int:
-    value = os.environ[name]
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name, default)
     try:
         return int(value)
-    except ValueError:
+    except (TypeError, ValueError):
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def launched_by_torchrun() -> bool:
-    """True when the launcher's environment (RANK, WORLD_SIZE, ...) is present."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                      device: str | None = None) -> DistInfo:
-    """Join the job torchrun started; a plain process gets rank 0 of 1 and no process group.
+    """Join the job torchrun started (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in
+    the environment); a plain process gets rank 0 of 1 and no process group.
 
-    backend: None picks nccl when CUDA is available, else gloo. The CUDA device is chosen by
-    LOCAL_RANK (cuda:LOCAL_RANK) and made current, so each GPU of a node gets one rank.
-    timeout_s bounds every collective: when a rank dies or hangs, the others raise after at most
-    this long (usually at once for a dead peer) instead of waiting forever; `rank_failure_guard`
-    turns that into a RankFailureError naming the rank.
-    device: "cpu" forces CPU (gloo) even where CUDA exists."""
+    backend: None picks nccl when CUDA is available, else gloo; device "cpu" forces gloo. Rank
+    LOCAL_RANK of a node uses cuda:LOCAL_RANK, made current. timeout_s bounds every collective:
+    when a rank dies or hangs the others raise within it (at once for a dead peer) instead of
+    waiting forever; `rank_failure_guard` turns that into a RankFailureError naming the rank."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         return current_info()
-    if not launched_by_torchrun():
-        dev = torch.device(device) if device else torch.device("cpu")
-        return DistInfo(device=dev, timeout_s=timeout_s)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo(device=torch.device(device or "cpu"), timeout_s=timeout_s)
     missing = [name for name in _ENV_NEEDED if name not in os.environ]
     if missing:
-        raise ValueError(f"incomplete launcher environment: {missing} not set "
-                         "(start the job with torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+        raise ValueError(f"incomplete launcher environment: {missing} not set (start the job with torchrun, "
+                         "which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
+    local_rank = _env_int("LOCAL_RANK", rank)
     if not 0 <= rank < world:
         raise ValueError(f"RANK ({rank}) must be in [0, WORLD_SIZE={world})")
     use_cuda = torch.cuda.is_available() and device != "cpu"
-    if backend is None:
-        backend = "nccl" if use_cuda else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and not use_cuda:
-        raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend not in ("gloo", "nccl") or (backend == "nccl" and not use_cuda):
+        raise ValueError(f"backend must be 'gloo' or 'nccl' (nccl needs CUDA, available: "
+                         f"{torch.cuda.is_available()}), got {backend!r}")
+    dev = torch.device("cpu")
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices "
                              "(use --nproc_per_node <= number of GPUs)")
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=dev if backend == "nccl" else None)
-    _TIMEOUT_S[0] = timeout_s
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=dev,
-                    backend=backend, timeout_s=timeout_s)
+    _STATE["timeout_s"] = timeout_s
+    return current_info()
 
 
-_TIMEOUT_S = [DEFAULT_TIMEOUT_S]
+_STATE = {"timeout_s": DEFAULT_TIMEOUT_S}
 
 
 def current_info() -> DistInfo:
     """DistInfo of this process, from the live process group (or rank 0 of 1 without one)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist.is_initialized():
         return DistInfo()
     backend = dist.get_backend()
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return DistInfo(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
-                    device=dev, backend=backend, timeout_s=_TIMEOUT_S[0])
+    return DistInfo(rank=dist.get_rank(), local_rank=_env_int("LOCAL_RANK", dist.get_rank()),
+                    world_size=dist.get_world_size(), device=dev, backend=backend,
+                    timeout_s=_STATE["timeout_s"])
 
 
 def destroy() -> None:
     """Leave the process group (safe to call when none exists)."""
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         dist.barrier()
 
 
@@ -182,7 +171,7 @@ def rank_failure_guard(info: DistInfo | None = None) -> Iterator[None]:
 # Wrapping the model
 # --------------------------------------------------------------------------------------------
 
-def bf16_supported(device: torch.device) -> bool:
+def fsdp_bf16_supported(device: torch.device) -> bool:
     """bf16 mixed precision under FSDP2 is used on CUDA devices that support bf16 only."""
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
@@ -227,7 +216,7 @@ def wrap_model(model: nn.Module, mode: ParallelMode, mixed_precision: bool = Fal
     _broadcast_from_rank0(model)
     policy = MixedPrecisionPolicy()
     if mixed_precision:
-        if bf16_supported(info.device):
+        if fsdp_bf16_supported(info.device):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             warnings.warn(f"mixed_precision: bf16 is not supported for FSDP on {info.device}; "
@@ -246,13 +235,10 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module under DDP and torch.compile (FSDP2 wraps in place: the same object)."""
-    while True:
-        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
+    while isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        model = model.module if ddp else model._orig_mod  # DDP / torch.compile's OptimizedModule
+    return model
 
 
 def _is_fsdp(model: nn.Module) -> bool:
@@ -300,10 +286,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
 
 def plan_grad_accum(global_batch: int, micro_batch: int, world_size: int) -> int:
     """grad_accum so that micro_batch x grad_accum x world_size == global_batch (else ValueError)."""
-    for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch),
-                        ("world_size", world_size)):
-        if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+    if min(global_batch, micro_batch, world_size) <= 0:
+        raise ValueError(f"global_batch ({global_batch}), micro_batch ({micro_batch}) and world_size "
+                         f"({world_size}) must be > 0")
     per_step = micro_batch * world_size
     if global_batch % per_step:
         raise ValueError(f"global_batch ({global_batch}) must be divisible by micro_batch ({micro_batch}) "
@@ -344,7 +329,7 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Mean of `tensor` over ranks (a detached copy; every rank must call it). With equal
     per-rank batches, the mean of per-rank mean losses is the loss of the whole batch."""
     out = tensor.detach().clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         out /= dist.get_world_size()
     return out
@@ -352,7 +337,7 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
 
 def is_main_process() -> bool:
     """True on rank 0 (or without a process group), from the live group or torchrun's RANK."""
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -382,7 +367,7 @@ def _options(**kw):
 
 
 def _use_dcp(model: nn.Module) -> bool:
-    return dist.is_available() and dist.is_initialized() and (
+    return dist.is_initialized() and (
         isinstance(model, nn.parallel.DistributedDataParallel) or _is_fsdp(model))
 
 
@@ -407,27 +392,9 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     by_name = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
     if not by_name:
         return {}
-    ids: dict[str, int] = {}
-    groups = []
-    for group in by_name["param_groups"]:
-        numbered = []
-        for name in group["params"]:
-            ids.setdefault(name, len(ids))
-            numbered.append(ids[name])
-        groups.append({**group, "params": numbered})
+    ids = {name: i for i, name in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
+    groups = [{**g, "params": [ids[n] for n in g["params"]]} for g in by_name["param_groups"]]
     return {"state": {ids[name]: value for name, value in by_name["state"].items()}, "param_groups": groups}
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = {id(p): n for n, p in unwrap(model).named_parameters()}
-    out = []
-    for i, group in enumerate(optimizer.param_groups):
-        missing = [j for j, p in enumerate(group["params"]) if id(p) not in names]
-        if missing:
-            raise ValueError(f"optimizer param group {i} holds parameters {missing} that are not in the "
-                             "model (build the optimizer after wrap_model)")
-        out.append([names[id(p)] for p in group["params"]])
-    return out
 
 
 def _fill_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -461,7 +428,10 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor],
     set_model_state_dict(model, state, options=_options())
     if optimizer is None or optimizer_state is None:
         return
-    groups = _param_names(model, optimizer)
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds parameters that are not the model's: build it after wrap_model")
+    groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     saved = optimizer_state["param_groups"]
     if [len(g) for g in groups] != [len(g["params"]) for g in saved]:
         raise ValueError(f"optimizer state has param groups of sizes {[len(g['params']) for g in saved]}, "

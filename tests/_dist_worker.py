@@ -35,11 +35,11 @@ MAX_NORM = 0.5    # small enough that clipping is active
 TOKENS = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(SEED))
 
 
-def tiny_model():
+def tiny_model(vocab_size: int = 64):
     from logitlab.model import ModelConfig, Transformer
 
     torch.manual_seed(SEED)
-    config = ModelConfig(vocab_size=64, context_length=T, d_model=32, n_layers=2, n_heads=4,
+    config = ModelConfig(vocab_size=vocab_size, context_length=T, d_model=32, n_layers=2, n_heads=4,
                          n_kv_heads=2, norm="rmsnorm", mlp="swiglu", d_ff=64, positions="rope",
                          bias=False, tie_embeddings=True, dropout=0.0)
     return Transformer(config)
@@ -120,6 +120,28 @@ def run(scenario: str, out: Path, info) -> dict:
     return {k: first[k] + rest[k] for k in first}
 
 
+def train_config(out: Path, mode: str, **kw):
+    """logitlab.train's own loop: global batch 8 rows x 2 micro-steps, checkpoints every 3 steps."""
+    from logitlab.train import TrainConfig
+
+    base = dict(data_dir=str(out / "prep"), out_dir=str(out / f"run_{mode}"), steps=STEPS, batch_size=8,
+                grad_accum=2, seq_len=T, lr=3e-3, warmup_steps=2, eval_every=RESUME_AT, save_every=RESUME_AT,
+                eval_tokens=256, keep_last=10, device="cpu", precision="fp32", seed=5, tensorboard=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def run_train_loop(out: Path, mode: str, info, resume: bool = False):
+    """Train through logitlab.train.train and its distributed hooks (rank, wrap, all_reduce)."""
+    from logitlab.train import train
+
+    def mean(value: float) -> float:
+        return parallel.all_reduce_mean(torch.tensor(value, dtype=torch.float64)).item()
+
+    return train(tiny_model(vocab_size=257), train_config(out, mode), resume=resume,
+                 rank=info.rank, world_size=info.world_size, all_reduce=mean,
+                 wrap=lambda model: parallel.wrap_model(model, mode, info=info))
+
+
 def die(info) -> None:
     """Rank 1 is killed in the middle of the second step; rank 0 must stop with a clear error."""
     model = parallel.wrap_model(tiny_model(), "ddp", info=info)
@@ -153,6 +175,8 @@ def main(argv: list[str]) -> int:
                 die(info)
             elif scenario == "hang":
                 hang(info)
+            elif scenario.startswith("train_"):  # metrics.jsonl in OUT/run_<mode> is the result
+                run_train_loop(out, scenario.partition("_")[2], info)
             else:
                 result = run(scenario, out, info)
                 if info.is_main:

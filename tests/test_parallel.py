@@ -25,7 +25,7 @@ from logitlab import parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(worker.__file__)
-TWO_RANK_SCENARIOS = ("ddp", "ddp_accum", "fsdp", "fsdp_accum", "ddp_resume", "fsdp_resume")
+TWO_RANK_SCENARIOS = ("ddp", "ddp_accum", "fsdp", "fsdp_accum", "ddp_resume", "fsdp_resume", "train_ddp")
 TOL = 1e-5
 
 
@@ -52,11 +52,31 @@ def runs(tmp_path_factory) -> dict:
     info = parallel.init_distributed()
     assert info.world_size == 1
     results = {"none": worker.run("none", out, info), "out": out}  # also writes ckpt_none
+    _prepare_corpus(out / "prep")
+    worker.run_train_loop(out, "none", info)  # writes OUT/run_none
     _torchrun(out, TWO_RANK_SCENARIOS)
     for name in TWO_RANK_SCENARIOS:
+        if name.startswith("train_"):
+            continue
         results[name] = json.loads((out / f"{name}.json").read_text())
         assert results[name]["world_size"] == 2
     return results
+
+
+def _prepare_corpus(directory: Path) -> None:
+    from logitlab import data
+    from logitlab.tokenizer import Tokenizer
+
+    docs = directory.parent / "docs"
+    docs.mkdir()
+    for k in range(24):
+        (docs / f"{k:02d}.txt").write_text(f"{k}: " + "the quick brown fox jumps over the lazy dog. " * (2 + k % 3))
+    byte_tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|endoftext|>"])
+    data.prepare_corpus([docs], byte_tokenizer, directory, val_fraction=0.2, workers=1)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _close(a: list[float], b: list[float], tol: float = TOL) -> None:
@@ -105,6 +125,33 @@ def test_gathered_optimizer_state_has_the_single_process_layout(runs, mode):
     for i, state in single["state"].items():
         assert {k: tuple(v.shape) for k, v in gathered["state"][i].items()} == \
                {k: tuple(v.shape) for k, v in state.items()}, f"parameter {i}"
+
+
+def test_train_loop_with_ddp_hooks_matches_one_process(runs):
+    """logitlab.train.train with rank/world_size/wrap/all_reduce from parallel.py: the same
+    losses, grad norms and validation losses on 2 ranks as in 1 process."""
+    one, two = _metrics(runs["out"] / "run_none"), _metrics(runs["out"] / "run_ddp")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, worker.STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        _close([r[key] for r in two], [r[key] for r in one])
+    _close([r["val_loss"] for r in two if "val_loss" in r], [r["val_loss"] for r in one if "val_loss" in r])
+    assert not (runs["out"] / "run_ddp" / "tensorboard").exists()
+
+
+def test_train_loop_checkpoint_from_two_ranks_resumes_in_one(runs, tmp_path):
+    """A run saved by 2 DDP ranks through train.py continues in 1 process with the same losses."""
+    import shutil
+
+    run = tmp_path / "run_ddp"
+    shutil.copytree(runs["out"] / "run_ddp", run)
+    shutil.rmtree(run / f"ckpt-{worker.STEPS:06d}")  # as if the job died after step RESUME_AT
+    shutil.copytree(runs["out"] / "prep", tmp_path / "prep")
+    from logitlab.train import train
+
+    train(worker.tiny_model(vocab_size=257), worker.train_config(tmp_path, "ddp"), resume=True)
+    one = _metrics(runs["out"] / "run_none")
+    resumed = _metrics(run)
+    _close([r["loss"] for r in resumed], [r["loss"] for r in one])
 
 
 def _free_port() -> int:
@@ -236,7 +283,7 @@ def test_wrap_model_rejects_bad_modes():
         parallel.wrap_model(model, "ddp")
     with pytest.raises(ValueError, match="2 unrelated copies"):
         parallel.wrap_model(model, "none", info=parallel.DistInfo(rank=0, world_size=2))
-    assert not parallel.bf16_supported(torch.device("cpu"))
+    assert not parallel.fsdp_bf16_supported(torch.device("cpu"))
 
 
 def test_single_process_state_dicts_and_tied_weights_round_trip():
