@@ -82,6 +82,7 @@ def _sample_flags(p) -> None:
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def _generate(args) -> int:
     m = load(args)
     cfg = sample_config(args, m.end_ids)
     ids = m.tokenizer.encode(args.prompt)
-    s = stream(m.model, ids, cfg, token_bytes=m.tokenizer.token_bytes)
+    s = stream(m.model, ids, cfg, token_bytes=m.tokenizer.token_bytes, compile=args.compile)
     if not args.json:
         sys.stdout.write(args.prompt)
     pieces = []
@@ -262,7 +263,8 @@ def _chat(args) -> int:
             continue
         history += f"User: {line}\nAssistant:"
         ids = m.tokenizer.encode(history, allowed_special="none")[-room:]
-        s = stream(m.model, ids, cfg, token_bytes=m.tokenizer.token_bytes, generator=generator)
+        s = stream(m.model, ids, cfg, token_bytes=m.tokenizer.token_bytes, generator=generator,
+                   compile=args.compile)
         reply = []
         for piece in stream_text(m.tokenizer, s, cfg.stop_ids, cfg.stop_bytes):
             reply.append(piece)

@@ -312,6 +312,18 @@ def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Ten
         model.validate_inputs = checking
 
 
+_compiled_step: Callable | None = None
+
+
+def compiled_decode_step() -> Callable:
+    """decode_step through torch.compile (dynamic shapes: the cache length changes every step),
+    built once per process. The first call compiles (tens of seconds on a CPU)."""
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(decode_step, dynamic=True)
+    return _compiled_step
+
+
 def _check_prompts(prompts: Sequence[Sequence[int]], model_config, max_new_tokens: int) -> int:
     """Validate prompts; return how many new tokens fit in the context."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -421,9 +433,10 @@ class Stream:
     """Iterator over the ids generated for one prompt; `.result` (a GenerationResult) is
     complete once the iterator is exhausted."""
 
-    def __init__(self, model, prompt_ids: Sequence[int], config: SampleConfig, **kw):
+    def __init__(self, model, prompt_ids: Sequence[int], config: SampleConfig, compile: bool = False, **kw):
         self.result = GenerationResult(tokens=[[]], stop_reasons=[""])
-        self._steps = _steps(model, _as_batch(prompt_ids)[:1], config, result=self.result, **kw)
+        step = compiled_decode_step() if compile else decode_step
+        self._steps = _steps(model, _as_batch(prompt_ids)[:1], config, result=self.result, decode_fn=step, **kw)
 
     def __iter__(self) -> Iterator[int]:
         for out in self._steps:
@@ -432,21 +445,21 @@ class Stream:
 
 
 def stream(model, prompt_ids: Sequence[int], config: SampleConfig = SampleConfig(), *,
-           eot_id: int | None = None, token_bytes=None,
-           generator: torch.Generator | None = None) -> Stream:
+           eot_id: int | None = None, token_bytes=None, generator: torch.Generator | None = None,
+           compile: bool = False) -> Stream:
     """Generate for one prompt, yielding each id as soon as it is chosen."""
-    return Stream(model, prompt_ids, config, eot_id=eot_id, token_bytes=token_bytes,
+    return Stream(model, prompt_ids, config, compile, eot_id=eot_id, token_bytes=token_bytes,
                   generator=generator)
 
 
 def generate(model, prompt_ids, config: SampleConfig = SampleConfig(), *, eot_id: int | None = None,
              token_bytes=None, generator: torch.Generator | None = None,
-             use_cache: bool = True) -> GenerationResult:
+             use_cache: bool = True, compile: bool = False) -> GenerationResult:
     """Generate for one prompt (list of ids) or a batch (list of lists, any lengths).
 
     `eot_id` ends a row; `token_bytes` (id -> bytes, callable or sequence) is needed only for
     config.stop_bytes. use_cache=False runs the reference path (a full forward per step), one
-    prompt at a time."""
+    prompt at a time. compile=True runs the decode step through torch.compile."""
     prompts = _as_batch(prompt_ids)
     if not use_cache:
         results = [generate_reference(model, p, config, eot_id=eot_id, token_bytes=token_bytes,
@@ -456,8 +469,9 @@ def generate(model, prompt_ids, config: SampleConfig = SampleConfig(), *, eot_id
                                 sum(r.decode_seconds for r in results),
                                 sum(r.decode_tokens for r in results))
     result = GenerationResult(tokens=[[] for _ in prompts], stop_reasons=[""] * len(prompts))
+    step = compiled_decode_step() if compile else decode_step
     for _ in _steps(model, prompts, config, eot_id=eot_id, token_bytes=token_bytes,
-                    generator=generator, result=result):
+                    generator=generator, result=result, decode_fn=step):
         pass
     return result
 

@@ -216,6 +216,12 @@ def test_stream_yields_the_same_ids_and_fills_the_result(model):
     assert r.decode_tokens_per_second > 0
 
 
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_tokens(model):
+    cfg = SampleConfig(temperature=0, max_new_tokens=16)
+    assert generate(model, PROMPTS, cfg, compile=True).tokens == generate(model, PROMPTS, cfg).tokens
+
+
 def test_stop_reasons(model):
     p = PROMPTS[1]
     free = generate(model, p, GREEDY).tokens[0]
