@@ -1,8 +1,8 @@
 """Training input for BPE: files -> distinct pre-tokens with their counts, in parallel, streamed.
 
 bpe.py learns merges from what this module counts. The work is planned as byte ranges of files
-(a large file is cut after a newline that precedes a printable ASCII character: no pre-token of
-the gpt2 or cl100k pattern crosses such a point), grouped into batches of about `BATCH_BYTES`.
+(a large file is cut after a newline between two printable ASCII characters: no pre-token of the
+gpt2 or cl100k pattern crosses such a point), grouped into batches of about `BATCH_BYTES`.
 Worker processes read their own ranges block by block (no text travels between processes),
 cut the text into chunks at safe points, split each chunk at special tokens (so no merge crosses
 a document boundary), pre-tokenize it and count the pre-tokens; each batch returns one Counter.
@@ -28,7 +28,7 @@ from logitlab.tokenizer import find_safe_cut, pretokenizer, special_regex
 BLOCK_BYTES = 1 << 20  # bytes per read
 CHUNK_CHARS = 1 << 20  # characters pre-tokenized at once
 BATCH_BYTES = 4 << 20  # bytes of input per worker task
-_RANGE_CUT = re.compile(rb"\n(?=[!-~])")  # after a newline, before a printable ASCII character
+_RANGE_CUT = re.compile(rb"(?<=[!-~])\n(?=[!-~])")  # a newline between printable ASCII characters
 
 
 def stdlib_files() -> list[Path]:
@@ -95,9 +95,10 @@ def _warn_bad(path, offset: int) -> None:
                   f"replacement", UnicodeWarning, stacklevel=2)
 
 
-def iter_chunks(path, start: int, end: int | None, special_re, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
+def iter_chunks(path, start: int, end: int | None, special_re, chunk_chars: int | None = None) -> Iterator[str]:
     """Text of one file range in chunks of about `chunk_chars`, cut where no pre-token or
     special token is split."""
+    chunk_chars = chunk_chars or CHUNK_CHARS
     buf = ""
     for text in read_text_blocks(path, start, end):
         buf += text

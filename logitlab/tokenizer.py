@@ -20,7 +20,7 @@ pre-token's UTF-8 bytes are merged by BPE. Two encoders give the same ids:
   adjacent pair whose *concatenation* has the lowest rank, which equals replaying merges only
   when the vocabulary is consistent: merge results are distinct byte strings whose ids grow with
   merge order, and every token's own bytes encode to that single token. `Tokenizer` checks this
-  when it is built (`fast_path_ok`) and uses the reference path when the check fails.
+  on first use (`fast_path_ok`) and uses the reference path when the check fails.
 
 Special tokens: `encode(text)` turns every special-token string into its id
 (`allowed_special="all"`, the default). For untrusted text use `encode_ordinary(text)` or
@@ -51,10 +51,12 @@ ASCII_PATTERNS = {
                     rf"""| ?[^\t\n\x0b\x0c\r A-Za-z0-9]+[\r\n]*|{_W}*[\r\n]+|{_W}+(?!{_NW})|{_W}+""",
 }
 
-# A position where no pre-token of the GPT-2 or cl100k pattern can continue across: before a
-# single space between two non-spaces, or after a newline that precedes a non-space. Used to cut
-# long text into independent pieces (encode_iterable, parallel training).
-SAFE_CUT = regex.compile(r"(?r)(?<=\S) (?=\S)|(?<=\n)(?=\S)")
+# A position no pre-token of the GPT-2 or cl100k pattern crosses, and where the text before it
+# splits the same way when it ends there: before a single space between two non-spaces, or after
+# a single newline between two non-spaces. (After "\n\n" is not safe: at the end of a string,
+# GPT-2's \s+(?!\S) takes "\n\n" whole.) Used to cut long text into independent pieces
+# (encode_iterable, parallel training).
+SAFE_CUT = regex.compile(r"(?r)(?<=\S) (?=\S)|(?<=\S\n)(?=\S)")
 _REFERENCE_CACHE_LIMIT = 100_000  # encoded pre-tokens kept by the reference path
 
 
@@ -163,7 +165,7 @@ class Tokenizer:
             self._ranks.setdefault((encoder[a], encoder[b]), (rank, encoder[a + b]))
         self._special_re = special_regex(specials)
         self._cache: dict[str, list[int]] = {}
-        self.fast_path_ok = self._consistent_for_tiktoken()
+        self._fast_path_ok: bool | None = None  # computed on first use (about 1 s for 50k tokens)
         self._tiktoken = None
 
     # ---------------------------------------------------------------- construction details
@@ -189,6 +191,13 @@ class Tokenizer:
         if len(set(specials.values())) != len(specials):
             raise ValueError(f"special tokens share ids: {specials}")
         return specials
+
+    @property
+    def fast_path_ok(self) -> bool:
+        """True when tiktoken's core gives the same ids as replaying merges (see module docstring)."""
+        if self._fast_path_ok is None:
+            self._fast_path_ok = self._consistent_for_tiktoken()
+        return self._fast_path_ok
 
     def _consistent_for_tiktoken(self) -> bool:
         """True when merging by rank of the concatenation (tiktoken) equals replaying merges."""
@@ -301,7 +310,7 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"encode expects str, got {type(text).__name__}")
         allowed = self._allowed(allowed_special)
-        use_fast = self.fast_path_ok and fast is not False
+        use_fast = fast is not False and self.fast_path_ok
         if use_fast and not _prefix_overlap(allowed):
             return self._fast().encode(text, allowed_special=allowed, disallowed_special=())
         out: list[int] = []

@@ -86,7 +86,7 @@ def fingerprint(tok) -> str:
     return hashlib.sha256(json.dumps(canon, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def _readable(token: bytes) -> str:
+def readable_token(token: bytes) -> str:
     """A token for people: UTF-8 with U+FFFD for broken bytes, control characters escaped."""
     text = token.decode("utf-8", errors="replace")
     return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
@@ -111,12 +111,12 @@ def save_logitlab(tok, path) -> None:
     lines = []
     for i in range(tok.vocab_size):
         t = tok.token_bytes(i)
-        line = f"{i}\t[{_readable(t)}]"
+        line = f"{i}\t[{readable_token(t)}]"
         if tok.is_special(i):
             line += "\tspecial"
         elif t in made_by:
             a, b = made_by[t]
-            line += f"\t<- [{_readable(a)}] [{_readable(b)}]"
+            line += f"\t<- [{readable_token(a)}] [{readable_token(b)}]"
         lines.append(line)
     path.with_suffix(".vocab").write_text("\n".join(lines) + "\n", encoding="utf-8")
 

@@ -1,0 +1,218 @@
+"""Tokenizer: GPT-2 parity with tiktoken and HF tokenizers, both encoders agree, round trips,
+special tokens, streaming, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import pytest
+import regex
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from logitlab.tokenizer import ASCII_PATTERNS, CL100K_PATTERN, GPT2_PATTERN, SAFE_CUT, Tokenizer, pretokenizer
+from logitlab.tokenizer_formats import bytes_to_unicode
+
+EOT = "<|endoftext|>"
+MIXED = (
+    "Hello, world! It's a test: they'll say \"we've\" done it.\n"
+    "Grüße aus München, straße ÄÖÜ äöü ß. 中文分词测试，你好世界！日本語のテキスト。\n"
+    "Emoji: 🎉🚀👩‍👩‍👧‍👦 🇩🇪 ❤️  e\u0301 \u0301 combining\u0308\n"
+    "def f(x):\n    return x ** 2  # comment\n\n\n\tif x   >= 10_000:\n        pass\n\nNext:\n\n\nword\nword.\n"
+    "numbers 1234567890 3.14159 -42 1e-9   \n   \r\n\r\n  trailing   \t \n"
+    f"specials {EOT}inline{EOT}{EOT} <|endoftext <|endoftext|\n"
+)
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+texts = st.lists(st.one_of(st.text(max_size=20), st.sampled_from(
+    [EOT, "<|endoftext|", "\u0301", "e\u0301", " ", "  ", "\n", "\n\n ", "'s", "'S", "🎉", "中文", "\x1c", "\xa0"])),
+    max_size=12).map("".join)
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_files) -> Tokenizer:
+    return Tokenizer.from_gpt2_files(*gpt2_files)
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiktoken(gpt2_files):
+    """A tiktoken Encoding built straight from the files (no logitlab code involved)."""
+    import tiktoken
+
+    u2b = {c: b for b, c in bytes_to_unicode().items()}
+    raw = json.loads(gpt2_files[0].read_text(encoding="utf-8"))
+    ranks = {bytes(u2b[c] for c in tok): i for tok, i in raw.items() if tok != EOT}
+    return tiktoken.Encoding("gpt2-files", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOT: raw[EOT]})
+
+
+@pytest.fixture(scope="module")
+def gpt2_hf(gpt2_files):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    hf = HFTokenizer(models.BPE.from_file(str(gpt2_files[0]), str(gpt2_files[1])))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([EOT])
+    return hf
+
+
+@pytest.fixture(scope="module")
+def small() -> Tokenizer:
+    """A tiny hand-built tokenizer: bytes, three merges, overlapping special tokens."""
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges = [(b"a", b"b"), (b"ab", b"c"), (b" ", b"ab")]
+    for a, b in merges:
+        vocab[len(vocab)] = a + b
+    return Tokenizer(vocab, merges, special_tokens=[EOT, EOT + EOT, "<|x|>"])
+
+
+# ------------------------------------------------------------------------------ GPT-2 parity
+def test_gpt2_layout(gpt2):
+    assert gpt2.vocab_size == 50257 and gpt2.eot_id == 50256 and gpt2.special_tokens == {EOT: 50256}
+    assert gpt2.fast_path_ok
+    assert gpt2.token_to_id(" the") == 262 and gpt2.id_to_token(262) == b" the"
+    assert gpt2.token_to_id(EOT) == 50256 and gpt2.token_bytes(50256) == EOT.encode()
+
+
+def test_gpt2_mixed_text_matches_tiktoken_and_hf(gpt2, gpt2_tiktoken, gpt2_hf):
+    want = gpt2_tiktoken.encode(MIXED, allowed_special="all")
+    assert gpt2.encode(MIXED) == want
+    assert gpt2.encode(MIXED, fast=False) == want
+    assert gpt2_hf.encode(MIXED).ids == want
+    ordinary = gpt2_tiktoken.encode_ordinary(MIXED)
+    assert gpt2.encode_ordinary(MIXED) == ordinary == gpt2.encode_ordinary(MIXED, fast=False)
+    assert gpt2.decode(want) == MIXED == gpt2.decode(ordinary)
+
+
+def test_gpt2_tinyshakespeare_matches_tiktoken_and_hf(gpt2, gpt2_tiktoken, gpt2_hf, shared_data):
+    text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    want = gpt2_tiktoken.encode_ordinary(text)
+    assert gpt2.encode(text) == want
+    assert gpt2_hf.encode(text).ids == want
+    part = text[:200_000]  # the reference path on a slice keeps the test fast
+    assert gpt2.encode(part, fast=False) == gpt2_tiktoken.encode_ordinary(part)
+
+
+@SETTINGS
+@given(text=texts)
+def test_gpt2_property_both_encoders_tiktoken_hf(gpt2, gpt2_tiktoken, gpt2_hf, text):
+    ids = gpt2.encode(text)
+    assert ids == gpt2.encode(text, fast=False) == gpt2_tiktoken.encode(text, allowed_special="all")
+    assert ids == gpt2_hf.encode(text).ids
+    assert gpt2.decode(ids) == text
+    plain = gpt2.encode_ordinary(text)
+    assert plain == gpt2.encode_ordinary(text, fast=False)
+    assert gpt2.eot_id not in plain and gpt2.decode(plain) == text
+
+
+# ------------------------------------------------------------------------------ special tokens
+def test_special_tokens_longest_match_and_untrusted(small):
+    e1, e2, x = (small.special_tokens[s] for s in (EOT, EOT + EOT, "<|x|>"))
+    assert (e1, e2, x) == (259, 260, 261) and small.vocab_size == 262
+    for fast in (True, False):
+        assert small.encode(EOT * 3, fast=fast) == [e2, e1]
+        assert small.encode(f"ab{EOT}<|x|>", fast=fast) == [256, e1, x]
+        assert small.encode(f"{EOT}<|x|>", allowed_special={"<|x|>"}, fast=fast)[-1] == x
+        plain = small.encode_ordinary(EOT + "<|x|>", fast=fast)
+        assert not set(plain) & {e1, e2, x} and small.decode(plain) == EOT + "<|x|>"
+        assert small.encode(" ab abcab", fast=fast) == [258, 32, 257, 256]  # (a,b) before (ab,c) and ( ,ab)
+
+
+def test_special_token_errors():
+    vocab = {i: bytes([i]) for i in range(256)}
+    with pytest.raises(ValueError, match="non-empty"):
+        Tokenizer(vocab, [], special_tokens=[""])
+    with pytest.raises(ValueError, match="unknown special"):
+        Tokenizer(vocab, [], special_tokens=[EOT]).encode("x", allowed_special={"<|nope|>"})
+
+
+# ------------------------------------------------------------------------------ decoding
+def test_decode_replaces_invalid_utf8_and_bad_ids(gpt2):
+    emoji = gpt2.encode("🎉")
+    assert len(emoji) > 1
+    assert gpt2.decode(emoji[:1]) == "\ufffd" * len(gpt2.decode_bytes(emoji[:1]).decode("utf-8", "replace"))
+    assert gpt2.decode_bytes(emoji) == "🎉".encode()
+    for bad in (-1, 50257, 10**9):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+            gpt2.decode([1, bad])
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        gpt2.token_to_id(b"\xff\xfe no such token")
+
+
+def test_decode_stream_holds_back_partial_characters(gpt2):
+    text = "a🎉b中文 ok"
+    ids = gpt2.encode(text)
+    pieces = list(gpt2.decode_stream(ids))
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    assert len(pieces) < len(ids)  # the emoji's bytes came as one piece
+    assert "".join(gpt2.decode_stream(ids[:2])) == gpt2.decode(ids[:2])
+
+
+# ------------------------------------------------------------------------------ encode_iterable
+def test_encode_iterable_equals_encode(gpt2, small):
+    lines = MIXED.splitlines(keepends=True) * 40
+    text = "".join(lines)
+    for tok in (gpt2, small):
+        for chunk in (1, 50, 1 << 16):
+            assert list(tok.encode_iterable(iter(lines), chunk_chars=chunk)) == tok.encode(text)
+    assert list(gpt2.encode_iterable(iter(lines), fast=False, chunk_chars=100)) == gpt2.encode(text)
+
+
+def test_encode_iterable_memory_is_bounded(gpt2, tmp_path):
+    path = tmp_path / "big.txt"
+    line = "The quick brown fox, 12345 jumps over the lazy dog; naïve café 🎉 <|endoftext|>\n"
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(50_000):  # ~4.2 MB; the ids alone would take > 8 MB as a list
+            f.write(line)
+    gpt2.encode("warm up")
+    tracemalloc.start()
+    try:
+        with path.open(encoding="utf-8") as f:
+            n = sum(1 for _ in gpt2.encode_iterable(f))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert n == 50_000 * len(gpt2.encode(line))
+    assert peak < 3 * 2**20, f"encode_iterable peak traced memory {peak / 2**20:.1f} MiB"
+
+
+# ------------------------------------------------------------------------------ pre-tokenization
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.characters(max_codepoint=127), max_size=60))
+def test_ascii_lane_equals_regex(text):
+    for pattern in (GPT2_PATTERN, CL100K_PATTERN):
+        assert pretokenizer(pattern)(text) == regex.findall(pattern, text)
+    assert set(ASCII_PATTERNS) == {GPT2_PATTERN, CL100K_PATTERN}
+
+
+def test_patterns_by_name_and_custom():
+    vocab = {i: bytes([i]) for i in range(256)}
+    assert Tokenizer(vocab, [], pattern="cl100k").pattern == CL100K_PATTERN
+    tok = Tokenizer(vocab, [], pattern=r"\S+|\s+")
+    assert tok.pattern_name is None and tok.encode("ab  c") == [97, 98, 32, 32, 99]
+    with pytest.raises(ValueError, match="not a valid regex"):
+        Tokenizer(vocab, [], pattern="(unclosed")
+
+
+def test_inconsistent_vocabulary_falls_back_to_reference():
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges = [(b"b", b"c"), (b"a", b"b"), (b"ab", b"c")]  # "abc" replays to [a, bc]: not tiktoken's [abc]
+    for a, b in merges:
+        vocab[len(vocab)] = a + b
+    tok = Tokenizer(vocab, merges)
+    assert not tok.fast_path_ok
+    assert tok.encode("abc") == tok.encode("abc", fast=False) == [97, 256]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(st.sampled_from([" ", "  ", "\n", "\r\n", "\t", "a", "Zz", "1", "1234", ".", ":", "é", "'s",
+                                      "\xa0", "中", "\u2028", "\x1c", "🎉"]), max_size=25).map("".join))
+def test_safe_cut_points_do_not_change_pretokens(text):
+    """encode_iterable and parallel training cut text at SAFE_CUT; both halves must split as the whole."""
+    for pattern in (GPT2_PATTERN, CL100K_PATTERN):
+        whole = regex.findall(pattern, text)
+        for m in SAFE_CUT.finditer(text):
+            cut = m.start()
+            assert regex.findall(pattern, text[:cut]) + regex.findall(pattern, text[cut:]) == whole, (pattern, cut)
