@@ -75,7 +75,8 @@ class ParamCount:
 
     @property
     def total(self) -> int:
-        return self.embeddings + self.positions + self.per_layer * self.n_layers + self.final_norm + self.lm_head
+        return (self.embeddings + self.positions + self.per_layer * self.n_layers + self.final_norm
+                + self.lm_head)
 
     def as_dict(self) -> dict:
         return dict(embeddings=self.embeddings, positions=self.positions,

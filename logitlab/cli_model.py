@@ -116,7 +116,8 @@ def _params(args) -> int:
         return 0
     e, f, c = r["exact"], r["formula"], config
     t = Table(title=f"{args.target}: D {c.d_model}, L {c.n_layers}, H {c.n_heads}, Hkv {c.n_kv_heads}, "
-                    f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, {'tied' if c.tie_embeddings else 'untied'}")
+                    f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, "
+                    f"{'tied' if c.tie_embeddings else 'untied'}")
     for col in ("component", "exact / layer", "exact total", "formula / layer", "formula total"):
         t.add_column(col, justify="left" if col == "component" else "right")
     L = c.n_layers
@@ -138,7 +139,8 @@ def _params(args) -> int:
               f"({r['classic_note']})")
     fl = r["flops_per_token"]
     out.print(f"FLOPs/token at context {fl['context']:,}: forward {fl['forward']:.3e} (2·N_matmul "
-              f"{fl['dense']:.3e} + attention 2·L·T·H·Dh {fl['attention']:.3e}), training {fl['training']:.3e} (3x)")
+              f"{fl['dense']:.3e} + attention 2·L·T·H·Dh {fl['attention']:.3e}), "
+              f"training {fl['training']:.3e} (3x)")
     w = r["weight_bytes"]
     out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])}")
     kv = r["kv_cache"]
@@ -158,7 +160,8 @@ def _params(args) -> int:
         verdict = "[green]fits[/green]" if p["fits"] else "[red]does not fit[/red]"
         out.print(f"{verdict} in {_bytes(p['memory_limit'])}")
     out.print(f"step: {p['flops_per_step']:.3e} FLOPs; at the {r['matmul_rate_source']} matmul rate "
-              f"{p['matmul_flops_per_s'] / 1e12:.3f} TFLOP/s that is {p['seconds_per_step']:.3g} s at 100% MFU")
+              f"{p['matmul_flops_per_s'] / 1e12:.3f} TFLOP/s that is {p['seconds_per_step']:.3g} s "
+              "at 100% MFU")
     return 0
 
 

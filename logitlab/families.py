@@ -97,10 +97,12 @@ def _architecture(hf: dict) -> str:
         if hf.get("model_type") in by_type:
             return by_type[hf["model_type"]]
         raise ValueError(f"config.json names no architecture (architectures={archs!r}, "
-                         f"model_type={hf.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"model_type={hf.get('model_type')!r}); supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {arch!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
 
 
@@ -155,7 +157,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         _refuse(arch, "hidden_act", hf["hidden_act"])
     context = _need(hf, "max_position_embeddings")
     window = hf.get("sliding_window")
-    if window is not None and (hf.get("use_sliding_window", arch == "MistralForCausalLM")) and window < context:
+    windowed = hf.get("use_sliding_window", arch == "MistralForCausalLM")  # Mistral has no switch
+    if window is not None and windowed and window < context:
         _refuse(arch, "sliding_window", window)
     layer_types = set(hf.get("layer_types") or ["full_attention"])
     if layer_types != {"full_attention"} and hf.get("use_sliding_window", False):

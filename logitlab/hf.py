@@ -57,7 +57,7 @@ def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     if (d / SAFETENSORS).is_file():
         return load_file(str(d / SAFETENSORS), device="cpu")
     for index_name, load in ((SAFETENSORS_INDEX, lambda p: load_file(str(p), device="cpu")),
-                             (TORCH_BIN_INDEX, lambda p: torch.load(p, map_location="cpu", weights_only=True))):
+                             (TORCH_BIN_INDEX, _load_bin)):
         if (d / index_name).is_file():
             weight_map = json.loads((d / index_name).read_text()).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -77,6 +77,15 @@ def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
                             f"{TORCH_BIN} or {TORCH_BIN_INDEX}")
 
 
+def _load_bin(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)   # tensors only, no code
+
+
+def _name_first(keys: list[str]) -> str:
+    more = f" (and {len(keys) - 1} more: {keys[1:4]})" if len(keys) > 1 else ""
+    return f"{keys[0]!r}{more}"
+
+
 def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> None:
     """Refuse a checkpoint whose tensor names or shapes disagree with `config`, naming the key."""
     with torch.device("meta"):
@@ -85,11 +94,9 @@ def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoin
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
     if missing:
-        raise ValueError(f"{source}: missing tensor {missing[0]!r} that config.json requires"
-                         + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else ""))
+        raise ValueError(f"{source}: missing tensor {_name_first(missing)} that config.json requires")
     if unexpected:
-        raise ValueError(f"{source}: unexpected tensor {unexpected[0]!r} for this config.json"
-                         + (f" (and {len(unexpected) - 1} more: {unexpected[1:4]})" if len(unexpected) > 1 else ""))
+        raise ValueError(f"{source}: unexpected tensor {_name_first(unexpected)} for this config.json")
     for key, ref in expected.items():
         if tuple(got[key].shape) != tuple(ref.shape):
             raise ValueError(f"{source}: tensor {key!r} has shape {tuple(got[key].shape)}, "
@@ -124,7 +131,8 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
         model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     model.eval()
     if verify:
-        report = verify_against_transformers(model, None if checkpoint.is_logitlab_dir(directory) else directory)
+        native = checkpoint.is_logitlab_dir(directory)   # then compare with its own HF export
+        report = verify_against_transformers(model, None if native else directory)
         if not report["ok"]:
             raise ValueError(f"{directory}: logitlab disagrees with transformers: {format_report(report)}")
     return model
@@ -165,7 +173,8 @@ def _load_transformers_model(directory, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def verify_against_transformers(model: Transformer, hf_dir_or_model=None, ids: torch.Tensor | None = None) -> dict:
+def verify_against_transformers(model: Transformer, hf_dir_or_model=None,
+                                ids: torch.Tensor | None = None) -> dict:
     """Run `model` and the transformers model on the same ids and compare.
 
     hf_dir_or_model: a Hugging Face directory, a transformers model, or None (export `model` to a
@@ -191,7 +200,8 @@ def verify_against_transformers(model: Transformer, hf_dir_or_model=None, ids: t
         ref = hf_model(input_ids=ids, output_hidden_states=True)
     logits, hidden = model.forward_with_hidden(ids)
     if len(hidden) != len(ref.hidden_states):
-        raise ValueError(f"logitlab returns {len(hidden)} hidden states, transformers {len(ref.hidden_states)}")
+        raise ValueError(f"logitlab returns {len(hidden)} hidden states, "
+                         f"transformers {len(ref.hidden_states)}")
     diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(hidden, ref.hidden_states)]
     ref_logits = ref.logits[..., :cfg.vocab_size].float()
     logit_diff = float((logits.float() - ref_logits).abs().max())

@@ -45,7 +45,8 @@ def test_published_configs_map_to_presets(hf, preset):
 
 def test_preset_facts():
     q = PRESETS["qwen3-8b"]
-    assert (q.head_dim, q.qk_norm, q.tie_embeddings, q.norm_eps, q.rope_theta) == (128, True, False, 1e-6, 1e6)
+    assert (q.head_dim, q.qk_norm, q.tie_embeddings, q.norm_eps, q.rope_theta) == \
+        (128, True, False, 1e-6, 1e6)
     assert PRESETS["llama3.2-1b"].rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
     assert PRESETS["llama3-70b"].n_kv_heads == 8 and PRESETS["llama3-70b"].d_ff == 28672
     xl = PRESETS["gpt2-xl"]
@@ -138,8 +139,10 @@ def test_gpt2_key_map_fuses_and_transposes():
     c_attn = out["transformer.h.1.attn.c_attn.weight"]
     assert c_attn.shape == (D, 3 * D)
     torch.testing.assert_close(c_attn[:, D:2 * D], state["blocks.1.attn.k_proj.weight"].t())
-    torch.testing.assert_close(out["transformer.h.0.attn.c_attn.bias"][2 * D:], state["blocks.0.attn.v_proj.bias"])
-    torch.testing.assert_close(out["transformer.h.0.mlp.c_fc.weight"], state["blocks.0.mlp.up_proj.weight"].t())
+    torch.testing.assert_close(out["transformer.h.0.attn.c_attn.bias"][2 * D:],
+                               state["blocks.0.attn.v_proj.bias"])
+    torch.testing.assert_close(out["transformer.h.0.mlp.c_fc.weight"],
+                               state["blocks.0.mlp.up_proj.weight"].t())
     assert out["transformer.wte.weight"].shape == (V, D)   # padding rows cut off (cfg pads to 64)
     assert "lm_head.weight" not in out                    # tied: stored once
     back = families.state_dict_from_hf(out, cfg)
@@ -157,7 +160,8 @@ def test_llama_key_map_round_trip_and_names():
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
             "model.layers.1.self_attn.k_norm.weight", "model.layers.0.post_attention_layernorm.weight",
             "model.layers.0.mlp.gate_proj.weight"} <= set(out)
-    torch.testing.assert_close(out["model.layers.1.self_attn.o_proj.weight"], state["blocks.1.attn.o_proj.weight"])
+    torch.testing.assert_close(out["model.layers.1.self_attn.o_proj.weight"],
+                               state["blocks.1.attn.o_proj.weight"])
     back = families.state_dict_from_hf(out, cfg)
     assert set(back) == set(state)
     assert families.hf_key_to_logitlab("model.layers.3.input_layernorm.weight", "llama") == \

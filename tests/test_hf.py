@@ -22,14 +22,13 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
                 "original_max_position_embeddings": 16}
 
 # name -> (config factory, class transformers loads our export as)
+_GPT2 = dict(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=1)
 FAMILIES = {
-    "gpt2": (lambda: transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                             bos_token_id=0, eos_token_id=1), "GPT2LMHeadModel"),
-    "gpt2-untied": (lambda: transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                                    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False),
-                    "GPT2LMHeadModel"),
+    "gpt2": (lambda: transformers.GPT2Config(**_GPT2), "GPT2LMHeadModel"),
+    "gpt2-untied": (lambda: transformers.GPT2Config(**_GPT2, tie_word_embeddings=False), "GPT2LMHeadModel"),
     "llama-gqa-rope-scaling": (lambda: transformers.LlamaConfig(**_SMALL, rope_theta=500000.0,
-                                                                rope_scaling=_LLAMA3_ROPE), "LlamaForCausalLM"),
+                                                                rope_scaling=_LLAMA3_ROPE),
+                               "LlamaForCausalLM"),
     "llama-mha-tied": (lambda: transformers.LlamaConfig(**{**_SMALL, "num_key_value_heads": 4},
                                                         tie_word_embeddings=True), "LlamaForCausalLM"),
     # Mistral without a sliding window is Llama's computation; the export names it LlamaForCausalLM
@@ -158,7 +157,8 @@ def test_legacy_bin_and_base_model_keys(hf_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda s: s.pop("model.layers.1.mlp.up_proj.weight"), "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
+    (lambda s: s.pop("model.layers.1.mlp.up_proj.weight"),
+     "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
     (lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64)),
      r"'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\), config.json implies \(32, 64\)"),
     (lambda s: s.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64)),
@@ -215,7 +215,8 @@ def test_cli_convert_both_ways(hf_dirs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "block 1 + final norm" in out and "logits" in out and "OK" in out
     assert checkpoint.is_logitlab_dir(tmp_path / "ll")
-    assert main(["convert", "--to-hf", str(tmp_path / "ll"), "--out", str(tmp_path / "back"), "--verify"]) == 0
+    back = str(tmp_path / "back")
+    assert main(["convert", "--to-hf", str(tmp_path / "ll"), "--out", back, "--verify"]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
     assert main(["convert", "--to-hf", str(tmp_path / "ll")]) == 2   # --out missing
     assert "--out" in capsys.readouterr().err

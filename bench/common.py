@@ -1,0 +1,111 @@
+"""Shared benchmark plumbing: alternating timings, ratios, machine facts, result files.
+
+Every benchmark runs logitlab and its peer alternately (A B A B ...) after a warm-up, so slow
+drift of a shared machine hits both sides alike, and reports the median of the per-pair ratios
+with their min and max. Results go to bench/results/<name>.json (git-ignored) and a markdown
+table into this benchmark's own `## <title>` section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(ours: Callable[[], object], peer: Callable[[], object], repeats: int = 3,
+              warmup: int = 1) -> dict:
+    """Time `ours` and `peer` in pairs (A B A B ...) after `warmup` untimed pairs.
+
+    -> {"ours": [s, ...], "peer": [s, ...], "ratio": median of peer/ours per pair (> 1: ours faster),
+        "ratio_min", "ratio_max"}"""
+    for _ in range(warmup):
+        ours()
+        peer()
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(timed(ours))
+        b.append(timed(peer))
+    ratios = [pb / pa for pa, pb in zip(a, b)]
+    return {"ours": a, "peer": b, "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {"nproc": os.cpu_count(), "cpu": cpu_model(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                        capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = None
+    return info
+
+
+def command_line() -> str:
+    module = Path(sys.argv[0]).stem
+    return " ".join(["python3 -m bench." + module, *sys.argv[1:]])
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def update_doc_section(title: str, body: str) -> Path:
+    """Replace (or append) the `## title` section of docs/benchmarks.md, leaving the others intact."""
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    lines = text.splitlines()
+    header = f"## {title}"
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == header)
+    except StopIteration:
+        new = text.rstrip("\n") + f"\n\n{header}\n\n{body.strip()}\n"
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        new = "\n".join(lines[:start] + [header, "", body.strip(), ""] + lines[end:]).rstrip("\n") + "\n"
+    DOC.write_text(new)
+    return DOC
