@@ -58,16 +58,10 @@ def _train_tokenizer(sources, vocab_size: int, max_bytes: int, con):
     from logitlab import bpe, data
 
     files = data.resolve_sources(sources) if sources else data.default_corpus_files()
-    if not sources:  # every k-th stdlib file, so the sample spans the whole library
-        files = [f for f in files if f.stat().st_size < 200_000]
-        step = max(1, sum(f.stat().st_size for f in files) // max(max_bytes, 1))
-        files = files[::step]
-    picked, total = [], 0
-    for f in files:
-        if total >= max_bytes:
-            break
-        picked.append(f)
-        total += f.stat().st_size
+    # files spread over the corpus; offset 1 so the default tokenizer sample differs from the
+    # files a max_bytes prepare of the same corpus takes
+    picked = data.spread_files(files, max_bytes, offset=1)
+    total = sum(p.stat().st_size for p in picked)
     t0 = time.perf_counter()
     with con.status(f"training a {vocab_size}-token BPE tokenizer on {total / 1e6:.1f} MB"):
         tok = bpe.train_tokenizer([str(p) for p in picked], vocab_size, [EOT])
@@ -147,8 +141,9 @@ def _model_config(args, table: dict, tokenizer):
     from logitlab.families import get_preset
     from logitlab.model import ModelConfig
 
-    preset = args.preset or table.get("preset")
-    base = get_preset(preset).to_dict() if preset else {}
+    # no preset and no [model] table: the CPU-sized "tiny" preset rather than GPT-2's 124M defaults
+    preset = args.preset or table.get("preset") or (None if "model" in table else "tiny")
+    base = _underived(get_preset(preset)) if preset else {}
     merged = {**base, **table.get("model", {})}
     if tokenizer is not None:
         merged["vocab_size"] = tokenizer.vocab_size
@@ -156,6 +151,18 @@ def _model_config(args, table: dict, tokenizer):
     if tokenizer is not None and cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size})")
     return cfg
+
+
+def _underived(cfg) -> dict:
+    """cfg as a dict with the fields that ModelConfig derived (head_dim = D / H, ...) set back to
+    None, so that `--preset tiny --d-model 64` derives them again from the new values."""
+    from logitlab.model import ModelConfig
+
+    d = cfg.to_dict()
+    for name in ("n_kv_heads", "head_dim", "d_ff", "qkv_bias"):
+        if getattr(ModelConfig(**{**d, name: None}), name) == d[name]:
+            d[name] = None
+    return d
 
 
 def cmd_train(args) -> int:
@@ -174,7 +181,8 @@ def cmd_train(args) -> int:
         tok_file = Path(args.resume) / "tokenizer.logitlab.json"
         tokenizer = Tokenizer.load(tok_file) if tok_file.is_file() else None
         torch.manual_seed(train_cfg.seed)
-        return 0 if _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True) else 1
+        _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True)
+        return 0
     train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))  # validated before any work
     tokenizer_path = args.tokenizer or table.get("tokenizer")
     out = Path(train_cfg.out_dir)
@@ -277,15 +285,15 @@ def cmd_export(args) -> int:
 # demo
 # --------------------------------------------------------------------------------------------
 
-# (tokenizer vocab, tokenizer bytes, corpus chars, model fields, train fields)
+# The demo's sizes. The full demo uses the whole default corpus and sets its step count from a
+# short timing of the model, so that training takes about `train_seconds` on the machine at hand.
 _DEMO = {
-    "full": dict(vocab=4096, tok_bytes=1_500_000, corpus=12_000_000,
-                 model=dict(context_length=128, d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, d_ff=512),
-                 train=dict(steps=600, batch_size=16, lr=2e-3, warmup_steps=30, eval_every=100,
-                            eval_tokens=32768)),
-    "quick": dict(vocab=512, tok_bytes=150_000, corpus=600_000,
+    "full": dict(vocab=4096, tok_bytes=3_000_000, corpus=None, val=0.01, train_seconds=210,
+                 model=dict(context_length=128, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384),
+                 train=dict(batch_size=16, lr=3e-3, eval_tokens=32768)),
+    "quick": dict(vocab=512, tok_bytes=150_000, corpus=400_000, val=0.1, train_seconds=None,
                   model=dict(context_length=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192),
-                  train=dict(steps=60, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=20, eval_tokens=4096)),
+                  train=dict(steps=60, warmup_steps=5, eval_every=20, batch_size=8, lr=3e-3, eval_tokens=4096)),
 }
 DEMO_PROMPT = "def main(argv=None):\n    "
 
@@ -308,16 +316,25 @@ def cmd_demo(args) -> int:
     (out / "demo.json").write_text(json.dumps({"quick": args.quick, **spec}, indent=2) + "\n")
     t0 = time.perf_counter()
     tok = _train_tokenizer(None, spec["vocab"], spec["tok_bytes"], con)
-    ns = argparse.Namespace(data=None, text_field="text", column="text", val_fraction=0.01, workers=args.workers,
+    ns = argparse.Namespace(data=None, text_field="text", column="text", val_fraction=spec["val"], workers=args.workers,
                             max_bytes=spec["corpus"])
     _prepare(ns, tok, out / "data", con)
     model_cfg = dataclasses.replace(get_preset("tiny"), vocab_size=tok.vocab_size, **spec["model"])
-    train_cfg = TrainConfig(data_dir=str(out / "data"), out_dir=str(out), seed=args.seed, **spec["train"])
-    torch.manual_seed(train_cfg.seed)
+    torch.manual_seed(args.seed)
     model = Transformer(model_cfg)
+    train_kw = dict(spec["train"])
+    if "steps" not in train_kw:
+        seconds = args.train_seconds or spec["train_seconds"]
+        per_step = _time_step(model, train_kw["batch_size"], model_cfg.context_length)
+        steps = int(min(3000, max(60, seconds / (per_step * 1.1))))  # ~10% for evals and saves
+        train_kw.update(steps=steps, warmup_steps=max(1, steps // 20), eval_every=max(1, steps // 6))
+        con.print(f"a training step takes {per_step:.2f} s here: {steps} steps fit about {seconds} s")
+    train_cfg = TrainConfig(data_dir=str(out / "data"), out_dir=str(out), seed=args.seed, **train_kw)
     con.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters "
               f"(L={model_cfg.n_layers}, D={model_cfg.d_model}, V={model_cfg.vocab_size}, T={model_cfg.context_length})")
     result = _run_training(model, train_cfg, tok, con, args.progress, False)
+    if result.stopped == "signal":
+        return 0
     png = plot_run(out)
     model.eval()
     _show_sample(model, tok, args.prompt, con, seed=args.seed)
@@ -325,10 +342,32 @@ def cmd_demo(args) -> int:
     ln_v = math.log(tok.vocab_size)
     summary = {"val_loss": result.val_loss, "ln_V": ln_v, "wall_s": wall, "steps": result.step}
     (out / "demo.json").write_text(json.dumps({"quick": args.quick, **spec, "result": summary}, indent=2) + "\n")
-    con.print(f"\nvalidation loss {result.val_loss:.3f} nats/token (uniform guess: ln V = {ln_v:.3f}); "
+    val = f"{result.val_loss:.3f}" if result.val_loss is not None else "n/a"
+    con.print(f"\nvalidation loss {val} nats/token (uniform guess: ln V = {ln_v:.3f}); "
               f"total wall time {wall:.0f} s. Run directory: {out} (loss plot {png})")
-    con.print(f"next: logitlab generate {out} --prompt '...'   |   logitlab export {out} --hf {out}/hf")
+    con.print(f"next: logitlab generate --checkpoint {out} 'def '   |   logitlab export {out} --hf {out}/hf")
     return 0
+
+
+def _time_step(model, batch_size: int, seq_len: int) -> float:
+    """Seconds per forward+backward of one (batch_size, seq_len) batch, median of three after a
+    warm-up; the model's weights are untouched (no optimizer step) and its gradients cleared."""
+    import statistics
+
+    import torch
+
+    from logitlab.train import cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g)  # (B, T)
+    times = []
+    for i in range(4):
+        t0 = time.perf_counter()
+        cross_entropy(model(x), x).backward()
+        if i:
+            times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times) * 1.05  # + the optimizer step
 
 
 def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
@@ -372,7 +411,8 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("train", help="train a model (flags override --config FILE.toml)")
     p.add_argument("--config", help="TOML file: [train] and [model] tables, optional preset/tokenizer keys")
-    p.add_argument("--preset", help="model preset name (logitlab.families), fields override it")
+    p.add_argument("--preset", help="model preset name (logitlab.families; default tiny unless the TOML "
+                   "has a [model] table); model flags override its fields")
     p.add_argument("--tokenizer", help="tokenizer file; default: the data dir's, or train one")
     p.add_argument("--tokenizer-vocab", type=int, default=4096, help="vocab size when training a tokenizer")
     p.add_argument("--tokenizer-bytes", type=int, default=2_000_000, help="text used to train it")
@@ -397,6 +437,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="train a tokenizer and a small model on the stdlib, then sample")
     p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced if a demo)")
     p.add_argument("--quick", action="store_true", help="a ~30 s version")
+    p.add_argument("--train-seconds", type=float, default=None,
+                   help="about how long training may take (default 210; sets the step count)")
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--workers", type=int, default=None)

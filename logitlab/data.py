@@ -61,6 +61,21 @@ def default_corpus_files(root: str | os.PathLike | None = None) -> list[Path]:
     return sorted(out)
 
 
+def spread_files(files: Sequence[Path], max_bytes: int, offset: int = 0) -> list[Path]:
+    """About `max_bytes` worth of `files`, taken as every k-th file (starting at `offset`) so a
+    subset of a sorted corpus spans all of it rather than its first directories."""
+    files = list(files)
+    sizes = [f.stat().st_size for f in files]
+    k = max(1, sum(sizes) // max(max_bytes, 1))
+    picked, total = [], 0
+    for i in range(offset % k, len(files), k):
+        if total >= max_bytes:
+            break
+        picked.append(files[i])
+        total += sizes[i]
+    return picked
+
+
 def resolve_sources(sources: Sequence[str | os.PathLike]) -> list[Path]:
     """Expand files, directories (recursively: text-like, .jsonl and .parquet files) and globs
     into a sorted, de-duplicated list of files in the order given."""
@@ -201,6 +216,8 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
         raise ValueError("the tokenizer has no <|endoftext|> special token; documents need a separator")
     default = not sources
     files = default_corpus_files() if default else resolve_sources(sources)
+    if default and max_bytes is not None:
+        files = spread_files(files, max_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok_path = out / "tokenizer.logitlab.json"

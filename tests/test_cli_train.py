@@ -1,0 +1,101 @@
+"""The training CLI: prepare, train (TOML + flags, resume, config errors), plot, demo --quick,
+generate from the run, export to Hugging Face with identical logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitlab import cli
+from logitlab.checkpoint import latest_checkpoint, load_for_inference
+
+TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300))
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("demo") / "run"
+    assert cli.main(["demo", "--quick", "--out", str(out), "--progress", "false", "--workers", "1"]) == 0
+    return out
+
+
+def test_demo_quick_writes_a_run_with_plot_and_falling_loss(demo_run):
+    summary = json.loads((demo_run / "demo.json").read_text())["result"]
+    assert summary["val_loss"] < summary["ln_V"] - 0.5  # clearly below a uniform guess
+    assert (demo_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert latest_checkpoint(demo_run) is not None
+    # running it again replaces the demo directory; a non-demo directory is refused
+    assert cli.main(["demo", "--out", str(demo_run.parent)]) == 2
+
+
+def test_plot_and_generate_from_the_run(demo_run, tmp_path, capsys):
+    png = tmp_path / "p.png"
+    assert cli.main(["plot", str(demo_run), "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(demo_run), "def f(", "--max-new-tokens", "8",
+                     "--seed", "0", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip()
+
+
+def test_export_loads_in_transformers_with_the_same_logits(demo_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(demo_run), "--hf", str(out)]) == 0
+    model, tok = load_for_inference(demo_run)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "import os\nfor name in os.listdir('.'):\n    print(name)  # ünïcode"
+    ids = tok.encode_ordinary(text)
+    assert hf_tok(text)["input_ids"] == ids
+    assert hf_tok.decode(ids) == text
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tok.eot_id
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ours, theirs = model(x), hf_model(x).logits
+    torch.testing.assert_close(theirs[..., :ours.shape[-1]], ours, rtol=1e-4, atol=1e-4)
+
+
+def _train_args(tmp_path, *extra):
+    return ["train", "--data", str(tmp_path / "code.txt"), "--tokenizer-vocab", "300",
+            "--context-length", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
+            "--d-ff", "64", "--batch-size", "4", "--warmup-steps", "1", "--eval-every", "2", "--eval-tokens", "256",
+            "--val-fraction", "0.2", "--workers", "1", "--progress", "false", "--device", "cpu", *extra]
+
+
+def test_train_toml_flags_resume_and_errors(tmp_path, capsys):
+    (tmp_path / "code.txt").write_text(TEXT)
+    (tmp_path / "c.toml").write_text('[train]\nsteps = 4\nlr = 0.01\nseed = 3\n[model]\nnorm = "rmsnorm"\n')
+    run = tmp_path / "run"
+    # the file's lr, a flag's steps; config errors come before any work
+    assert cli.main(_train_args(tmp_path, "--config", str(tmp_path / "c.toml"), "--steps", "0",
+                                "--out-dir", str(run))) == 2
+    assert "steps must be a positive integer" in capsys.readouterr().err
+    assert not run.exists()
+    (tmp_path / "bad.toml").write_text("[train]\nstepz = 4\n")
+    assert cli.main(_train_args(tmp_path, "--config", str(tmp_path / "bad.toml"), "--out-dir", str(run))) == 2
+    assert "stepz" in capsys.readouterr().err
+    assert cli.main(_train_args(tmp_path, "--config", str(tmp_path / "c.toml"), "--steps", "3",
+                                "--out-dir", str(run))) == 0
+    saved = json.loads((run / "run.json").read_text())
+    assert saved["train"]["steps"] == 3 and saved["train"]["lr"] == 0.01 and saved["train"]["seed"] == 3
+    assert saved["model"]["norm"] == "rmsnorm" and saved["model"]["d_model"] == 32
+    assert saved["model"]["vocab_size"] == saved["data"]["vocab_size"]
+    assert latest_checkpoint(run).name == "ckpt-000003"
+    assert cli.main(["train", "--resume", str(run), "--steps", "5", "--progress", "false"]) == 0
+    assert latest_checkpoint(run).name == "ckpt-000005"
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    # a second run into the same directory is refused; prepare + --data-dir reuses the data
+    assert cli.main(_train_args(tmp_path, "--out-dir", str(run))) == 2
+    data_dir = tmp_path / "prep"
+    assert cli.main(["prepare", "--data", str(tmp_path / "code.txt"), "--tokenizer",
+                     str(run / "tokenizer.logitlab.json"), "--out", str(data_dir), "--workers", "1"]) == 0
+    assert cli.main(_train_args(tmp_path, "--data-dir", str(data_dir), "--steps", "2",
+                                "--out-dir", str(tmp_path / "run2"))) == 0
+    model, tok = load_for_inference(tmp_path / "run2")
+    assert tok is not None and model.config.n_layers == 1
