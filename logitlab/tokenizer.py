@@ -58,6 +58,7 @@ ASCII_PATTERNS = {
 # (encode_iterable, parallel training).
 SAFE_CUT = regex.compile(r"(?r)(?<=\S) (?=\S)|(?<=\S\n)(?=\S)")
 _REFERENCE_CACHE_LIMIT = 100_000  # encoded pre-tokens kept by the reference path
+_NO_MERGE = 1 << 62
 
 
 def resolve_pattern(pattern: str) -> str:
@@ -159,10 +160,13 @@ class Tokenizer:
             first = next(i for i in range(self.vocab_size) if i not in all_ids)
             raise ValueError(f"vocab ids must run 0..{self.vocab_size - 1} without gaps; id {first} is missing")
         self._byte_ids = [encoder[bytes([b])] for b in range(256)]
-        # (left id, right id) -> (rank, merged id): the reference path's merge table.
-        self._ranks: dict[tuple[int, int], tuple[int, int]] = {}
-        for rank, (a, b) in enumerate(self.merges):
-            self._ranks.setdefault((encoder[a], encoder[b]), (rank, encoder[a + b]))
+        # The reference path's merge table: left << 20 | right -> rank << 20 | merged id.
+        if self.vocab_size > 0xFFFFF or len(self.merges) > 0xFFFFF:
+            raise ValueError(f"vocab_size ({self.vocab_size}) and merges must stay below {0xFFFFF}")
+        self._merge_ids = [(encoder[a], encoder[b]) for a, b in self.merges]
+        self._pair_rank: dict[int, int] = {}
+        for rank, (a, b) in enumerate(self._merge_ids):
+            self._pair_rank.setdefault(a << 20 | b, rank << 20 | encoder[self.merges[rank][0] + self.merges[rank][1]])
         self._special_re = special_regex(specials)
         self._cache: dict[str, list[int]] = {}
         self._fast_path_ok: bool | None = None  # computed on first use (about 1 s for 50k tokens)
@@ -262,17 +266,25 @@ class Tokenizer:
     # ---------------------------------------------------------------- encoding
     def _bpe(self, data: bytes) -> list[int]:
         """Replay merges on one pre-token's bytes: merge the lowest-rank pair, all occurrences
-        left to right, until no adjacent pair is a merge."""
+        left to right, until no adjacent pair is a merge. Pairs are looked up as one int
+        (left << 20 | right) and the table's value is rank << 20 | merged id, so the smallest
+        value is the lowest rank."""
         parts = [self._byte_ids[b] for b in data]
-        ranks = self._ranks
+        get, none = self._pair_rank.get, _NO_MERGE
         while len(parts) > 1:
-            best = min(zip(parts, parts[1:]), key=lambda p: ranks.get(p, (1 << 62,))[0])
-            hit = ranks.get(best)
-            if hit is None:
+            best = none
+            prev = parts[0]
+            for x in parts[1:]:
+                r = get(prev << 20 | x, none)
+                if r < best:
+                    best = r
+                prev = x
+            if best == none:
                 break
-            new_id, out, i, n = hit[1], [], 0, len(parts)
+            a, b = self._merge_ids[best >> 20]
+            new_id, out, i, n = best & 0xFFFFF, [], 0, len(parts)
             while i < n:
-                if i + 1 < n and parts[i] == best[0] and parts[i + 1] == best[1]:
+                if parts[i] == a and i + 1 < n and parts[i + 1] == b:
                     out.append(new_id)
                     i += 2
                 else:

@@ -1,0 +1,25 @@
+"""`python3 -m bench NAME...` runs the named benchmarks (`all`: every one that exists) in turn."""
+
+from __future__ import annotations
+
+import importlib.util
+import runpy
+import sys
+
+NAMES = ("tokenizer", "model", "generate", "roofline")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or any(a not in NAMES + ("all",) for a in argv):
+        print(f"usage: python3 -m bench {{all,{','.join(NAMES)}}} ...", file=sys.stderr)
+        return 2
+    names = [n for n in NAMES if importlib.util.find_spec(f"bench.{n}")] if "all" in argv else argv
+    for name in names:
+        print(f"== bench.{name}", flush=True)
+        sys.argv = [f"bench.{name}"]
+        runpy.run_module(f"bench.{name}", run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,233 @@
+"""Tokenizer benchmark: BPE training time and peak memory vs Hugging Face `tokenizers`, and
+encode throughput of both our encoders vs tiktoken and `tokenizers`.
+
+    python3 -m bench.tokenizer            # all cases (about 2-3 minutes on 2 idle cores)
+    python3 -m bench.tokenizer --quick    # tinyshakespeare only
+
+Training: each side trains in its own fresh subprocess (same files, same vocab size, the same
+special token, GPT-2 pre-tokenization), which reports its wall time around the training call
+and its peak resident memory (ru_maxrss; for logitlab the main process plus nproc times its
+largest worker, an upper bound since the workers are separate processes). Sides alternate A B A B after a warm-up pair. The stdlib
+corpus is the standard library's *.py files that are valid UTF-8 (`tokenizers` refuses the others).
+
+Encoding: GPT-2's vocabulary from ../shared/data/gpt2 (the same ranks for all four encoders),
+single-threaded, whole text per call; the reference path's cache is cleared before each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import ROOT, machine_info, markdown_table, update_doc_section, write_results
+
+SHARED = ROOT.parent / "shared" / "data"
+EOT = "<|endoftext|>"
+
+
+# ------------------------------------------------------------------------------ one training run
+def _train_child(side: str, list_file: str, vocab_size: int) -> None:
+    files = Path(list_file).read_text().splitlines()
+    if side == "ours":
+        from logitlab.bpe import train_bpe
+
+        start = time.perf_counter()
+        vocab, _ = train_bpe(files, vocab_size, [EOT])
+        seconds = time.perf_counter() - start
+        size = len(vocab)
+    else:
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        start = time.perf_counter()
+        tok.train(files, trainer)
+        seconds = time.perf_counter() - start
+        size = tok.get_vocab_size()
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    n_workers = (os.cpu_count() or 1) if side == "ours" else 0  # concurrent worker processes
+    print(json.dumps({"seconds": seconds, "peak_mb": own + n_workers * workers, "vocab": size}))
+
+
+def _run_side(side: str, list_file: Path, vocab_size: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.tokenizer", "--child", side, str(list_file), str(vocab_size)],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def utf8_stdlib_files() -> list[Path]:
+    from logitlab.bpe import stdlib_files
+
+    good = []
+    for path in stdlib_files():
+        try:
+            path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        good.append(path)
+    return good
+
+
+def bench_training(cases, repeats: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, files, vocab_size in cases:
+            list_file = Path(tmp) / f"{name}.txt"
+            list_file.write_text("\n".join(str(f) for f in files))
+            mb = sum(f.stat().st_size for f in files) / 1e6
+            _run_side("ours", list_file, vocab_size), _run_side("hf", list_file, vocab_size)  # warm-up
+            ours, hf = [], []
+            for _ in range(repeats):
+                ours.append(_run_side("ours", list_file, vocab_size))
+                hf.append(_run_side("hf", list_file, vocab_size))
+            ratios = [o["seconds"] / h["seconds"] for o, h in zip(ours, hf)]
+            mem = [o["peak_mb"] / h["peak_mb"] for o, h in zip(ours, hf)]
+            row = {"corpus": name, "mb": mb, "vocab": vocab_size,
+                   "ours_s": [o["seconds"] for o in ours], "hf_s": [h["seconds"] for h in hf],
+                   "ours_peak_mb": [o["peak_mb"] for o in ours], "hf_peak_mb": [h["peak_mb"] for h in hf],
+                   "time_ratio": statistics.median(ratios), "time_ratio_min": min(ratios),
+                   "time_ratio_max": max(ratios), "mem_ratio": statistics.median(mem)}
+            rows.append(row)
+            print(f"train {name} {mb:.1f} MB vocab {vocab_size}: ours {statistics.median(row['ours_s']):.2f} s, "
+                  f"tokenizers {statistics.median(row['hf_s']):.2f} s, time ratio {row['time_ratio']:.2f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}), memory ratio {row['mem_ratio']:.2f}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------ encoding
+def bench_encoding(texts: dict[str, str], repeats: int) -> list[dict]:
+    import tiktoken
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from logitlab.tokenizer import Tokenizer
+    from logitlab.tokenizer_formats import bytes_to_unicode
+
+    vocab_json, merges_txt = SHARED / "gpt2" / "vocab.json", SHARED / "gpt2" / "merges.txt"
+    ours = Tokenizer.from_gpt2_files(vocab_json, merges_txt)
+    u2b = {c: b for b, c in bytes_to_unicode().items()}
+    raw = json.loads(vocab_json.read_text(encoding="utf-8"))
+    enc = tiktoken.Encoding("gpt2-files", pat_str=ours.pattern, special_tokens={EOT: raw.pop(EOT)},
+                            mergeable_ranks={bytes(u2b[c] for c in t): i for t, i in raw.items()})
+    hf = HFTokenizer(models.BPE.from_file(str(vocab_json), str(merges_txt)))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([EOT])
+
+    def reference(text):
+        ours._cache.clear()
+        return ours.encode(text, fast=False)
+
+    encoders = {"logitlab fast": ours.encode, "logitlab reference": reference,
+                "tiktoken": lambda t: enc.encode(t, allowed_special="all"), "tokenizers": lambda t: hf.encode(t).ids}
+    rows = []
+    for name, text in texts.items():
+        want = enc.encode(text, allowed_special="all")
+        times: dict[str, list[float]] = {k: [] for k in encoders}
+        for k, fn in encoders.items():  # warm-up, and every encoder must give the same ids
+            assert fn(text) == want, f"{k} disagrees with tiktoken on {name}"
+        for _ in range(repeats):
+            for k, fn in encoders.items():
+                start = time.perf_counter()
+                fn(text)
+                times[k].append(time.perf_counter() - start)
+        mb = len(text.encode("utf-8")) / 1e6
+        speed = {k: mb / statistics.median(v) for k, v in times.items()}
+        ratio_fast = [t / o for o, t in zip(times["logitlab fast"], times["tiktoken"])]
+        ratio_ref = [h / r for r, h in zip(times["logitlab reference"], times["tokenizers"])]
+        row = {"text": name, "mb": mb, "mb_per_s": speed, "times": times,
+               "fast_vs_tiktoken": statistics.median(ratio_fast), "fast_vs_tiktoken_min": min(ratio_fast),
+               "fast_vs_tiktoken_max": max(ratio_fast), "reference_vs_tokenizers": statistics.median(ratio_ref),
+               "reference_vs_tokenizers_min": min(ratio_ref), "reference_vs_tokenizers_max": max(ratio_ref)}
+        rows.append(row)
+        print(f"encode {name} {mb:.1f} MB: " + ", ".join(f"{k} {v:.1f} MB/s" for k, v in speed.items())
+              + f"; fast/tiktoken speed {row['fast_vs_tiktoken']:.2f}, reference/tokenizers speed "
+              f"{row['reference_vs_tokenizers']:.2f}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+def report(train_rows, encode_rows, info, command) -> str:
+    import tiktoken
+    import tokenizers
+
+    lines = [f"Command: `{command}` (commit {info.get('commit')}). Machine: {info['nproc']} cores, {info['cpu']}; "
+             f"Python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), tiktoken "
+             f"{tiktoken.__version__}, tokenizers {tokenizers.__version__}. The machine is shared, so "
+             f"absolute times move between runs; the ratios come from alternating runs.", ""]
+    if train_rows:
+        lines += ["Training (ratio = our time / `tokenizers` time, median (min-max); < 1 means faster; "
+                  "memory ratio = our peak RSS / theirs):", ""]
+        lines.append(markdown_table(
+            ["corpus", "MB", "vocab", "logitlab s", "tokenizers s", "time ratio", "logitlab MB", "tokenizers MB",
+             "memory ratio"],
+            [[r["corpus"], f"{r['mb']:.1f}", r["vocab"], f"{statistics.median(r['ours_s']):.2f}",
+              f"{statistics.median(r['hf_s']):.2f}",
+              f"{r['time_ratio']:.2f} ({r['time_ratio_min']:.2f}-{r['time_ratio_max']:.2f})",
+              f"{statistics.median(r['ours_peak_mb']):.0f}", f"{statistics.median(r['hf_peak_mb']):.0f}",
+              f"{r['mem_ratio']:.2f}"] for r in train_rows]))
+        lines.append("")
+    if encode_rows:
+        lines += ["Encoding with GPT-2's vocabulary, MB/s (single thread, one call per text; speed ratios "
+                  "> 1 mean ours is faster):", ""]
+        lines.append(markdown_table(
+            ["text", "MB", "logitlab fast", "tiktoken", "fast / tiktoken", "logitlab reference", "tokenizers",
+             "reference / tokenizers"],
+            [[r["text"], f"{r['mb']:.1f}", f"{r['mb_per_s']['logitlab fast']:.1f}", f"{r['mb_per_s']['tiktoken']:.1f}",
+              f"{r['fast_vs_tiktoken']:.2f} ({r['fast_vs_tiktoken_min']:.2f}-{r['fast_vs_tiktoken_max']:.2f})",
+              f"{r['mb_per_s']['logitlab reference']:.1f}", f"{r['mb_per_s']['tokenizers']:.1f}",
+              f"{r['reference_vs_tokenizers']:.2f} ({r['reference_vs_tokenizers_min']:.2f}-"
+              f"{r['reference_vs_tokenizers_max']:.2f})"] for r in encode_rows]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m bench.tokenizer", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tinyshakespeare only")
+    parser.add_argument("--repeats", type=int, default=2, help="timed pairs per case (default 2)")
+    parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _train_child(args.child[0], args.child[1], int(args.child[2]))
+        return 0
+    if not SHARED.is_dir():
+        print(f"reference data {SHARED} is absent; nothing to benchmark", file=sys.stderr)
+        return 1
+    shakespeare = SHARED / "tinyshakespeare.txt"
+    cases = [("tinyshakespeare", [shakespeare], 10_000)]
+    texts = {"tinyshakespeare": shakespeare.read_text(encoding="utf-8")}
+    if not args.quick:
+        stdlib = utf8_stdlib_files()
+        cases += [("stdlib *.py", stdlib, 10_000), ("stdlib *.py", stdlib, 32_000)]
+        sample, size = [], 0
+        for path in stdlib[::7]:
+            sample.append(path.read_text(encoding="utf-8"))
+            size += len(sample[-1])
+            if size > 4_000_000:
+                break
+        texts["stdlib sample"] = "".join(sample)
+    info = machine_info()
+    command = "python3 -m bench.tokenizer" + (" --quick" if args.quick else "")
+    encode_rows = bench_encoding(texts, args.repeats + 1)
+    train_rows = bench_training(cases, args.repeats)
+    payload = {"machine": info, "command": command, "training": train_rows, "encoding": encode_rows}
+    print(f"wrote {write_results('tokenizer', payload)}")
+    if not args.no_doc:
+        print(f"updated {update_doc_section('Tokenizer', report(train_rows, encode_rows, info, command))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
