@@ -17,7 +17,11 @@ def main(argv: list[str]) -> int:
     for name in names:
         print(f"== bench.{name}", flush=True)
         sys.argv = [f"bench.{name}"]
-        runpy.run_module(f"bench.{name}", run_name="__main__")
+        try:
+            runpy.run_module(f"bench.{name}", run_name="__main__")
+        except SystemExit as exc:  # each benchmark ends with SystemExit(main())
+            if exc.code not in (0, None):
+                return int(exc.code) if isinstance(exc.code, int) else 1
     return 0
 
 
