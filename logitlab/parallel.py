@@ -325,10 +325,14 @@ def shard_for_rank(rows, info: DistInfo, micro_step: int = 0, grad_accum: int = 
 # Logging and rank 0
 # --------------------------------------------------------------------------------------------
 
-def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
-    """Mean of `tensor` over ranks (a detached copy; every rank must call it). With equal
-    per-rank batches, the mean of per-rank mean losses is the loss of the whole batch."""
-    out = tensor.detach().clone()
+def all_reduce_mean(value: torch.Tensor | float) -> torch.Tensor | float:
+    """Mean over ranks of a tensor (a detached copy) or a Python float (a float, reduced in
+    float64 on this rank's device). Every rank must call it. With equal per-rank batches, the
+    mean of the per-rank mean losses is the loss of the whole global batch."""
+    if not isinstance(value, torch.Tensor):
+        return float(all_reduce_mean(torch.tensor(float(value), dtype=torch.float64,
+                                                  device=current_info().device)))
+    out = value.detach().clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         out /= dist.get_world_size()

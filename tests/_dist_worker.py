@@ -127,19 +127,31 @@ def train_config(out: Path, mode: str, **kw):
     base = dict(data_dir=str(out / "prep"), out_dir=str(out / f"run_{mode}"), steps=STEPS, batch_size=8,
                 grad_accum=2, seq_len=T, lr=3e-3, warmup_steps=2, eval_every=RESUME_AT, save_every=RESUME_AT,
                 eval_tokens=256, keep_last=10, device="cpu", precision="fp32", seed=5, tensorboard=False)
+    if train_has_parallel_field():
+        base["parallel"] = mode
     return TrainConfig(**{**base, **kw})
 
 
+def train_has_parallel_field() -> bool:
+    """True once train.py picks DDP/FSDP itself (TrainConfig.parallel); before that it takes
+    rank / world_size / wrap / all_reduce hooks, which carry DDP only."""
+    import dataclasses
+
+    from logitlab.train import TrainConfig
+
+    return "parallel" in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
 def run_train_loop(out: Path, mode: str, info, resume: bool = False):
-    """Train through logitlab.train.train and its distributed hooks (rank, wrap, all_reduce)."""
+    """Train through logitlab.train.train, distributed by parallel.py."""
     from logitlab.train import train
 
-    def mean(value: float) -> float:
-        return parallel.all_reduce_mean(torch.tensor(value, dtype=torch.float64)).item()
-
-    return train(tiny_model(vocab_size=257), train_config(out, mode), resume=resume,
-                 rank=info.rank, world_size=info.world_size, all_reduce=mean,
-                 wrap=lambda model: parallel.wrap_model(model, mode, info=info))
+    model, config = tiny_model(vocab_size=257), train_config(out, mode)
+    if train_has_parallel_field():
+        return train(model, config, resume=resume)
+    return train(model, config, resume=resume, rank=info.rank, world_size=info.world_size,
+                 all_reduce=parallel.all_reduce_mean,
+                 wrap=lambda m: parallel.wrap_model(m, mode, info=info))
 
 
 def die(info) -> None:
