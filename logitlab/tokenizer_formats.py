@@ -256,6 +256,9 @@ def load_hf(cls, path):
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not BPE")
     pattern = _hf_pattern(data.get("pre_tokenizer"), path)
+    if data.get("normalizer") is not None:
+        raise ValueError(f"{path}: normalizer {json.dumps(data['normalizer'])[:120]} is not supported "
+                         f"(logitlab encodes text as given)")
     vocab, specials = _from_printable_vocab(_field(model, "vocab", dict, path), path)
     merges = []
     for n, m in enumerate(_field(model, "merges", list, path)):
