@@ -57,7 +57,7 @@ class TrainConfig:
     seq_len: int | None = _f(None, "tokens per sequence T (default: the model's context_length)")
     lr: float = _f(3e-4, "peak learning rate")
     min_lr: float | None = _f(None, "learning-rate floor of the cosine decay (default lr / 10)")
-    warmup_steps: int = _f(100, "linear warmup steps")
+    warmup_steps: int | None = _f(None, "linear warmup steps (default min(100, steps // 10))")
     weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
     decay_embeddings: bool = _f(False, "also decay the embedding tables")
     beta1: float = _f(0.9, "AdamW beta1")
@@ -81,6 +81,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         for name in ("warmup_steps", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -270,9 +272,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
         raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
     else:
         runtime.seed_everything(config.seed)
-    runner = wrap(model) if wrap is not None else model
-    if config.compile:
-        runner = torch.compile(runner)
+    wrapped = wrap(model) if wrap is not None else model  # DDP / FSDP from outside (parallel.py)
+    runner = torch.compile(wrapped) if config.compile else wrapped
 
     tokens_per_step = config.batch_size * config.grad_accum * seq_len  # global, all ranks
     fpt = flops_per_token(model, seq_len)
@@ -341,7 +342,7 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                           "mfu": fpt * tokens_per_step / dt / peak, "time_s": dt}
                 final = step == config.steps or stop.signum is not None
                 if has_val and ((config.eval_every and step % config.eval_every == 0) or final):
-                    val_loss = evaluate(model, val_tokens, seq_len, config.batch_size // world_size,
+                    val_loss = evaluate(wrapped, val_tokens, seq_len, config.batch_size // world_size,
                                         config.eval_tokens, device, amp_dtype, rank, world_size, all_reduce)
                     record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
                     if best_val is None or val_loss < best_val:
