@@ -209,9 +209,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
     Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i (the
     smallest of independent Exp(p_i) waiting times); unlike torch.multinomial it needs no
-    host synchronisation. Zero-probability tokens can never win."""
+    host synchronisation. E is clamped away from 0 (a draw of exactly 0 would turn p / E into
+    inf, or NaN for p = 0, which argmax would pick), so zero-probability tokens can never win."""
     e = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / e).argmax(dim=-1)
+    return (probs / e.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
 def next_token(logits: torch.Tensor, config: SampleConfig, generator: torch.Generator | None = None,

@@ -130,6 +130,12 @@ def test_sampling_matches_probabilities_chi_square():
     assert chi2 < 18.47, (chi2, observed, expected)
 
 
+def test_sampling_never_picks_a_zero_probability_token_when_a_draw_is_zero(monkeypatch):
+    """exponential_ may return exactly 0; p / 0 must not let a filtered token (p = 0) win."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
+    assert sample(torch.tensor([[0.0, 0.5, 0.5]])).item() in (1, 2)
+
+
 def test_sampling_is_reproducible_with_a_seed():
     probs = softmax(torch.randn(8, 50))
     a = sample(probs, make_generator(7))
