@@ -3,8 +3,8 @@
 layers.py owns the per-token and per-head arithmetic: RMSNorm, LayerNorm, rotary position
 embeddings (RoPE, rotate-half convention as Hugging Face, with Llama-3.1 frequency scaling),
 causal self-attention (MHA / GQA, optional per-head QK-norm, a fused SDPA path and an eager
-reference path that can return the attention weights) and the two MLP kinds (GELU, SwiGLU).
-How blocks are stacked, masks built and the KV cache advanced is model.py's business; this
+reference path that can return the attention weights), the two MLP kinds (GELU, SwiGLU) and
+the Block that joins them with norms and residual adds (pre- or post-norm). How blocks are stacked, masks built and the KV cache advanced is model.py's business; this
 module imports nothing of logitlab (the cache is duck-typed: `update(layer, k, v)`).
 
 Shapes: B batch, T positions in this call, S key/value length (cached + new), D d_model,
@@ -263,3 +263,39 @@ def make_mlp(config) -> nn.Module:
     if config.mlp == "gelu":
         return GeluMLP(config)
     raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {config.mlp!r}")
+
+
+# ------------------------------------------------------------------------------------------
+# The block
+# ------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """One Transformer block: attention then MLP, each with a norm and a residual add.
+
+    pre-norm (GPT-2, Llama):  x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
+    post-norm (Vaswani et al. 2017): x = attn_norm(x + attn(x));  x = mlp_norm(x + mlp(x))
+    Dropout (config.dropout, training only) acts on each sublayer's output before the add."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.post_norm = config.norm_placement == "post"
+        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.mlp = make_mlp(config)
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+
+    def forward(self, x, rope, *, cache=None, layer=0, mask=None, is_causal=False, impl="sdpa",
+                need_weights=False):
+        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
+        attn_args = dict(cache=cache, layer=layer, mask=mask, is_causal=is_causal, impl=impl,
+                         need_weights=need_weights)
+        if self.post_norm:
+            a, weights = self.attn(x, rope, **attn_args)
+            x = self.attn_norm(x + self.dropout(a))
+            x = self.mlp_norm(x + self.dropout(self.mlp(x)))
+        else:
+            a, weights = self.attn(self.attn_norm(x), rope, **attn_args)
+            x = x + self.dropout(a)
+            x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+        return x, weights

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from logitlab.kv_cache import KVCache
-from logitlab.layers import ATTN_IMPLS, Attention, LayerNorm, RMSNorm, RotaryEmbedding, make_mlp, make_norm
+from logitlab.layers import ATTN_IMPLS, Block, LayerNorm, RMSNorm, RotaryEmbedding, make_norm
 
 
 def _help(text: str):
@@ -188,38 +188,6 @@ class ModelConfig:
 # The Transformer
 # ------------------------------------------------------------------------------------------
 
-class Block(nn.Module):
-    """One Transformer block: attention then MLP, each with a norm and a residual add.
-
-    pre-norm (GPT-2, Llama):  x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
-    post-norm (Vaswani et al. 2017): x = attn_norm(x + attn(x));  x = mlp_norm(x + mlp(x))
-    Dropout (config.dropout, training only) acts on each sublayer's output before the add."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.post_norm = config.norm_placement == "post"
-        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps)
-        self.mlp = make_mlp(config)
-        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
-
-    def forward(self, x, rope, *, cache=None, layer=0, mask=None, is_causal=False, impl="sdpa",
-                need_weights=False):
-        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
-        attn_args = dict(cache=cache, layer=layer, mask=mask, is_causal=is_causal, impl=impl,
-                         need_weights=need_weights)
-        if self.post_norm:
-            a, weights = self.attn(x, rope, **attn_args)
-            x = self.attn_norm(x + self.dropout(a))
-            x = self.mlp_norm(x + self.dropout(self.mlp(x)))
-        else:
-            a, weights = self.attn(self.attn_norm(x), rope, **attn_args)
-            x = x + self.dropout(a)
-            x = x + self.dropout(self.mlp(self.mlp_norm(x)))
-        return x, weights
-
-
 class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, vocab_size). See the module docstring for the keys.
 
@@ -227,7 +195,8 @@ class Transformer(nn.Module):
     explicit reference path); a plain attribute, settable at any time.
     validate_inputs: when True (default) forward checks that ids and positions are in range,
     which reads two numbers back from the device; a decode loop that already knows its ids are
-    valid may set it False to keep the step free of host syncs. Shape and length checks always run.
+    valid may set it False to keep the step free of host syncs. Shape and length checks always run;
+    the range checks are skipped while torch.compile traces the model.
     """
 
     def __init__(self, config: ModelConfig, attn_impl: str = "sdpa"):
@@ -309,6 +278,13 @@ class Transformer(nn.Module):
         sampling code upcast to float32. With vocabulary padding they are a view that drops the
         padded columns (non-contiguous: use .reshape, not .view)."""
         return self.unembed(self._run(ids, cache, positions, attn_mask)[0])
+
+    def forward_features(self, ids, *, cache=None, positions=None, attn_mask=None) -> torch.Tensor:
+        """-> h (B, T, D), the last block's output BEFORE the final norm; forward(ids) equals
+        unembed(forward_features(ids)). A prefill that needs only the last position's logits
+        runs `model.unembed(model.forward_features(ids, cache=cache)[:, -1:])` and skips the
+        LM head for the other T-1 positions. Same arguments and cache behaviour as forward."""
+        return self._run(ids, cache, positions, attn_mask)[0]
 
     def forward_with_hidden(self, ids, *, cache=None, positions=None, attn_mask=None):
         """-> (logits (B, T, V), hidden: list of L+1 tensors (B, T, D)).
@@ -396,6 +372,11 @@ class Transformer(nn.Module):
         mask = (causal[None] & attn_mask[:, None, :S]) | own[None]   # (B, T, S)
         return mask[:, None], False                                # (B, 1, T, S)
 
+    def _validate_values(self, t: torch.Tensor) -> bool:
+        """Range checks read values back to the host: skipped when validate_inputs is off, on the
+        meta device, and while torch.compile traces (a data-dependent check would break the graph)."""
+        return self.validate_inputs and t.device.type != "meta" and not torch.compiler.is_compiling()
+
     def _check_ids(self, ids) -> None:
         if not isinstance(ids, torch.Tensor):
             raise ValueError(f"ids must be a torch.Tensor of shape (B, T), got {type(ids).__name__}")
@@ -403,7 +384,7 @@ class Transformer(nn.Module):
             raise ValueError(f"ids must be int64 (or int32), got {ids.dtype}")
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"ids must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
-        if self.validate_inputs and ids.device.type != "meta":
+        if self._validate_values(ids):
             lo, hi = torch.aminmax(ids)
             lo, hi = int(lo), int(hi)                              # one host sync
             if lo < 0 or hi >= self.config.vocab_size:
@@ -418,7 +399,7 @@ class Transformer(nn.Module):
             positions = positions.unsqueeze(0)                     # (T,) -> (1, T)
         if positions.ndim != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
             raise ValueError(f"positions must have shape (B={B}, T={T}) or (T,), got {tuple(positions.shape)}")
-        if self.validate_inputs and positions.device.type != "meta":
+        if self._validate_values(positions):
             lo, hi = (int(v) for v in torch.aminmax(positions))
             if lo < 0 or hi >= self.config.context_length:
                 raise ValueError(f"position {lo if lo < 0 else hi} is out of range for context_length "

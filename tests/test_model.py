@@ -168,6 +168,7 @@ def test_hidden_states_follow_the_transformers_convention():
         torch.testing.assert_close(logits, model.lm_head(hidden[-1]))
         torch.testing.assert_close(model.unembed(x), logits)
         torch.testing.assert_close(logits, model(ids))
+        torch.testing.assert_close(model.unembed(model.forward_features(ids)[:, -1:]), logits[:, -1:])
 
 
 def test_forward_with_attention_returns_causal_weights():
