@@ -188,23 +188,48 @@ def _print_report(report: dict) -> None:
     out.print(f"{ok} (tolerance {report['tolerance']:.0e} relative to max(1, |reference|))")
 
 
+def _hf_tokenizer(directory: Path):
+    """The directory's tokenizer.json as a logitlab Tokenizer, or None (absent or not byte-level
+    BPE; a note says why)."""
+    from logitlab.cli import error_console
+    from logitlab.tokenizer import Tokenizer
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_hf(path)
+    except ValueError as exc:
+        error_console().print(f"note: tokenizer not converted: {exc}")
+        return None
+
+
 def _convert(args) -> int:
     from logitlab import checkpoint, hf
     from logitlab.cli import console
 
+    out = console()
     if args.to_hf:
         if not args.out:
             raise ValueError("--to-hf needs --out DIR (the Hugging Face directory to write)")
-        model = checkpoint.load_model(args.to_hf, dtype=hf.parse_dtype(args.dtype))
-        hf.save_pretrained(model, args.out)
-        console().print(f"wrote Hugging Face directory {args.out} "
-                        f"({json.loads((Path(args.out) / 'config.json').read_text())['architectures'][0]})")
+        model, tokenizer = checkpoint.load_for_inference(args.to_hf)   # model dir, checkpoint or run
+        dtype = hf.parse_dtype(args.dtype)
+        model = model.to(dtype) if dtype is not None else model
+        hf.save_pretrained(model, args.out, tokenizer=tokenizer)
+        arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
+        out.print(f"wrote Hugging Face directory {args.out} ({arch}"
+                  f"{', tokenizer.json' if tokenizer is not None else ''})")
         reference = args.out
     else:
         model = hf.load_pretrained(args.hf, dtype=args.dtype)
         if args.out:
-            checkpoint.save_model(model, args.out)
-            console().print(f"wrote logitlab directory {args.out}")
+            tokenizer = _hf_tokenizer(Path(args.hf))
+            with checkpoint.atomic_directory(args.out) as tmp:
+                checkpoint.write_model_files(model, tmp)
+                if tokenizer is not None:
+                    tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
+            out.print(f"wrote logitlab directory {args.out}"
+                      f"{' with its tokenizer' if tokenizer is not None else ''}")
         reference = args.hf
     if args.verify:
         report = hf.verify_against_transformers(model, reference)

@@ -143,10 +143,10 @@ def _unwrap(model):
     return getattr(model, "module", model)         # DDP / FSDP wrappers
 
 
-def save_pretrained(model, directory: str | os.PathLike) -> Path:
+def save_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path:
     """Atomically write config.json + model.safetensors that transformers.AutoModelForCausalLM
     loads as the matching class (families.hf_architecture). A tied head is stored once, as the
-    embedding, as Hugging Face expects."""
+    embedding, as Hugging Face expects. A logitlab Tokenizer, when given, goes in as tokenizer.json."""
     from safetensors.torch import save_file
 
     model = _unwrap(model)
@@ -158,6 +158,8 @@ def save_pretrained(model, directory: str | os.PathLike) -> Path:
     with checkpoint.atomic_directory(directory) as tmp:
         save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_hf(tmp / "tokenizer.json")
     return Path(directory)
 
 

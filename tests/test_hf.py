@@ -220,3 +220,24 @@ def test_cli_convert_both_ways(hf_dirs, tmp_path, capsys):
     assert "LlamaForCausalLM" in capsys.readouterr().out
     assert main(["convert", "--to-hf", str(tmp_path / "ll")]) == 2   # --out missing
     assert "--out" in capsys.readouterr().err
+
+
+def test_cli_convert_carries_the_tokenizer(tmp_path):
+    from logitlab.tokenizer import Tokenizer
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab[256], vocab[257] = b"th", b"the"
+    tok = Tokenizer(vocab, [(b"t", b"h"), (b"th", b"e")], special_tokens={"<|endoftext|>": 258})
+    cfg = ModelConfig(vocab_size=259, context_length=16, d_model=32, n_layers=1, n_heads=2,
+                      norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)
+    model_dir = tmp_path / "native"
+    with checkpoint.atomic_directory(model_dir) as tmp:
+        checkpoint.write_model_files(Transformer(cfg), tmp)
+        tok.save(tmp / checkpoint.TOKENIZER_FILE)
+    assert main(["convert", "--to-hf", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
+    theirs = pytest.importorskip("tokenizers").Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    text = "the theme there"
+    assert theirs.encode(text).ids == tok.encode(text)
+    assert main(["convert", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    back = Tokenizer.load(tmp_path / "back" / checkpoint.TOKENIZER_FILE)
+    assert back.encode(text) == tok.encode(text) and back.fingerprint() == tok.fingerprint()
