@@ -61,16 +61,16 @@ def learn_merges(word_counts: dict[bytes, int], n_merges: int, first_id: int = 2
             words.append(list(w))
             freqs.append(f)
     counts: dict[int, int] = {}
-    where: dict[int, set[int]] = {}
+    where: dict[int, list[int]] = {}  # pair -> words holding it (each word once; may be stale)
     for wi, word in enumerate(words):
         f = freqs[wi]
         for k in [a << SHIFT | b for a, b in zip(word, word[1:])]:
             counts[k] = counts.get(k, 0) + f
             s = where.get(k)
             if s is None:
-                where[k] = {wi}
-            else:
-                s.add(wi)
+                where[k] = [wi]
+            elif s[-1] != wi:  # words are indexed one at a time: a repeat is always the last
+                s.append(wi)
     tok_bytes = [bytes([b]) for b in range(256)]
     tie = [_tie_key(t) for t in tok_bytes]
     existing: dict[bytes, int] = {t: i for i, t in enumerate(tok_bytes)}
@@ -140,7 +140,7 @@ def reference_merges(word_counts: dict[bytes, int], n_merges: int) -> list[tuple
     return merges
 
 
-def _apply_merge(words, freqs, counts, where, a: int, b: int, new: int, word_ids: set[int]) -> set[int]:
+def _apply_merge(words, freqs, counts, where, a: int, b: int, new: int, word_ids: list[int]) -> set[int]:
     """Replace (a, b) by `new` in the given words, left to right; adjust neighbouring pair counts.
     Returns the pair keys whose count grew (each contains `new`)."""
     fresh: set[int] = set()
@@ -170,9 +170,9 @@ def _apply_merge(words, freqs, counts, where, a: int, b: int, new: int, word_ids
                 fresh.add(k)
                 s = where_get(k)
                 if s is None:
-                    where[k] = {wi}
-                else:
-                    s.add(wi)
+                    where[k] = [wi]
+                elif s[-1] != wi:
+                    s.append(wi)
             if j + 2 < n:  # right neighbour, as it stands before merging
                 right = word[j + 2]
                 counts[b_key | right] -= f
@@ -181,9 +181,9 @@ def _apply_merge(words, freqs, counts, where, a: int, b: int, new: int, word_ids
                 fresh.add(k)
                 s = where_get(k)
                 if s is None:
-                    where[k] = {wi}
-                else:
-                    s.add(wi)
+                    where[k] = [wi]
+                elif s[-1] != wi:
+                    s.append(wi)
             out.append(new)
             copied = search = j + 2
             if a == b:
