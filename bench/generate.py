@@ -99,17 +99,24 @@ def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repe
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 1 only, 32 new tokens, one repeat")
-    ap.add_argument("--repeats", type=int, default=None, help="timed pairs per point (default 3; --quick 1)")
+    ap.add_argument("--quick", action="store_true", help="the small Llama in fp32 at batch 1, 32 new tokens, one "
+                    "repeat")
+    ap.add_argument("--repeats", type=int, default=None, help="timed pairs per point (default 2; --quick 1)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per row (default 128; --quick 32)")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--batches", nargs="*", type=int, default=None, help="batch sizes (default 1 8; --quick 1)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (1 if args.quick else 2)
     new = args.new_tokens or (32 if args.quick else 128)
     batches = args.batches or ([1] if args.quick else [1, 8])
+    if args.quick:
+        args.shapes = args.shapes if args.shapes != list(SHAPES) else ["llama-small"]
+        args.dtypes = args.dtypes if args.dtypes != list(DTYPES) else ["fp32"]
     info = machine_info()
     results = []
     for shape in args.shapes:

@@ -69,24 +69,21 @@ class SampleConfig:
         fix("logit_bias", tuple((int(i), float(b)) for i, b in self.logit_bias))
         fix("stop_sequences", tuple(tuple(int(i) for i in s) for s in self.stop_sequences))
         fix("stop_bytes", tuple(s.encode() if isinstance(s, str) else bytes(s) for s in self.stop_bytes))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("stop_ids", "banned_ids"):
-            bad = [i for i in getattr(self, name) if i < 0]
-            if bad:
-                raise ValueError(f"{name} must be non-negative token ids, got {bad}")
-        if any(len(s) == 0 for s in self.stop_sequences) or any(len(s) == 0 for s in self.stop_bytes):
-            raise ValueError("stop_sequences and stop_bytes must not contain empty entries")
+        checks = (
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("stop_ids", all(i >= 0 for i in self.stop_ids), "non-negative token ids"),
+            ("banned_ids", all(i >= 0 for i in self.banned_ids), "non-negative token ids"),
+            ("stop_sequences", all(self.stop_sequences), "non-empty"),
+            ("stop_bytes", all(self.stop_bytes), "non-empty"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -495,14 +492,10 @@ def generate_reference(model, prompt_ids: Sequence[int], config: SampleConfig = 
         t0 = time.perf_counter()
         with torch.no_grad():
             logits = model(torch.tensor([seq], device=device))[:, -1].float()  # (1, V)
-            seen = counts = None
-            if config.repetition_penalty != 1.0:
-                seen = torch.zeros(1, mc.vocab_size, dtype=torch.bool, device=device)
-                seen[0, torch.tensor(seq, device=device)] = True
-            if config.frequency_penalty or config.presence_penalty:
-                counts = torch.zeros(1, mc.vocab_size, device=device)
-                for t in generated:
-                    counts[0, t] += 1
+            seen = torch.zeros(1, mc.vocab_size, dtype=torch.bool, device=device)
+            seen[0, seq] = True  # every token of the context, prompt included
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=device),
+                                    minlength=mc.vocab_size).float()[None]  # generated tokens only
             token = int(next_token(logits, config, generator, bias=bias, seen=seen, counts=counts))
         elapsed = time.perf_counter() - t0
         if step == 0:
