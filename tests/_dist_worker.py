@@ -61,9 +61,32 @@ def make_optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-def train(model, optimizer, info, steps: range, grad_accum: int = 1) -> dict:
-    """Run `steps`; return the global-batch loss and pre-clip grad norm of each step."""
-    losses, norms = [], []
+def sync_probe(model):
+    """A function saying whether gradients were communicated since its last call: DDP counts
+    its bucket all-reduces through a comm hook; FSDP2 puts reduce-scattered gradients in the
+    sharded parameters' .grad, which is None until the first synchronised backward."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        calls = [0]
+
+        def counting_hook(state, bucket):
+            calls[0] += 1
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+
+        def probe() -> bool:
+            seen, calls[0] = calls[0] > 0, 0
+            return seen
+        return probe
+    return lambda: any(p.grad is not None for p in model.parameters())
+
+
+def train(model, optimizer, info, steps: range, grad_accum: int = 1, probe=None) -> dict:
+    """Run `steps`; return the global-batch loss and pre-clip grad norm of each step, and with
+    a probe, how many non-final / final micro-steps communicated gradients."""
+    losses, norms, syncs = [], [], {"early_syncs": 0, "final_syncs": 0}
     for step in steps:
         offsets = global_offsets(step)
         total = torch.zeros((), device=info.device)
@@ -75,11 +98,13 @@ def train(model, optimizer, info, steps: range, grad_accum: int = 1) -> dict:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / grad_accum
                 loss.backward()
             total += loss.detach()
+            if probe is not None and probe():
+                syncs["final_syncs" if micro == grad_accum - 1 else "early_syncs"] += 1
         norms.append(parallel.clip_grad_norm(model, MAX_NORM))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(parallel.all_reduce_mean(total).item())
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, **syncs}
 
 
 def save(model, optimizer, directory: Path) -> None:
@@ -113,10 +138,11 @@ def run(scenario: str, out: Path, info) -> dict:
     if variant == "resume":  # continue a checkpoint written by a different world size
         load(model, optimizer, out / "ckpt_none")
         return train(model, optimizer, info, range(RESUME_AT, STEPS))
-    first = train(model, optimizer, info, range(RESUME_AT), accum)
+    probe = sync_probe(model) if variant == "accum" else None
+    first = train(model, optimizer, info, range(RESUME_AT), accum, probe)
     if variant == "":
         save(model, optimizer, out / f"ckpt_{mode}")
-    rest = train(model, optimizer, info, range(RESUME_AT, STEPS), accum)
+    rest = train(model, optimizer, info, range(RESUME_AT, STEPS), accum, probe)
     return {k: first[k] + rest[k] for k in first}
 
 
