@@ -72,7 +72,8 @@ def timed(fn) -> float:
 
 def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repeats: int) -> dict:
     ours, peer = build(shape, DTYPES[dtype_name])
-    prompts = torch.randint(0, SHAPES[shape].vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, SHAPES[shape].vocab_size, (B, prompt_len), generator=g)
     run_ours, run_peer = runners(ours, peer, prompts)
     run_ours(4)(), run_peer(4)()  # warm-up
     got = {"ours": {"prefill": [], "total": []}, "peer": {"prefill": [], "total": []}}
@@ -99,13 +100,14 @@ def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repe
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the small Llama in fp32 at batch 1, 32 new tokens, one "
-                    "repeat")
+    ap.add_argument("--quick", action="store_true",
+                    help="the small Llama in fp32 at batch 1, 32 new tokens, one repeat")
     ap.add_argument("--repeats", type=int, default=None, help="timed pairs per point (default 2; --quick 1)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per row (default 128; --quick 32)")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
-    ap.add_argument("--batches", nargs="*", type=int, default=None, help="batch sizes (default 1 8; --quick 1)")
+    ap.add_argument("--batches", nargs="*", type=int, default=None,
+                    help="batch sizes (default 1 8; --quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args(argv)

@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     _model_flags(g)
     g.add_argument("prompt", help="the text to continue")
     _sample_flags(g)
-    g.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object at the end instead of streaming")
     g.set_defaults(func=_generate)
 
     c = subparsers.add_parser("chat", help="interactive prompt loop with history (Ctrl-D leaves)",
@@ -39,14 +40,14 @@ def register(subparsers) -> None:
     c.set_defaults(func=_chat)
 
     i = subparsers.add_parser("inspect", help="per-token surprisal, next-token table, logit lens, neighbours",
-                              description="Score TEXT token by token (probability, surprisal in nats and bits, "
-                              "cross-entropy, perplexity) and show the top next tokens at --position before and "
-                              "after --temperature/--top-k/--top-p/--min-p; --lens adds the logit lens at that "
-                              "position, --neighbours TOKEN the most cosine-similar embedding rows.")
+                              description="Score TEXT token by token (probability, surprisal in nats and "
+                              "bits, cross-entropy, perplexity) and show the top next tokens at --position "
+                              "before and after --temperature/--top-k/--top-p/--min-p; --lens adds the logit "
+                              "lens at that position, --neighbours TOKEN the most cosine-similar embedding rows.")
     _model_flags(i)
     i.add_argument("text", help="the text to look at")
-    i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the lens "
-                   "(the prediction made after that token; default -1, the last)")
+    i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
+                   "lens (the prediction made after that token; default -1, the last)")
     i.add_argument("--rows", type=int, default=10, help="how many candidates to list (default 10)")
     for name, kind, default, text in (("temperature", float, 1.0, "temperature of the 'after' column"),
                                       ("top-k", int, 0, "top-k of the 'after' column (0 = off)"),
@@ -64,8 +65,8 @@ def register(subparsers) -> None:
 
 def _model_flags(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="run directory, checkpoint directory or logitlab model "
-                     "directory (with tokenizer.logitlab.json)")
+    src.add_argument("--checkpoint", metavar="DIR", help="run directory, checkpoint directory or logitlab "
+                     "model directory (with tokenizer.logitlab.json)")
     src.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json, safetensors, and "
                      "tokenizer.json or GPT-2 vocab.json + merges.txt)")
     p.add_argument("--dtype", default=None, help="cast the weights: fp32, bf16 or fp16 (default: as stored)")
@@ -315,8 +316,8 @@ def _inspect(args) -> int:
         report["lens"] = ins.logit_lens(m.model, ids, args.position, 1, label)
     if args.neighbours is not None:
         token = _token_id(tok, args.neighbours)
-        report["neighbours"] = dict(id=token, text=label(token) if 0 <= token < m.model.config.vocab_size else None,
-                                    nearest=ins.embedding_neighbours(m.model, token, args.rows, label))
+        nearest = ins.embedding_neighbours(m.model, token, args.rows, label)  # checks the id
+        report["neighbours"] = dict(id=token, text=label(token), nearest=nearest)
     if args.json:
         print(json.dumps(_plain(report), ensure_ascii=False))
     else:

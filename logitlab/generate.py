@@ -70,7 +70,8 @@ class SampleConfig:
         fix("stop_sequences", tuple(tuple(int(i) for i in s) for s in self.stop_sequences))
         fix("stop_bytes", tuple(s.encode() if isinstance(s, str) else bytes(s) for s in self.stop_bytes))
         checks = (
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+             "an integer >= 1"),
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
@@ -434,7 +435,8 @@ class Stream:
     def __init__(self, model, prompt_ids: Sequence[int], config: SampleConfig, compile: bool = False, **kw):
         self.result = GenerationResult(tokens=[[]], stop_reasons=[""])
         step = compiled_decode_step() if compile else decode_step
-        self._steps = _steps(model, _as_batch(prompt_ids)[:1], config, result=self.result, decode_fn=step, **kw)
+        self._steps = _steps(model, _as_batch(prompt_ids)[:1], config, result=self.result, decode_fn=step,
+                             **kw)
 
     def __iter__(self) -> Iterator[int]:
         for out in self._steps:

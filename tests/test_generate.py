@@ -86,7 +86,8 @@ def test_logit_bias_and_banned_ids():
     bias = bias_vector(cfg, 4)
     assert bias[0] == float("-inf") and bias[3] == 10.0
     assert next_token(LOGITS, cfg, bias=bias).tolist() == [3]
-    p = process_logits(LOGITS, SampleConfig(banned_ids=(0,)), bias=bias_vector(SampleConfig(banned_ids=(0,)), 4))
+    banned = SampleConfig(banned_ids=(0,))
+    p = process_logits(LOGITS, banned, bias=bias_vector(banned, 4))
     assert p[0, 0] == 0
     close(p, [0.0] + softmax(torch.tensor([[1.0, 0.1, -1.0]]))[0].tolist())
     with pytest.raises(ValueError, match="banned_ids.*outside"):
@@ -97,7 +98,8 @@ def test_logit_bias_and_banned_ids():
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-0.1), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(min_p=1.0), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(top_p=1.5), "top_p"), (dict(min_p=1.0), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop_ids=(-3,)), "stop_ids"),
 ])
 def test_sample_config_validation_names_the_field(kwargs, field):
