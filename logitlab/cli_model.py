@@ -49,13 +49,15 @@ def register(subparsers) -> None:
 # --------------------------------------------------------------------------------------------
 
 def resolve_config(target: str):
-    """A ModelConfig from a preset name, a config JSON file or a model directory."""
+    """A ModelConfig from a preset name, a config JSON file, or a model / checkpoint / run directory."""
     from logitlab import checkpoint, families
     from logitlab.model import ModelConfig
 
     if target in families.PRESETS:
         return families.PRESETS[target]
     path = Path(target)
+    if path.is_dir() and not (path / "config.json").is_file():
+        path = checkpoint.resolve_model_dir(path)   # a run directory: its latest checkpoint
     if path.is_dir():
         if checkpoint.is_logitlab_dir(path):
             return checkpoint.read_model_config(path)

@@ -158,5 +158,10 @@ def test_cli_params_json_and_tables(tmp_path, capsys, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(config_to_hf(PRESETS["qwen3-0.6b"])))
     assert main(["params", str(tmp_path), "--json", "--tflops", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["exact"]["total"] == 596_049_920
+    from logitlab import checkpoint
+
+    checkpoint.save_checkpoint(tmp_path / "run", 5, Transformer(PRESETS["tiny"]))   # a training run dir
+    assert main(["params", str(tmp_path / "run"), "--json", "--tflops", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["exact"]["total"] == acc.count_parameters(PRESETS["tiny"]).total
     assert main(["params", "nonesuch"]) == 2
     assert "neither a preset" in capsys.readouterr().err
