@@ -4,7 +4,7 @@
     python3 -m bench.model --quick    # fewer repeats, shorter sequences (a smoke run)
 
 Both sides hold the same weights: logitlab builds the model, save_pretrained writes it, transformers
-loads that directory (its default attention kernel). A training step is forward + float32
+loads that directory (its default SDPA attention unless --peer-attn eager). A training step is forward + float32
 cross-entropy on the logits + backward + torch.optim.AdamW, identical code for both sides. bf16 is
 torch.autocast over fp32 weights. MFU = achieved FLOP/s (accounting.flops_per_token x tokens) over
 the matmul rate measured in the same run and dtype.
@@ -35,13 +35,14 @@ POINTS = {  # name -> (config, batch, T)
 }
 
 
-def _pair(config: ModelConfig, tmp: Path):
+def _pair(config: ModelConfig, tmp: Path, peer_attn: str = "sdpa"):
     import transformers
 
     torch.manual_seed(0)
     ours = Transformer(config)
     hf.save_pretrained(ours, tmp)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32,
+                                                               attn_implementation=peer_attn)
     return ours, theirs
 
 
@@ -77,7 +78,7 @@ def _train(model, run, ids, autocast):
     return step
 
 
-def run(quick: bool = False, repeats: int | None = None) -> dict:
+def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa") -> dict:
     repeats = repeats or (2 if quick else 3)
     rates = {d: accounting.measure_matmul_flops(d, n=1024, seconds=1.0) for d in ("fp32", "bf16")}
     rows = []
@@ -86,7 +87,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
             B, T = max(1, B // 2), T // 2
         config = dataclasses.replace(config, dropout=0.0)
         with tempfile.TemporaryDirectory() as tmp:
-            ours, theirs = _pair(config, Path(tmp) / "hf")
+            ours, theirs = _pair(config, Path(tmp) / "hf", peer_attn)
         ids = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
         fwd_flops = accounting.flops_per_token(config, T)["forward"] * B * T
         for dtype in ("fp32", "bf16"):
@@ -109,7 +110,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
                       f"{row['mfu_peer']:.1%}", flush=True)
         del ours, theirs
     return {"command": command_line(), "machine": machine_info(), "matmul_flops_per_s": rates,
-            "quick": quick, "repeats": repeats, "rows": rows}
+            "quick": quick, "repeats": repeats, "peer_attn": peer_attn, "rows": rows}
 
 
 def write_doc(result: dict) -> None:
@@ -120,14 +121,16 @@ def write_doc(result: dict) -> None:
         [[r["model"], r["mode"], r["dtype"], f"{r['batch']} x {r['T']}", f"{r['ours_tok_s']:,.0f}",
           f"{r['peer_tok_s']:,.0f}", f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})",
           f"{r['mfu_ours']:.1%}", f"{r['mfu_peer']:.1%}"] for r in result["rows"]])
+    cmd = result["command"].replace(" --no-doc", "")
     rates = ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in result["matmul_flops_per_s"].items())
     body = f"""Forward (logits, no grad) and training step (forward + fp32 cross-entropy + backward + AdamW)
-tokens/s of logitlab against `transformers` holding the same weights (its default attention), run
+tokens/s of logitlab against `transformers` holding the same weights (attn_implementation=
+"{result.get('peer_attn', 'sdpa')}"; logitlab uses SDPA), run
 alternately in one process. Ratio = logitlab tok/s / transformers tok/s per alternating pair
 (> 1: logitlab faster); tok/s from the best of {result['repeats']} timed runs. MFU against the
 1024³ matmul rate measured in the same run ({rates}).
 
-Command: `{result['command']}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
+Command: `{cmd}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
 ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}, commit {m['commit']}.
 
 {table}
@@ -141,11 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed pairs per point (default 3; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--peer-attn", default="sdpa", choices=["sdpa", "eager"],
+                        help="transformers' attention kernel (default sdpa, its default)")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args.quick, args.repeats)
+    result = run(args.quick, args.repeats, args.peer_attn)
     path = write_results("model-quick" if args.quick else "model", result)
     print(f"results: {path}")
     if not args.no_doc:
