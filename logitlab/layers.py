@@ -106,7 +106,7 @@ class RotaryEmbedding(nn.Module):
     `cos`, `sin` are non-persistent float32 buffers of shape (context_length, Dh/2) (the
     rotate-half convention repeats each frequency over both halves, so half the table is
     enough). They are not in the state dict; after building on the meta device, call
-    `rebuild(device)`."""
+    `rebuild(device)`. Module.to(dtype) leaves them float32."""
 
     def __init__(self, head_dim: int, context_length: int, theta: float, scaling=None):
         super().__init__()
@@ -125,6 +125,14 @@ class RotaryEmbedding(nn.Module):
         """Recompute the tables in float32 on `device` (default: where they are now)."""
         cos, sin = self._tables(device if device is not None else self.cos.device)
         self.cos, self.sin = cos, sin
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would cast the tables too; keep them float32 so a dtype round
+        # trip loses nothing (apply_rope casts them to the activations' dtype at use, as HF does).
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.rebuild(self.cos.device)
+        return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) int -> cos, sin (B, 1, T, Dh/2), broadcasting over heads."""

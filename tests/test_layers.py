@@ -102,6 +102,9 @@ def test_rope_tables_are_float32_non_persistent():
     rope = RotaryEmbedding(8, context_length=10, theta=500000.0)
     assert rope.cos.dtype == torch.float32 and rope.cos.shape == (10, 4)
     assert rope.state_dict() == {}
+    before = rope.cos.clone()
+    rope.to(torch.bfloat16)
+    assert rope.cos.dtype == torch.float32 and torch.equal(rope.cos, before)
 
 
 # --- MLPs ----------------------------------------------------------------------------------
