@@ -26,10 +26,12 @@ from logitlab import parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(worker.__file__)
-TWO_RANK_SCENARIOS = ("ddp", "ddp_accum", "fsdp", "fsdp_accum", "ddp_resume", "fsdp_resume", "train_ddp") + (
-    ("train_fsdp",) if worker.train_has_parallel_field() else ())
-NO_FSDP_IN_TRAIN = ("train.py takes DDP through its rank/wrap/all_reduce hooks but has no TrainConfig.parallel "
-                    "field yet, so FSDP2 through logitlab.train is not wired (docs/distributed.md)")
+TWO_RANK_SCENARIOS = ("ddp", "ddp_accum", "fsdp", "fsdp_accum", "ddp_resume", "fsdp_resume", "train_ddp")
+if worker.train_has_parallel_field():
+    TWO_RANK_SCENARIOS += ("train_fsdp",)
+NO_FSDP_IN_TRAIN = ("logitlab.train has no TrainConfig.parallel field: its rank/wrap/all_reduce hooks carry "
+                    "DDP only (FSDP2 needs the optimizer built after wrapping and every rank in the "
+                    "checkpoint gather)")
 TOL = 1e-5
 
 
@@ -74,7 +76,8 @@ def _prepare_corpus(directory: Path) -> None:
     docs = directory.parent / "docs"
     docs.mkdir()
     for k in range(24):
-        (docs / f"{k:02d}.txt").write_text(f"{k}: " + "the quick brown fox jumps over the lazy dog. " * (2 + k % 3))
+        text = "the quick brown fox jumps over the lazy dog. " * (2 + k % 3)
+        (docs / f"{k:02d}.txt").write_text(f"{k}: {text}")
     byte_tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|endoftext|>"])
     data.prepare_corpus([docs], byte_tokenizer, directory, val_fraction=0.2, workers=1)
 
