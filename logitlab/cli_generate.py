@@ -279,9 +279,11 @@ def _chat(args) -> int:
 # inspect
 # --------------------------------------------------------------------------------------------
 
-def _show(tokenizer, token: int) -> str:
-    """A token as readable text: escapes for newlines and other control characters."""
-    return json.dumps(tokenizer.decode([token]), ensure_ascii=False)[1:-1]
+def _quoted(text: str | None) -> "Text":
+    """A token for a table: quoted, with escapes for newlines and other control characters."""
+    from rich.text import Text
+
+    return Text("" if text is None else json.dumps(text, ensure_ascii=False))
 
 
 def _token_id(tokenizer, text: str) -> int:
@@ -306,7 +308,7 @@ def _inspect(args) -> int:
         ids = [tok.eot_id] + ids
     if not ids:
         raise ValueError("the text encodes to no tokens")
-    label = lambda i: _show(tok, i)  # noqa: E731
+    label = lambda i: tok.decode([i])  # noqa: E731
     cfg = SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     report = dict(ids=ids)
     if len(ids) >= 2:
@@ -341,7 +343,6 @@ def _p(p: float) -> str:
 
 def _print_inspect(report: dict) -> None:
     from rich.table import Table
-    from rich.text import Text
 
     from logitlab.cli import console
 
@@ -352,7 +353,7 @@ def _print_inspect(report: dict) -> None:
         for col in ("pos", "id", "token", "p", "nats", "bits"):
             t.add_column(col, justify="left" if col == "token" else "right")
         for r in s.tokens:
-            t.add_row(str(r.position), str(r.id), Text(r.text or ""),
+            t.add_row(str(r.position), str(r.id), _quoted(r.text),
                       *(("-",) * 3 if r.probability is None else
                         (_p(r.probability), f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}")))
         out.print(t)
@@ -366,22 +367,22 @@ def _print_inspect(report: dict) -> None:
     for rank in range(max(len(n.before), len(n.after))):
         b = n.before[rank] if rank < len(n.before) else None
         a = n.after[rank] if rank < len(n.after) else None
-        t.add_row(str(rank + 1), Text(b.text if b else ""), _p(b.probability) if b else "",
-                  Text(a.text if a else ""), _p(a.probability) if a else "")
+        t.add_row(str(rank + 1), _quoted(b.text if b else None), _p(b.probability) if b else "",
+                  _quoted(a.text if a else None), _p(a.probability) if a else "")
     out.print(t)
     if "lens" in report:
         t = Table(title=f"logit lens at position {n.position} (layer 0 = embeddings)")
         for col in ("layer", "top token", "p", "p(actual next)"):
             t.add_column(col, justify="left" if col == "top token" else "right")
         for e in report["lens"]:
-            t.add_row(str(e.layer), Text(e.top[0].text or ""), _p(e.top[0].probability),
+            t.add_row(str(e.layer), _quoted(e.top[0].text), _p(e.top[0].probability),
                       "-" if e.target_probability is None else _p(e.target_probability))
         out.print(t)
     if "neighbours" in report:
         nb = report["neighbours"]
-        t = Table(title=f"embedding neighbours of {nb['text']!r} (id {nb['id']})")
+        t = Table(title=f"embedding neighbours of {json.dumps(nb['text'], ensure_ascii=False)} (id {nb['id']})")
         for col in ("id", "token", "cosine"):
             t.add_column(col, justify="left" if col == "token" else "right")
         for r in nb["nearest"]:
-            t.add_row(str(r.id), Text(r.text or ""), f"{r.cosine:.4f}")
+            t.add_row(str(r.id), _quoted(r.text), f"{r.cosine:.4f}")
         out.print(t)
