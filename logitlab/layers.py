@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTN_IMPLS = ("sdpa", "eager")
+# SDPA reads grouped K/V heads without copying them since torch 2.5 (enable_gqa); older
+# versions get the K/V heads repeated first.
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 # ------------------------------------------------------------------------------------------
@@ -227,9 +230,12 @@ class Attention(nn.Module):
         if need_weights or impl == "eager":
             out, weights = eager_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
                                            mask, is_causal)
-        else:
+        elif _SDPA_GQA:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                  enable_gqa=self.n_groups > 1)      # (B, H, T, Dh)
+        else:
+            out = F.scaled_dot_product_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
+                                                 attn_mask=mask, is_causal=is_causal)
         out = out.transpose(1, 2).reshape(B, T, H * Dh)            # (B, H, T, Dh) -> (B, T, H*Dh)
         return self.o_proj(out), (weights if need_weights else None)
 

@@ -186,3 +186,13 @@ def test_qk_norm_is_applied_per_head_before_rope():
     out, _ = eager_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
     expected = attn.o_proj(out.transpose(1, 2).reshape(1, 5, 32))
     torch.testing.assert_close(attn(x, (cos, sin), is_causal=True)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_without_enable_gqa_repeats_heads(monkeypatch):
+    import logitlab.layers as layers
+
+    attn = Attention(tiny(n_kv_heads=2, positions="rope"))
+    x = torch.randn(2, 5, 32)
+    native, _ = attn(x, None, is_causal=True)
+    monkeypatch.setattr(layers, "_SDPA_GQA", False)      # the torch < 2.5 path
+    torch.testing.assert_close(attn(x, None, is_causal=True)[0], native, rtol=1e-5, atol=1e-5)
