@@ -280,10 +280,13 @@ def _hf_configs():
         "llama": transformers.LlamaConfig(max_position_embeddings=64, hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                           pad_token_id=None, **common),
+        "qwen3": transformers.Qwen3Config(max_position_embeddings=64, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=16, pad_token_id=None, **common),
     }
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 def test_greedy_equals_transformers_generate(family, tmp_path):
     """A random transformers model saved to disk, loaded into logitlab: greedy generation agrees
     with transformers' generate(do_sample=False) token for token."""
@@ -298,6 +301,13 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
                              do_sample=False, max_new_tokens=24, pad_token_id=0)[0, 5:].tolist()
     got = generate(ours, prompt, SampleConfig(temperature=0, max_new_tokens=24)).tokens[0]
     assert got == expected
+    # a left-padded batch, as transformers pads it (attention_mask zeros at the front)
+    batch = [[5, 17, 3, 88, 42], [9, 60, 2]]
+    ids = torch.tensor([batch[0], [0, 0] + batch[1]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    expected = peer.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                             pad_token_id=0)[:, 5:].tolist()
+    assert generate(ours, batch, SampleConfig(temperature=0, max_new_tokens=12)).tokens == expected
 
 
 # ---------------------------------------------------------------------------------- the CLI
