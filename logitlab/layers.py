@@ -146,9 +146,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x (B, H, T, Dh) by cos/sin (B, 1, T, Dh/2), rotate-half convention.
 
     With x = [x1, x2] split into halves, the result is [x1*c - x2*s, x2*c + x1*s], the same
-    floating-point operations as Hugging Face's `x*cos + rotate_half(x)*sin`. cos/sin are cast
-    to x's dtype first (as Hugging Face does), so bf16 activations stay bf16."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    floating-point operations as Hugging Face's `x*cos + rotate_half(x)*sin`, in the promoted
+    dtype of x and cos. The model passes cos/sin in the residual stream's dtype, as Hugging Face
+    does: bf16 weights rotate in bf16, bf16 autocast over float32 weights rotates in float32."""
     x1, x2 = x.chunk(2, dim=-1)                                   # (B, H, T, Dh/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

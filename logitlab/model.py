@@ -334,7 +334,9 @@ class Transformer(nn.Module):
         x = self.tok_emb(ids)                                      # (B, T, D)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
-        rope = self.rope(positions) if self.rope is not None else None   # (B|1, 1, T, Dh/2) x 2
+        rope = None
+        if self.rope is not None:                                  # cos, sin: (B|1, 1, T, Dh/2)
+            rope = tuple(t.to(x.dtype) for t in self.rope(positions))
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):
             x, w = block(x, rope, cache=cache, layer=i, mask=mask, is_causal=is_causal,
@@ -386,8 +388,7 @@ class Transformer(nn.Module):
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"ids must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
         if self._validate_values(ids):
-            lo, hi = torch.aminmax(ids)
-            lo, hi = int(lo), int(hi)                              # one host sync
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist()     # one host sync
             if lo < 0 or hi >= self.config.vocab_size:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"token id {bad} is out of range for vocab_size "
@@ -401,7 +402,7 @@ class Transformer(nn.Module):
         if positions.ndim != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
             raise ValueError(f"positions must have shape (B={B}, T={T}) or (T,), got {tuple(positions.shape)}")
         if self._validate_values(positions):
-            lo, hi = (int(v) for v in torch.aminmax(positions))
+            lo, hi = torch.stack(torch.aminmax(positions)).tolist()
             if lo < 0 or hi >= self.config.context_length:
                 raise ValueError(f"position {lo if lo < 0 else hi} is out of range for context_length "
                                  f"{self.config.context_length}")
