@@ -63,11 +63,11 @@ def runners(ours, peer, prompts: torch.Tensor):
     return run_ours, run_peer
 
 
-def timed(fn) -> float:
+def timed(fn) -> tuple[float, object]:
     t0 = time.perf_counter()
     with torch.no_grad():
-        fn()
-    return time.perf_counter() - t0
+        out = fn()
+    return time.perf_counter() - t0, out
 
 
 def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repeats: int) -> dict:
@@ -77,13 +77,14 @@ def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repe
     run_ours, run_peer = runners(ours, peer, prompts)
     run_ours(4)(), run_peer(4)()  # warm-up
     got = {"ours": {"prefill": [], "total": []}, "peer": {"prefill": [], "total": []}}
+    last = {}
     for _ in range(repeats):  # A B A B
         for side, run in (("ours", run_ours), ("peer", run_peer)):
-            got[side]["prefill"].append(timed(run(1)))
-            got[side]["total"].append(timed(run(new)))
-    # same tokens on both sides (greedy, same weights), checked once
-    with torch.no_grad():
-        same = run_ours(new)().tokens == run_peer(new)()[:, prompt_len:].tolist()
+            got[side]["prefill"].append(timed(run(1))[0])
+            seconds, last[side] = timed(run(new))
+            got[side]["total"].append(seconds)
+    # greedy with the same weights: both sides should choose the same tokens
+    same = last["ours"].tokens == last["peer"][:, prompt_len:].tolist()
     out = dict(shape=shape, dtype=dtype_name, batch=B, prompt=prompt_len, new_tokens=new, same_tokens=same)
     for side in ("ours", "peer"):
         pre, tot = got[side]["prefill"], got[side]["total"]
