@@ -43,7 +43,8 @@ def register(subparsers) -> None:
                               description="Score TEXT token by token (probability, surprisal in nats and "
                               "bits, cross-entropy, perplexity) and show the top next tokens at --position "
                               "before and after --temperature/--top-k/--top-p/--min-p; --lens adds the logit "
-                              "lens at that position, --neighbours TOKEN the most cosine-similar embedding rows.")
+                              "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
+                              "rows.")
     _model_flags(i)
     i.add_argument("text", help="the text to look at")
     i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
@@ -94,7 +95,11 @@ def _sample_flags(p) -> None:
 class Loaded:
     model: object
     tokenizer: object
-    end_ids: tuple[int, ...]  # ids that end generation: end-of-text and the model's eos ids
+    end_ids: tuple[int, ...]  # ids that end generation: end-of-text first, then the model's eos ids
+
+    @property
+    def eot_id(self) -> int | None:
+        return self.end_ids[0] if self.end_ids else None
 
 
 def load(args) -> Loaded:
@@ -215,13 +220,13 @@ def _generate(args) -> int:
     from logitlab.generate import stream
 
     m = load(args)
-    cfg = sample_config(args, m.end_ids)
+    cfg = sample_config(args, m.end_ids[1:])
     ids = m.tokenizer.encode(args.prompt)
-    s = stream(m.model, ids, cfg, token_bytes=m.tokenizer.token_bytes, compile=args.compile)
+    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes, compile=args.compile)
     if not args.json:
         sys.stdout.write(args.prompt)
     pieces = []
-    for piece in stream_text(m.tokenizer, s, cfg.stop_ids, cfg.stop_bytes):
+    for piece in stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes):
         pieces.append(piece)
         if not args.json:
             sys.stdout.write(piece)
@@ -242,7 +247,7 @@ def _chat(args) -> int:
     from logitlab.generate import make_generator, stream
 
     m = load(args)
-    cfg = sample_config(args, m.end_ids)
+    cfg = sample_config(args, m.end_ids[1:])
     cfg = dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + (b"\nUser:",))
     generator = make_generator(cfg.seed)
     room = m.model.config.context_length - cfg.max_new_tokens
@@ -264,10 +269,10 @@ def _chat(args) -> int:
             continue
         history += f"User: {line}\nAssistant:"
         ids = m.tokenizer.encode(history, allowed_special="none")[-room:]
-        s = stream(m.model, ids, cfg, token_bytes=m.tokenizer.token_bytes, generator=generator,
-                   compile=args.compile)
+        s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
+                   generator=generator, compile=args.compile)
         reply = []
-        for piece in stream_text(m.tokenizer, s, cfg.stop_ids, cfg.stop_bytes):
+        for piece in stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes):
             reply.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -380,7 +385,8 @@ def _print_inspect(report: dict) -> None:
         out.print(t)
     if "neighbours" in report:
         nb = report["neighbours"]
-        t = Table(title=f"embedding neighbours of {json.dumps(nb['text'], ensure_ascii=False)} (id {nb['id']})")
+        name = json.dumps(nb["text"], ensure_ascii=False)
+        t = Table(title=f"embedding neighbours of {name} (id {nb['id']})")
         for col in ("id", "token", "cosine"):
             t.add_column(col, justify="left" if col == "token" else "right")
         for r in nb["nearest"]:

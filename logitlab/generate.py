@@ -374,6 +374,7 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
             seen[:, 0] = torch.tensor([any(t == 0 for t in p) for p in prompts], device=device)
         if config.frequency_penalty or config.presence_penalty:
             counts = torch.zeros(B, mc.vocab_size, dtype=torch.float32, device=device)
+            ones = torch.ones(B, 1, device=device)  # (B, 1) added at each step's ids
         state = dict(bias=bias, seen=seen, counts=counts)
 
         t0 = time.perf_counter()
@@ -392,7 +393,7 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
                 if seen is not None:
                     seen.scatter_(1, token[:, None], True)
                 if counts is not None:
-                    counts.scatter_add_(1, token[:, None], torch.ones_like(counts[:, :1]))
+                    counts.scatter_add_(1, token[:, None], ones)
                 logits = decode_fn(model, token[:, None], cache, position, mask)
                 token = next_token(logits, config, generator, **state)
                 position += 1

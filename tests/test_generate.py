@@ -372,6 +372,9 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     out2 = _cli_json(capsys, base + ["--stop", stop])
     assert out2["stop_reason"] == "stop_sequence" and out2["text"] == text[:text.index(stop)]
+    # end-of-text (forced by a logit bias) ends generation and is not printed
+    out3 = _cli_json(capsys, base + ["--logit-bias", f"{tok.eot_id}=100"])
+    assert out3["stop_reason"] == "eot" and out3["ids"] == [tok.eot_id] and out3["text"] == ""
     # streaming mode prints the prompt, the text and the timings line
     assert main(["generate", "--hf", str(hf_dir), "Hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
     printed = capsys.readouterr().out
