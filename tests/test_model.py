@@ -267,3 +267,33 @@ def test_backward_reaches_every_parameter():
     model(ids).float().logsumexp(-1).mean().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bf16_autocast_matches_transformers_bit_for_bit(family):
+    """Same op order as transformers (RMSNorm in float32 then cast, RoPE in the residual dtype,
+    softmax inside SDPA): under bf16 autocast every hidden state and the logits are identical."""
+    transformers = pytest.importorskip("transformers")
+    from logitlab.families import config_from_hf, state_dict_from_hf
+
+    common = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    if family == "llama":
+        hf_cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0)
+        hf = transformers.LlamaForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+        hf = transformers.Qwen3ForCausalLM(hf_cfg)
+    hf.eval()
+    cfg = config_from_hf(hf_cfg.to_dict())
+    model = Transformer(cfg).eval()
+    model.load_state_dict(state_dict_from_hf(hf.state_dict(), cfg), strict=False)
+    model.tie_weights()
+    ids = torch.randint(0, 61, (2, 11))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = hf(ids, output_hidden_states=True)
+        logits, hidden = model.forward_with_hidden(ids)
+    assert logits.dtype == ref.logits.dtype == torch.bfloat16
+    for ours, theirs in zip(hidden, ref.hidden_states, strict=True):
+        assert torch.equal(ours, theirs)
+    assert torch.equal(logits, ref.logits)
