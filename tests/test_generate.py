@@ -400,3 +400,19 @@ def test_cli_checkpoint_dir_and_chat(hf_dir, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert out.count("you> ") == 4 and out.count("tok/s") == 2
     assert main(["generate", "--hf", str(tmp_path), "x"]) == 2  # no model there: a clean error
+
+
+def test_stream_text_holds_back_split_characters_and_stop_strings():
+    from logitlab.cli_generate import StopHoldBack, stream_text
+
+    tok = small_tokenizer()
+    ids = tok.encode("héllo wörld")
+    assert any(len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] >= 0x80 for i in ids)  # é is split
+    pieces = list(stream_text(tok, ids))
+    assert "".join(pieces) == "héllo wörld" and not any("\ufffd" in p for p in pieces)
+    assert list(stream_text(tok, tok.encode("the cat sat"), stops=(b"cat",))) and \
+        "".join(stream_text(tok, tok.encode("the cat sat"), stops=(b"cat",))) == "the "
+    assert "".join(stream_text(tok, tok.encode("a<|endoftext|>b"), hidden_ids=[tok.eot_id])) == "ab"
+    hold = StopHoldBack(["\n\n"])
+    assert hold.feed("a\n") == "a" and hold.feed("b") == "\nb" and hold.feed("c\n") == "c"
+    assert hold.feed("\nd") == "" and hold.done and hold.flush() == ""
