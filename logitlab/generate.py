@@ -231,7 +231,6 @@ def make_generator(seed: int | None, device=None) -> torch.Generator:
     return g
 
 
-
 # --------------------------------------------------------------------------------------------
 # Stopping
 # --------------------------------------------------------------------------------------------
@@ -267,7 +266,7 @@ class _StopRules:
                 return "stop_sequence"
         if self.config.stop_bytes:
             tail = self.tails[row] + self.token_bytes(token)
-            self.tails[row] = tail[len(tail) - self.keep:] if self.keep else b""
+            self.tails[row] = tail[-self.keep:] if self.keep else b""
             if any(s in tail for s in self.config.stop_bytes):
                 return "stop_sequence"
         return None
