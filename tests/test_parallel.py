@@ -171,6 +171,30 @@ def test_train_loop_checkpoint_from_two_ranks_resumes_in_one(runs, tmp_path, mod
     _close([r["loss"] for r in _metrics(run)], [r["loss"] for r in _metrics(runs["out"] / "run_none")])
 
 
+@pytest.mark.slow
+def test_torchrun_cli_with_fsdp_matches_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2 -m logitlab train --parallel fsdp` against `logitlab train`."""
+    if not worker.train_has_parallel_field():
+        pytest.skip(NO_FSDP_IN_TRAIN)
+    _prepare_corpus(tmp_path / "prep")
+    flags = ["train", "--data-dir", str(tmp_path / "prep"), "--steps", "6", "--batch-size", "8",
+             "--grad-accum", "2", "--seq-len", "32", "--context-length", "32", "--d-model", "32",
+             "--n-layers", "2", "--n-heads", "4", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "3",
+             "--eval-tokens", "512", "--device", "cpu", "--precision", "fp32", "--tensorboard", "false",
+             "--progress", "false"]
+    one = subprocess.run([sys.executable, "-m", "logitlab", *flags, "--out-dir", str(tmp_path / "one")],
+                         env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "logitlab", *flags, "--out-dir", str(tmp_path / "two"), "--parallel", "fsdp"],
+                         env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("done: 6 steps") == 1  # only rank 0 prints
+    a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    _close([r["loss"] for r in b], [r["loss"] for r in a])
+    _close([r["val_loss"] for r in b if "val_loss" in r], [r["val_loss"] for r in a if "val_loss" in r])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
