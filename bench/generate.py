@@ -48,13 +48,13 @@ def build(shape: str, dtype: torch.dtype):
     return ours.to(dtype), peer
 
 
-def runners(ours, peer, prompts: torch.Tensor):
+def runners(ours, peer, prompts: torch.Tensor, compile: bool = False):
     """n -> a callable generating n tokens per row, for each side."""
     rows = prompts.tolist()
     mask = torch.ones_like(prompts)
 
     def run_ours(n):
-        return lambda: generate(ours, rows, SampleConfig(temperature=0, max_new_tokens=n))
+        return lambda: generate(ours, rows, SampleConfig(temperature=0, max_new_tokens=n), compile=compile)
 
     def run_peer(n):
         return lambda: peer.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=n,
@@ -70,11 +70,12 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repeats: int) -> dict:
+def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repeats: int,
+            compile: bool = False) -> dict:
     ours, peer = build(shape, DTYPES[dtype_name])
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, SHAPES[shape].vocab_size, (B, prompt_len), generator=g)
-    run_ours, run_peer = runners(ours, peer, prompts)
+    run_ours, run_peer = runners(ours, peer, prompts, compile)
     run_ours(4)(), run_peer(4)()  # warm-up
     got = {"ours": {"prefill": [], "total": []}, "peer": {"prefill": [], "total": []}}
     last = {}
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="*", type=int, default=None,
                     help="batch sizes (default 1 8; --quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--compile", action="store_true", help="logitlab's decode step through torch.compile "
+                    "(not part of the default comparison, which is eager against eager)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args(argv)
     if args.threads:
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         for dtype_name in args.dtypes:
             for B in batches:
-                r = measure(shape, dtype_name, B, 32, new, repeats)
+                r = measure(shape, dtype_name, B, 32, new, repeats, args.compile)
                 results.append(r)
                 print(f"{shape:12s} {dtype_name} B={B}: decode {r['ours']['decode_tok_s']:8.1f} vs "
                       f"{r['peer']['decode_tok_s']:8.1f} tok/s  x{r['decode_ratio']:.2f} "
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
                       f"{r['ours']['prefill_ms']:.1f} vs {r['peer']['prefill_ms']:.1f} ms; "
                       f"same tokens: {r['same_tokens']}", flush=True)
     write_results("generate", dict(machine=info, command=command_line(), results=results))
-    if not args.no_doc:
+    if not args.no_doc and not args.compile:
         rows = [[r["shape"], r["dtype"], r["batch"], f"{r['ours']['decode_tok_s']:.1f}",
                  f"{r['peer']['decode_tok_s']:.1f}",
                  f"**{r['decode_ratio']:.2f}x** ({r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f})",
