@@ -32,7 +32,8 @@ class KVCache:
         self.length = 0
 
     @classmethod
-    def for_model(cls, config, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> "KVCache":
+    def for_model(cls, config, batch_size: int, max_len: int | None = None, dtype=None,
+                  device=None) -> "KVCache":
         """A cache shaped for `config` (a ModelConfig, or a model with a `.config`).
 
         max_len defaults to config.context_length. dtype/device default to those of the model's
@@ -64,7 +65,8 @@ class KVCache:
         """Bytes held by all keys and values: 2 * L * B * Hkv * S_max * Dh * itemsize."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k_new: torch.Tensor,
+               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k_new, v_new (B, Hkv, T, Dh) into slots [length, length + T) of `layer`.
 
         Returns views (B, Hkv, S, Dh) over slots [0, S), S = length + T. `length` is NOT moved

@@ -1,11 +1,12 @@
-"""The building blocks of a Transformer block: norms, rotary positions, attention, MLPs.
+"""The parts of a Transformer block, and the block: norms, rotary positions, attention, MLPs.
 
 layers.py owns the per-token and per-head arithmetic: RMSNorm, LayerNorm, rotary position
 embeddings (RoPE, rotate-half convention as Hugging Face, with Llama-3.1 frequency scaling),
 causal self-attention (MHA / GQA, optional per-head QK-norm, a fused SDPA path and an eager
 reference path that can return the attention weights), the two MLP kinds (GELU, SwiGLU) and
-the Block that joins them with norms and residual adds (pre- or post-norm). How blocks are stacked, masks built and the KV cache advanced is model.py's business; this
-module imports nothing of logitlab (the cache is duck-typed: `update(layer, k, v)`).
+the Block that joins them with norms and residual adds (pre- or post-norm). How blocks are
+stacked, masks built and the KV cache advanced is model.py's business; this module imports
+nothing of logitlab (the cache is duck-typed: `update(layer, k, v)`).
 
 Shapes: B batch, T positions in this call, S key/value length (cached + new), D d_model,
 H query heads, Hkv key/value heads, G = H // Hkv, Dh head_dim, F d_ff.
@@ -113,7 +114,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, context_length: int, theta: float, scaling=None):
         super().__init__()
-        self.head_dim, self.context_length, self.theta, self.scaling = head_dim, context_length, theta, scaling
+        self.head_dim, self.context_length = head_dim, context_length
+        self.theta, self.scaling = theta, scaling
         cos, sin = self._tables(None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

@@ -265,8 +265,8 @@ class Transformer(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
 
-    def forward(self, ids: torch.Tensor, *, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids (B, T) -> logits (B, T, vocab_size).
 
         cache: a KVCache; new keys/values go to slots [cache.length, cache.length + T), attention
@@ -400,7 +400,8 @@ class Transformer(nn.Module):
         if positions.ndim == 1:
             positions = positions.unsqueeze(0)                     # (T,) -> (1, T)
         if positions.ndim != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
-            raise ValueError(f"positions must have shape (B={B}, T={T}) or (T,), got {tuple(positions.shape)}")
+            raise ValueError(f"positions must have shape (B={B}, T={T}) or (T,), "
+                             f"got {tuple(positions.shape)}")
         if self._validate_values(positions):
             lo, hi = torch.stack(torch.aminmax(positions)).tolist()
             if lo < 0 or hi >= self.config.context_length:

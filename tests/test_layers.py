@@ -66,7 +66,8 @@ def test_rope_matches_complex_rotation():
     out = apply_rope(x, cos, sin)
     f = torch.tensor([10000.0 ** (-2 * i / Dh) for i in range(Dh // 2)], dtype=torch.float64)
     angle = torch.arange(T, dtype=torch.float64)[:, None] * f[None]            # (T, Dh/2)
-    z = torch.complex(x[..., : Dh // 2].double(), x[..., Dh // 2:].double()) * torch.polar(torch.ones_like(angle), angle)
+    z = torch.complex(x[..., : Dh // 2].double(), x[..., Dh // 2:].double())       # pairs (i, i + Dh/2)
+    z = z * torch.polar(torch.ones_like(angle), angle)                              # turn by pos * f_i
     expected = torch.cat((z.real, z.imag), dim=-1).float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -138,13 +139,15 @@ def test_repeat_kv_query_head_reads_kv_head_h_div_g():
 def test_eager_attention_matches_sdpa_and_weights_are_causal():
     q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
     out, w = eager_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.all(w.triu(1) == 0)
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6))
     mask = torch.rand(2, 1, 6, 6) > 0.3
     mask |= torch.eye(6, dtype=torch.bool)
     out, w = eager_attention(q, k, v, mask)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.all(w.masked_select(~mask.expand_as(w)) == 0)
 
 

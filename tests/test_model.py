@@ -193,7 +193,8 @@ def test_post_norm_block_is_norm_of_residual_sum():
 
 
 def test_init_recipe_statistics():
-    cfg = ModelConfig(vocab_size=512, context_length=64, d_model=256, n_layers=2, n_heads=4, tie_embeddings=False)
+    cfg = ModelConfig(vocab_size=512, context_length=64, d_model=256, n_layers=2, n_heads=4,
+                      tie_embeddings=False)
     model = Transformer(cfg)
     std = lambda t: float(t.detach().float().std())  # noqa: E731
     assert std(model.blocks[0].attn.o_proj.weight) == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
