@@ -416,3 +416,19 @@ def test_stream_text_holds_back_split_characters_and_stop_strings():
     hold = StopHoldBack(["\n\n"])
     assert hold.feed("a\n") == "a" and hold.feed("b") == "\nb" and hold.feed("c\n") == "c"
     assert hold.feed("\nd") == "" and hold.done and hold.flush() == ""
+
+
+def test_cli_hf_dir_with_gpt2_vocab_files(tmp_path, gpt2_files, capsys):
+    """--hf with vocab.json + merges.txt instead of tokenizer.json (GPT-2's own layout)."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("logitlab.hf", reason="logitlab.hf (Hugging Face import) is not available")
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    for f in gpt2_files:
+        shutil.copy(f, tmp_path / f.name)
+    out = _cli_json(capsys, ["generate", "--hf", str(tmp_path), "Hello, world", "--temperature", "0",
+                             "--max-new-tokens", "3", "--json"])
+    assert out["prompt_ids"] == [15496, 11, 995]  # GPT-2's own ids for "Hello, world"
+    assert len(out["ids"]) <= 3
