@@ -1,9 +1,12 @@
-"""Checkpoint directories on disk: atomic writes, logitlab's own checkpoint layout.
+"""Checkpoint directories on disk: atomic writes, logitlab's own model directory, run checkpoints.
 
 checkpoint.py owns how a directory appears on disk all at once or not at all: everything is
 written into a temporary sibling directory, flushed, then renamed into place, so a kill at any
-instant leaves either the previous checkpoint or the new one, never half of one. Hugging Face
-directory import/export lives in hf.py (same atomic rule, via `atomic_directory`).
+instant leaves either the previous checkpoint or the new one, never half of one. It also owns
+the run checkpoints of training (RUN/ckpt-NNNNNN/: model, optimizer, RNG, data position,
+configs, tokenizer, metrics), finding the latest / best one, loading a model for inference from
+any of these directories, and exporting a run to a Hugging Face directory with its tokenizer.
+The Hugging Face weight/config conversion itself lives in hf.py (same atomic rule).
 """
 
 from __future__ import annotations
@@ -351,3 +354,24 @@ def load_for_inference(path: str | os.PathLike, which: str = "latest", device: s
 
         tokenizer = Tokenizer.load(tok_file)
     return model, tokenizer
+
+
+def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str = "latest") -> Path:
+    """Model (hf.save_pretrained) + tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+    so transformers' AutoModelForCausalLM and AutoTokenizer load the directory."""
+    import json
+
+    from logitlab import hf
+
+    model, tokenizer = load_for_inference(run_dir, which)
+    out = hf.save_pretrained(model, out_dir)
+    if tokenizer is not None:
+        tokenizer.save_hf(out / "tokenizer.json")
+        special, eot = {}, "<|endoftext|>"
+        if tokenizer.eot_id is not None:
+            special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
+        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.context_length,
+                   "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out

@@ -118,6 +118,8 @@ def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool
         result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live)
     finally:
         live.close()
+    if result.stopped == "time":
+        con.print(f"[yellow]time limit reached at step {result.step} of {train_cfg.steps}[/yellow]")
     if result.stopped == "signal":
         con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
     else:
@@ -255,27 +257,9 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
-    """Model (hf.save_pretrained) + tokenizer.json, tokenizer_config.json, special_tokens_map.json,
-    so transformers' AutoModelForCausalLM and AutoTokenizer load the directory."""
-    from logitlab import hf
-    from logitlab.checkpoint import load_for_inference
-
-    model, tokenizer = load_for_inference(run_dir, which)
-    out = hf.save_pretrained(model, out_dir)
-    if tokenizer is not None:
-        tokenizer.save_hf(out / "tokenizer.json")
-        special = {}
-        if tokenizer.eot_id is not None:
-            special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
-        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.context_length,
-                   "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
-        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    return out
-
-
 def cmd_export(args) -> int:
+    from logitlab.checkpoint import export_hf
+
     out = export_hf(args.run_dir, args.hf, args.which)
     cli.console().print(f"wrote {out} (AutoModelForCausalLM / AutoTokenizer)")
     return 0
@@ -288,9 +272,9 @@ def cmd_export(args) -> int:
 # The demo's sizes. The full demo uses the whole default corpus and sets its step count from a
 # short timing of the model, so that training takes about `train_seconds` on the machine at hand.
 _DEMO = {
-    "full": dict(vocab=4096, tok_bytes=3_000_000, corpus=None, val=0.01, train_seconds=210,
+    "full": dict(vocab=4096, tok_bytes=3_000_000, corpus=12_000_000, val=0.02, train_seconds=210,
                  model=dict(context_length=128, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384),
-                 train=dict(batch_size=16, lr=3e-3, eval_tokens=32768)),
+                 train=dict(batch_size=16, lr=3e-3, eval_tokens=16384)),
     "quick": dict(vocab=512, tok_bytes=150_000, corpus=400_000, val=0.1, train_seconds=None,
                   model=dict(context_length=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192),
                   train=dict(steps=60, warmup_steps=5, eval_every=20, batch_size=8, lr=3e-3, eval_tokens=4096)),
@@ -327,7 +311,8 @@ def cmd_demo(args) -> int:
         seconds = args.train_seconds or spec["train_seconds"]
         per_step = _time_step(model, train_kw["batch_size"], model_cfg.context_length)
         steps = int(min(3000, max(60, seconds / (per_step * 1.1))))  # ~10% for evals and saves
-        train_kw.update(steps=steps, warmup_steps=max(1, steps // 20), eval_every=max(1, steps // 6))
+        train_kw.update(steps=steps, warmup_steps=max(1, steps // 20), eval_every=max(1, steps // 6),
+                        time_limit_s=1.5 * seconds)  # if the machine gets busier than when timed
         con.print(f"a training step takes {per_step:.2f} s here: {steps} steps fit about {seconds} s")
     train_cfg = TrainConfig(data_dir=str(out / "data"), out_dir=str(out), seed=args.seed, **train_kw)
     con.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters "

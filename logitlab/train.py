@@ -73,6 +73,7 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto = bf16 autocast on capable GPUs, else fp32")
     compile: bool = _f(False, "torch.compile the model")
     log_every: int = _f(1, "metrics record every N steps")
+    time_limit_s: float | None = _f(None, "stop (evaluate, save) after the step that passes this many seconds")
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
 
     def __post_init__(self) -> None:
@@ -86,6 +87,8 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
         if self.save_every is not None and self.save_every < 0:
             raise ValueError(f"save_every must be >= 0, got {self.save_every}")
         if self.seq_len is not None and self.seq_len <= 0:
@@ -130,7 +133,7 @@ class TrainResult:
     step: int                      # optimizer steps completed
     last_loss: float | None
     val_loss: float | None
-    stopped: Literal["done", "signal"]
+    stopped: Literal["done", "signal", "time"]
     checkpoint: Path | None
 
 
@@ -306,6 +309,7 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     emit("start", {"step": step, "steps": config.steps, "tokens_per_step": tokens_per_step,
                    "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir)})
     last_loss, val_loss, last_ckpt, stopped = None, None, latest if resume else None, "done"
+    started = time.perf_counter()
     try:
         with _StopFlag() as stop:
             while step < config.steps:
@@ -340,7 +344,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                 record = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
                           "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / dt,
                           "mfu": fpt * tokens_per_step / dt / peak, "time_s": dt}
-                final = step == config.steps or stop.signum is not None
+                out_of_time = config.time_limit_s is not None and time.perf_counter() - started > config.time_limit_s
+                final = step == config.steps or stop.signum is not None or out_of_time
                 if has_val and ((config.eval_every and step % config.eval_every == 0) or final):
                     val_loss = evaluate(wrapped, val_tokens, seq_len, config.batch_size // world_size,
                                         config.eval_tokens, device, amp_dtype, rank, world_size, all_reduce)
@@ -360,8 +365,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                 emit("step", record)
                 if final or stop.signum is not None or (save_every and step % save_every == 0):
                     last_ckpt = save(record.get("val_loss")) or last_ckpt
-                if stop.signum is not None:
-                    stopped = "signal"
+                if stop.signum is not None or out_of_time:
+                    stopped = "signal" if stop.signum is not None else "time"
                     break
     finally:
         if metrics_file is not None:

@@ -196,3 +196,29 @@ def test_config_errors_come_first(corpus, tmp_path):
     train(tiny_model(), _cfg(corpus, tmp_path / "r2", steps=2, warmup_steps=1))
     with pytest.raises(ValueError, match="already holds checkpoints"):
         train(tiny_model(), _cfg(corpus, tmp_path / "r2", steps=2, warmup_steps=1))
+
+
+def test_bf16_autocast_runs_and_validation_is_a_fixed_pass(corpus, tmp_path):
+    from logitlab.train import evaluate
+
+    result = train(tiny_model(), _cfg(corpus, tmp_path / "bf16", steps=2, warmup_steps=1, precision="bf16"))
+    assert result.last_loss is not None and result.last_loss == result.last_loss  # finite, not NaN
+    model = tiny_model()
+    val = data.load_tokens(corpus, "val")
+    a = evaluate(model, val, 32, 4, 256, torch.device("cpu"))
+    b = evaluate(model, val, 32, 4, 256, torch.device("cpu"))
+    assert a == b and model.training  # same tokens, same number; training mode restored
+
+
+def test_every_config_field_has_help():
+    import dataclasses
+
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if not f.metadata.get("help")]
+    assert not missing
+    assert TrainConfig(steps=30).warmup_steps == 3 and TrainConfig(steps=5000).warmup_steps == 100
+
+
+def test_time_limit_stops_after_the_step_that_passes_it(corpus, tmp_path):
+    result = train(tiny_model(), _cfg(corpus, tmp_path / "t", steps=12, time_limit_s=1e-9, save_every=0))
+    assert result.stopped == "time" and result.step == 1
+    assert result.val_loss is not None and latest_checkpoint(tmp_path / "t").name == "ckpt-000001"
