@@ -237,7 +237,10 @@ class Transformer(nn.Module):
 
     def rebuild_buffers(self) -> None:
         """Recompute the non-persistent buffers (RoPE cos/sin, float32) on the parameters' device,
-        e.g. after `with torch.device("meta"): Transformer(cfg)` + load_state_dict(assign=True)."""
+        and re-tie the LM head, after a model built on the meta device gets real storage:
+        `load_state_dict(..., assign=True)` or `to_empty(device=...)` (which unties shared
+        Parameters) followed by `init_weights()`."""
+        self.tie_weights()
         if self.rope is not None:
             self.rope.rebuild(self.tok_emb.weight.device)
 

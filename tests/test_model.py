@@ -144,6 +144,15 @@ def test_meta_device_construction_costs_nothing_and_loads_back(tmp_path):
     assert all(p.is_meta for p in big.parameters()) and big.rope.cos.is_meta
     assert sum(p.numel() for p in big.parameters()) == 8_030_261_248
 
+    small = tiny(**dict(VARIANTS["qwen3-qknorm"], tie_embeddings=True))
+    with torch.device("meta"):
+        empty = Transformer(small)
+    empty.to_empty(device="cpu")                       # storage without values; unties the head
+    empty.rebuild_buffers()
+    empty.init_weights()
+    assert empty.lm_head.weight is empty.tok_emb.weight
+    assert torch.equal(empty.rope.cos, Transformer(small).rope.cos)
+
     model = build(**VARIANTS["llama-gqa"])
     save_model(model, tmp_path / "m")
     loaded = load_model(tmp_path / "m").eval()
