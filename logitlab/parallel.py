@@ -144,11 +144,9 @@ def barrier() -> None:
 
 @contextlib.contextmanager
 def rank_failure_guard(info: DistInfo | None = None) -> Iterator[None]:
-    """Turn a failed collective (a peer crashed, was killed or timed out) into RankFailureError.
-
-    Without it the survivor sees a backend error deep inside backward or all_reduce; with it the
-    message says which rank noticed, that another rank is gone, and that the last checkpoint
-    written before the failure is intact (checkpoints are written atomically)."""
+    """Turn a failed collective (a peer crashed, was killed or timed out) into RankFailureError,
+    whose message names this rank and says why, instead of a backend error from deep inside
+    backward or all_reduce. Other exceptions pass through unchanged."""
     try:
         yield
     except RankFailureError:
@@ -178,16 +176,14 @@ def fsdp_bf16_supported(device: torch.device) -> bool:
 
 def wrap_model(model: nn.Module, mode: ParallelMode, mixed_precision: bool = False,
                info: DistInfo | None = None) -> nn.Module:
-    """Apply data parallelism to a built model, from outside.
+    """Apply data parallelism to a built model, from outside; build the optimizer afterwards.
 
-    mode "none": the model itself (a single process only). "ddp": DistributedDataParallel, which
-    broadcasts rank 0's weights and averages gradients. "fsdp": FSDP2 `fully_shard` on every
-    block of `model.blocks`, then on the root (embeddings, final norm, head: a tied LM head stays
-    one parameter); each rank keeps 1/world_size of every parameter and of the optimizer state.
-    mixed_precision: FSDP2 computes in bf16 and reduces gradients in fp32 where the device
-    supports bf16 (CUDA), and stays fp32 otherwise, with a warning. For "none"/"ddp", mixed
-    precision is the training loop's autocast and this flag changes nothing.
-    Build the optimizer after this call: FSDP2 replaces parameters by sharded DTensors."""
+    "none": the model itself (one process only). "ddp": DistributedDataParallel (rank 0's weights
+    broadcast, gradients averaged). "fsdp": FSDP2 `fully_shard` on each of `model.blocks`, then on
+    the root (embeddings, final norm, a tied head as one parameter); each rank keeps 1/world_size
+    of every parameter, gradient and optimizer moment, as sharded DTensors replacing the
+    parameters. mixed_precision: FSDP2 gathers weights in bf16 and reduces gradients in fp32 on
+    CUDA devices with bf16, else fp32 with a warning; for "ddp" precision is the loop's autocast."""
     if mode not in PARALLEL_MODES:
         raise ValueError(f"parallel mode must be one of {PARALLEL_MODES}, got {mode!r}")
     info = info or current_info()
@@ -268,13 +264,14 @@ def sync_gradients(model: nn.Module, sync: bool) -> Iterator[None]:
         yield
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip gradients to a global L2 norm of max_norm and return the norm before clipping.
-
-    Same value on every rank: under DDP the gradients are already averaged; under FSDP2 the
-    local shards' squares are summed across ranks (the norm is a DTensor, made full here)."""
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """Clip gradients to a global L2 norm of max_norm (None or <= 0: measure only) and return
+    the norm before clipping. Same value on every rank: under DDP the gradients are already
+    averaged; under FSDP2 the shards' squares are summed over ranks (a DTensor, made full here)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm and max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)

@@ -344,6 +344,18 @@ def test_single_process_state_dicts_and_tied_weights_round_trip():
     assert parallel.unwrap(model) is model
 
 
+def test_clip_grad_norm_returns_the_norm_before_clipping():
+    model = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    model(torch.ones(1, 4)).sum().backward()  # grad = ones(1, 4): norm 2
+    assert parallel.clip_grad_norm(model, 0.0) == pytest.approx(2.0)  # measure only
+    assert torch.equal(model.weight.grad, torch.ones(1, 4))
+    assert parallel.clip_grad_norm(model, 1.0) == pytest.approx(2.0)
+    assert float(model.weight.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    assert parallel.clip_grad_norm(torch.nn.Linear(2, 2), 1.0) == 0.0  # no gradients yet
+
+
 def test_sync_gradients_is_a_no_op_for_a_plain_model():
     model = torch.nn.Linear(3, 1)
     with parallel.sync_gradients(model, sync=False):
