@@ -46,7 +46,7 @@ def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
         manifest = data.prepare_corpus(args.data, tokenizer, out_dir, val_fraction=args.val_fraction,
                                        workers=args.workers, text_field=args.text_field, column=args.column,
                                        max_bytes=args.max_bytes,
-                                       progress=lambda d, t, _c: bar.update(task, docs=d, tokens=t))
+                                       progress=lambda d, t: bar.update(task, docs=d, tokens=t))
     s = manifest["splits"]
     con.print(f"prepared {out_dir}: train {s['train']['tokens']:,} tokens / {s['train']['documents']} docs, "
               f"val {s['val']['tokens']:,} tokens / {s['val']['documents']} docs ({manifest['dtype']})")
@@ -370,7 +370,7 @@ def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
     with torch.no_grad():
         probs = torch.softmax(model(torch.tensor([ids]))[0, -1].float(), dim=-1)  # (V,)
     values, order = torch.topk(probs, 10)
-    table = Table(title=f"next-token probabilities after {prompt!r}")
+    table = Table(title="next-token probabilities after the prompt")
     table.add_column("id", justify="right")
     table.add_column("token")
     table.add_column("p", justify="right")

@@ -204,9 +204,9 @@ def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
 def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_dir: str | os.PathLike,
                    *, val_fraction: float = 0.01, workers: int | None = None, text_field: str = "text",
                    column: str = "text", max_bytes: int | None = None,
-                   progress: Callable[[int, int, int], None] | None = None) -> dict:
+                   progress: Callable[[int, int], None] | None = None) -> dict:
     """Tokenize `sources` (None: the standard library corpus) into `out_dir`/train.bin, val.bin
-    and manifest.json; returns the manifest. `progress(docs, tokens, chars)` is called after each
+    and manifest.json; returns the manifest. `progress(documents, tokens)` is called after each
     chunk. `max_bytes` stops after about that many characters of text (a quick subset).
     The manifest is written last, so a directory without one is incomplete."""
     if not 0.0 <= val_fraction < 1.0:
@@ -231,7 +231,7 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
     counts = {s: {"documents": 0, "tokens": 0} for s in SPLIT_FILES}
     tmp = {s: out / (SPLIT_FILES[s] + ".tmp") for s in SPLIT_FILES}
     handles = {s: tmp[s].open("wb") for s in SPLIT_FILES}
-    k, chars = 0, 0
+    k = 0
     try:
         for chunk in _map_chunks(tasks, tokenizer, workers):
             for ids in chunk:
@@ -241,7 +241,7 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
                 counts[split]["tokens"] += int(ids.size)
                 k += 1
             if progress is not None:
-                progress(k, sum(c["tokens"] for c in counts.values()), chars)
+                progress(k, sum(c["tokens"] for c in counts.values()))
     finally:
         for h in handles.values():
             h.close()

@@ -222,3 +222,25 @@ def test_time_limit_stops_after_the_step_that_passes_it(corpus, tmp_path):
     result = train(tiny_model(), _cfg(corpus, tmp_path / "t", steps=12, time_limit_s=1e-9, save_every=0))
     assert result.stopped == "time" and result.step == 1
     assert result.val_loss is not None and latest_checkpoint(tmp_path / "t").name == "ckpt-000001"
+
+
+def test_runtime_choices_and_rng_round_trip():
+    import random
+
+    import numpy as np
+
+    from logitlab import runtime
+
+    assert runtime.pick_device("cpu").type == "cpu"
+    assert runtime.autocast_dtype(torch.device("cpu"), "auto") is None
+    assert runtime.autocast_dtype(torch.device("cpu"), "bf16") is torch.bfloat16
+    with pytest.raises(ValueError, match="precision"):
+        runtime.autocast_dtype(torch.device("cpu"), "fp8")
+    runtime.seed_everything(4)
+    state = runtime.capture_rng_state()
+    draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    runtime.seed_everything(5)
+    runtime.restore_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
+    peak = runtime.matmul_peak_flops(torch.device("cpu"), size=128)
+    assert peak > 1e6
