@@ -170,6 +170,7 @@ def _underived(cfg) -> dict:
 def cmd_train(args) -> int:
     import torch
 
+    from logitlab.checkpoint import latest_checkpoint
     from logitlab.model import ModelConfig, Transformer
     from logitlab.tokenizer import Tokenizer
     from logitlab.train import TrainConfig
@@ -177,6 +178,8 @@ def cmd_train(args) -> int:
     con = cli.console()
     table = cli.read_toml(args.config) if args.config else {}
     if args.resume:  # the run's own configs, with typed flags overriding (e.g. --steps)
+        if not (Path(args.resume) / "run.json").is_file():
+            raise FileNotFoundError(f"--resume {args.resume}: no run.json there (not a run directory)")
         run = json.loads((Path(args.resume) / "run.json").read_text())
         train_cfg = cli.build_config(TrainConfig, args, run["train"], out_dir=str(args.resume))
         model_cfg = ModelConfig.from_dict(run["model"])
@@ -185,9 +188,17 @@ def cmd_train(args) -> int:
         torch.manual_seed(train_cfg.seed)
         _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True)
         return 0
-    train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))  # validated before any work
+    # every config error is reported before any work (the vocabulary size is filled in later)
+    train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
+    _model_config(args, table, None)
     tokenizer_path = args.tokenizer or table.get("tokenizer")
     out = Path(train_cfg.out_dir)
+    if latest_checkpoint(out) is not None:
+        raise ValueError(f"{out} already holds a run; use --resume {out} or another --out-dir")
+    if args.data:
+        from logitlab.data import resolve_sources
+
+        resolve_sources(args.data)  # missing files are named now
     if train_cfg.data_dir:
         from logitlab.data import read_manifest
 
@@ -197,8 +208,6 @@ def cmd_train(args) -> int:
     if tokenizer is None:
         tokenizer = _train_tokenizer(args.data, args.tokenizer_vocab, args.tokenizer_bytes, con)
     model_cfg = _model_config(args, table, tokenizer)
-    if (out / "run.json").exists():
-        raise ValueError(f"{out} already holds a run; use --resume {out} or another --out-dir")
     if not train_cfg.data_dir:
         _prepare(args, tokenizer, out / "data", con)
         train_cfg = dataclasses.replace(train_cfg, data_dir=str(out / "data"))

@@ -99,3 +99,14 @@ def test_train_toml_flags_resume_and_errors(tmp_path, capsys):
                                 "--out-dir", str(tmp_path / "run2"))) == 0
     model, tok = load_for_inference(tmp_path / "run2")
     assert tok is not None and model.config.n_layers == 1
+
+
+def test_model_config_and_missing_data_errors_come_before_any_work(tmp_path, capsys):
+    (tmp_path / "code.txt").write_text(TEXT)
+    run = tmp_path / "run"
+    assert cli.main(_train_args(tmp_path, "--n-kv-heads", "3", "--out-dir", str(run))) == 2
+    assert "n_kv_heads" in capsys.readouterr().err and not run.exists()
+    assert cli.main(["train", "--data", str(tmp_path / "absent.txt"), "--out-dir", str(run)]) == 2
+    assert "absent.txt" in capsys.readouterr().err and not run.exists()
+    assert cli.main(["train", "--resume", str(tmp_path)]) == 2
+    assert "run.json" in capsys.readouterr().err
