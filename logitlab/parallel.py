@@ -326,11 +326,14 @@ def all_reduce_mean(value: torch.Tensor | float) -> torch.Tensor | float:
     """Mean over ranks of a tensor (a detached copy) or a Python float (a float, reduced in
     float64 on this rank's device). Every rank must call it. With equal per-rank batches, the
     mean of the per-rank mean losses is the loss of the whole global batch."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
     if not isinstance(value, torch.Tensor):
+        if not several:  # no tensor, so no device round trip in a single process
+            return float(value)
         return float(all_reduce_mean(torch.tensor(float(value), dtype=torch.float64,
                                                   device=current_info().device)))
     out = value.detach().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if several:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         out /= dist.get_world_size()
     return out
