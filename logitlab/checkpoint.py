@@ -278,6 +278,16 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None
     return target
 
 
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete half-written checkpoint directories (`.ckpt-*.tmp-*`, `.ckpt-*.old-*`) that a killed
+    process left behind; call only when no other process writes into run_dir."""
+    run_dir = Path(run_dir)
+    stale = [p for p in run_dir.glob(f".{CKPT_PREFIX}*") if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints and the best by validation loss;
     returns the deleted paths."""

@@ -265,6 +265,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     if resume:
         if latest is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
+        if main:
+            ckpt_io.remove_stale_temporaries(run_dir)
         loaded = ckpt_io.load_checkpoint(latest, model, optimizer)
         state = loaded["state"]
         step, best_val, metrics = state["step"], state.get("best_val_loss"), loaded["metrics"]

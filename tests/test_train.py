@@ -135,6 +135,7 @@ def test_resume_after_kill_9_matches(corpus, tmp_path):
     cfg_full = _cfg(corpus, tmp_path / "full", save_every=1, steps=20)
     train(tiny_model(), cfg_full)
     train(tiny_model(seed=3), _cfg(corpus, run, save_every=1, steps=20), resume=True)
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]  # half-written saves cleaned up
     a, b = _losses(tmp_path / "full"), _losses(run)
     assert [a[s] for s in range(1, 21)] == [b[s] for s in range(1, 21)]
 
