@@ -83,7 +83,14 @@ def _prepare_corpus(directory: Path) -> None:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The training-step records of RUN/metrics.jsonl (those with a loss)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
+def _val_losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in rows if "val_loss" in r]
 
 
 def _close(a: list[float], b: list[float], tol: float = TOL) -> None:
@@ -147,7 +154,9 @@ def test_train_loop_on_two_ranks_matches_one_process(runs, mode):
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, worker.STEPS + 1))
     for key in ("loss", "grad_norm"):
         _close([r[key] for r in two], [r[key] for r in one])
-    _close([r["val_loss"] for r in two if "val_loss" in r], [r["val_loss"] for r in one if "val_loss" in r])
+    one_val, two_val = _val_losses(runs["out"] / "run_none"), _val_losses(runs["out"] / f"run_{mode}")
+    assert len(one_val) >= 2
+    _close(two_val, one_val)
     assert not (runs["out"] / f"run_{mode}" / "tensorboard").exists()
 
 
@@ -192,7 +201,7 @@ def test_torchrun_cli_with_fsdp_matches_one_process(tmp_path):
     assert two.stdout.count("done: 6 steps") == 1  # only rank 0 prints
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     _close([r["loss"] for r in b], [r["loss"] for r in a])
-    _close([r["val_loss"] for r in b if "val_loss" in r], [r["val_loss"] for r in a if "val_loss" in r])
+    _close(_val_losses(tmp_path / "two"), _val_losses(tmp_path / "one"))
 
 
 def _free_port() -> int:
