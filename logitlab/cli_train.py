@@ -98,6 +98,10 @@ class _LiveProgress:
             if "val_loss" in r:
                 fields["val"] = f"{r['val_loss']:.3f}"
             self.bar.update(self.task, completed=r["step"], **fields)
+        elif event == "eval" and r["step"] == 0 and not self.quiet:
+            self.con.print(f"step 0: val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
+            if self.bar is not None:
+                self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
         elif event == "eval" and self.bar is None and not self.quiet:
             self.con.print(f"step {r['step']}: loss {r['loss']:.4f}, val {r['val_loss']:.4f} "
                            f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s")
@@ -237,8 +241,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{path} holds no records yet")
-    steps = [r["step"] for r in rows]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    rows = [r for r in rows if "loss" in r]  # the step-0 record holds only the validation loss
+    steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     axes[0].plot(steps, [r["loss"] for r in rows], label="train", lw=1)
     if val:
@@ -316,13 +321,14 @@ def cmd_demo(args) -> int:
     torch.manual_seed(args.seed)
     model = Transformer(model_cfg)
     train_kw = dict(spec["train"])
+    threads, per_step = _pick_threads(model, train_kw["batch_size"], model_cfg.context_length)
+    con.print(f"a training step takes {per_step:.2f} s here with {threads} thread(s)")
     if "steps" not in train_kw:
         seconds = args.train_seconds or spec["train_seconds"]
-        per_step = _time_step(model, train_kw["batch_size"], model_cfg.context_length)
         steps = int(min(3000, max(60, seconds / (per_step * 1.1))))  # ~10% for evals and saves
         train_kw.update(steps=steps, warmup_steps=max(1, steps // 20), eval_every=max(1, steps // 6),
                         time_limit_s=1.5 * seconds)  # if the machine gets busier than when timed
-        con.print(f"a training step takes {per_step:.2f} s here: {steps} steps fit about {seconds} s")
+        con.print(f"{steps} steps fit about {seconds:.0f} s")
     train_cfg = TrainConfig(data_dir=str(out / "data"), out_dir=str(out), seed=args.seed, **train_kw)
     con.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters "
               f"(L={model_cfg.n_layers}, D={model_cfg.d_model}, V={model_cfg.vocab_size}, T={model_cfg.context_length})")
@@ -334,34 +340,44 @@ def cmd_demo(args) -> int:
     _show_sample(model, tok, args.prompt, con, seed=args.seed)
     wall = time.perf_counter() - t0
     ln_v = math.log(tok.vocab_size)
-    summary = {"val_loss": result.val_loss, "ln_V": ln_v, "wall_s": wall, "steps": result.step}
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    start_val = first.get("val_loss") if first.get("step") == 0 else None
+    summary = {"val_loss": result.val_loss, "val_loss_start": start_val, "ln_V": ln_v, "wall_s": wall, "threads": threads,
+               "steps": result.step, "tokens": result.step * train_cfg.batch_size * model_cfg.context_length}
     (out / "demo.json").write_text(json.dumps({"quick": args.quick, **spec, "result": summary}, indent=2) + "\n")
     val = f"{result.val_loss:.3f}" if result.val_loss is not None else "n/a"
+    if start_val is not None:
+        val = f"{start_val:.3f} -> {val}"
     con.print(f"\nvalidation loss {val} nats/token (uniform guess: ln V = {ln_v:.3f}); "
               f"total wall time {wall:.0f} s. Run directory: {out} (loss plot {png})")
     con.print(f"next: logitlab generate --checkpoint {out} 'def '   |   logitlab export {out} --hf {out}/hf")
     return 0
 
 
-def _time_step(model, batch_size: int, seq_len: int) -> float:
-    """Seconds per forward+backward of one (batch_size, seq_len) batch, median of three after a
-    warm-up; the model's weights are untouched (no optimizer step) and its gradients cleared."""
-    import statistics
-
+def _pick_threads(model, batch_size: int, seq_len: int) -> tuple[int, float]:
+    """Time a training step with torch's default thread count and with one thread, keep the
+    faster (on a CPU shared with other jobs, two spinning threads can be several times slower
+    than one) and return (threads, seconds per step). Weights are untouched (no optimizer step)."""
     import torch
 
     from logitlab.train import cross_entropy
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g)  # (B, T)
-    times = []
-    for i in range(4):
-        t0 = time.perf_counter()
-        cross_entropy(model(x), x).backward()
-        if i:
-            times.append(time.perf_counter() - t0)
+    timings = {}
+    for n in sorted({torch.get_num_threads(), 1}, reverse=True):
+        torch.set_num_threads(n)
+        times = []
+        for i in range(3):  # a warm-up, then two timed steps
+            t0 = time.perf_counter()
+            cross_entropy(model(x), x).backward()
+            if i:
+                times.append(time.perf_counter() - t0)
+        timings[n] = min(times) * 1.05  # + the optimizer step
     model.zero_grad(set_to_none=True)
-    return statistics.median(times) * 1.05  # + the optimizer step
+    best = min(timings, key=timings.get)
+    torch.set_num_threads(best)
+    return best, timings[best]
 
 
 def _show_sample(model, tok, prompt: str, con, seed: int) -> None:

@@ -66,6 +66,7 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
     eval_every: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_tokens: int = _f(65536, "validation tokens per evaluation (a fixed sequential pass)")
+    eval_at_start: bool = _f(True, "also evaluate the untrained model (a step-0 record; about ln V)")
     save_every: int | None = _f(None, "checkpoint every N steps (default eval_every; 0 = only at the end)")
     keep_last: int = _f(2, "checkpoints kept besides the best by validation loss")
     seed: int = _f(1337, "seed of the model init, data order and dropout")
@@ -310,6 +311,15 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
 
     emit("start", {"step": step, "steps": config.steps, "tokens_per_step": tokens_per_step,
                    "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir)})
+    if step == 0 and has_val and config.eval_at_start:  # no RNG is drawn: resume stays exact
+        val0 = evaluate(wrapped, val_tokens, seq_len, config.batch_size // world_size, config.eval_tokens,
+                        device, amp_dtype, rank, world_size, all_reduce)
+        record0 = {"step": 0, "tokens": 0, "val_loss": val0, "val_ppl": math.exp(min(val0, 700.0))}
+        metrics.append(record0)
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(record0) + "\n")
+            metrics_file.flush()
+        emit("eval", record0)
     last_loss, val_loss, last_ckpt, stopped = None, None, latest if resume else None, "done"
     started = time.perf_counter()
     try:

@@ -89,7 +89,7 @@ def test_train_toml_flags_resume_and_errors(tmp_path, capsys):
     assert cli.main(["train", "--resume", str(run), "--steps", "5", "--progress", "false"]) == 0
     assert latest_checkpoint(run).name == "ckpt-000005"
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5]
+    assert steps == [1, 2, 3, 4, 5]  # (one document: no validation split, no step-0 record)
     # a second run into the same directory is refused; prepare + --data-dir reuses the data
     assert cli.main(_train_args(tmp_path, "--out-dir", str(run))) == 2
     data_dir = tmp_path / "prep"

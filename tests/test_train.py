@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -58,7 +59,7 @@ def _cfg(corpus, out, **kw) -> TrainConfig:
 
 def _losses(run_dir) -> dict[int, float]:
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def test_cross_entropy_matches_reference():
@@ -100,6 +101,8 @@ def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
     assert sorted(a) == sorted(b) == list(range(1, 13))
     assert [a[s] for s in range(1, 13)] == [b[s] for s in range(1, 13)]  # exact float equality
     assert resumed.val_loss == full.val_loss
+    first = json.loads((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and abs(first["val_loss"] - math.log(257)) < 0.5  # untrained: about ln V
     ws_full = load_checkpoint(latest_checkpoint(tmp_path / "full"))
     assert ws_full["state"]["step"] == 12 and ws_full["state"]["sampler"]["index"] == 12
 
