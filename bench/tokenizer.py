@@ -6,8 +6,8 @@ encode throughput of both our encoders vs tiktoken and `tokenizers`.
 
 Training: each side trains in its own fresh subprocess (same files, same vocab size, the same
 special token, GPT-2 pre-tokenization), which reports its wall time around the training call
-and its peak resident memory (ru_maxrss; for logitlab the main process plus nproc times its
-largest worker, an upper bound since the workers are separate processes). Sides alternate A B A B after a warm-up pair. The stdlib
+and its peak resident memory (VmHWM of the process; for logitlab plus nproc times the largest
+worker's ru_maxrss, an upper bound: forked workers share pages with their parent). Sides alternate A B A B after one warm-up pair. The stdlib
 corpus is the standard library's *.py files that are valid UTF-8 (`tokenizers` refuses the others).
 
 Encoding: GPT-2's vocabulary from ../shared/data/gpt2 (the same ranks for all four encoders),
@@ -54,10 +54,19 @@ def _train_child(side: str, list_file: str, vocab_size: int) -> None:
         tok.train(files, trainer)
         seconds = time.perf_counter() - start
         size = tok.get_vocab_size()
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM starts afresh at exec (ru_maxrss would include the parent's size at fork).
+    own = _vm_hwm_mb()
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     n_workers = (os.cpu_count() or 1) if side == "ours" else 0  # concurrent worker processes
-    print(json.dumps({"seconds": seconds, "peak_mb": own + n_workers * workers, "vocab": size}))
+    print(json.dumps({"seconds": seconds, "peak_mb": own + n_workers * workers, "own_mb": own,
+                      "worker_mb": workers, "vocab": size}))
+
+
+def _vm_hwm_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _run_side(side: str, list_file: Path, vocab_size: int) -> dict:
@@ -86,7 +95,8 @@ def bench_training(cases, repeats: int) -> list[dict]:
             list_file = Path(tmp) / f"{name}.txt"
             list_file.write_text("\n".join(str(f) for f in files))
             mb = sum(f.stat().st_size for f in files) / 1e6
-            _run_side("ours", list_file, vocab_size), _run_side("hf", list_file, vocab_size)  # warm-up
+            if not rows:  # one warm-up pair (imports, page cache) before the first case
+                _run_side("ours", list_file, vocab_size), _run_side("hf", list_file, vocab_size)
             ours, hf = [], []
             for _ in range(repeats):
                 ours.append(_run_side("ours", list_file, vocab_size))
@@ -164,8 +174,10 @@ def report(train_rows, encode_rows, info, command) -> str:
 
     lines = [f"Command: `{command}` (commit {info.get('commit')}). Machine: {info['nproc']} cores, {info['cpu']}; "
              f"Python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), tiktoken "
-             f"{tiktoken.__version__}, tokenizers {tokenizers.__version__}. The machine is shared, so "
-             f"absolute times move between runs; the ratios come from alternating runs.", ""]
+             f"{tiktoken.__version__}, tokenizers {tokenizers.__version__}. The machine is shared (load "
+             f"average {info['load'][0]:.1f} at the start, {info['load_end'][0]:.1f} at the end, on "
+             f"{info['nproc']} cores), so absolute times move between runs; the ratios come from "
+             f"alternating runs.", ""]
     if train_rows:
         lines += ["Training (ratio = our time / `tokenizers` time, median (min-max); < 1 means faster; "
                   "memory ratio = our peak RSS / theirs):", ""]
@@ -219,9 +231,11 @@ def main(argv=None) -> int:
                 break
         texts["stdlib sample"] = "".join(sample)
     info = machine_info()
+    info["load"] = os.getloadavg()
     command = "python3 -m bench.tokenizer" + (" --quick" if args.quick else "")
+    train_rows = bench_training(cases, args.repeats)  # first: the children fork from a lean parent
     encode_rows = bench_encoding(texts, args.repeats + 1)
-    train_rows = bench_training(cases, args.repeats)
+    info["load_end"] = os.getloadavg()
     payload = {"machine": info, "command": command, "training": train_rows, "encoding": encode_rows}
     print(f"wrote {write_results('tokenizer', payload)}")
     if not args.no_doc:

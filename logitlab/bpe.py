@@ -201,7 +201,8 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
     """Train byte-level BPE on a file, a directory (files matching `glob`) or a list of them.
 
     Returns (vocab, merges): vocab maps ids 0..vocab_size-1 to bytes (bytes, then merges, then
-    special tokens); merges are (left, right) byte strings in learned order."""
+    special tokens; fewer ids when the corpus runs out of pairs); merges are (left, right) byte
+    strings in learned order. `stdlib_files()` lists the default corpus."""
     specials = check_special_tokens(special_tokens)
     if not isinstance(vocab_size, int) or vocab_size < 256 + len(specials):
         raise ValueError(f"vocab_size ({vocab_size}) must be at least 256 + {len(specials)} special "
@@ -231,8 +232,10 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
 
 def train_tokenizer(input_path, vocab_size: int, special_tokens: Iterable[str] = (), pattern: str = "gpt2",
                     workers: int | None = None, progress: bool = False, glob: str = "**/*") -> Tokenizer:
-    vocab, merges = train_bpe(input_path, vocab_size, special_tokens, pattern, workers, progress, glob)
-    return Tokenizer(vocab, merges, special_tokens=list(special_tokens), pattern=pattern)
+    """`train_bpe` wrapped in a `Tokenizer` (same arguments)."""
+    specials = list(special_tokens)
+    vocab, merges = train_bpe(input_path, vocab_size, specials, pattern, workers, progress, glob)
+    return Tokenizer(vocab, merges, special_tokens=specials, pattern=pattern)
 
 
 class _Progress:

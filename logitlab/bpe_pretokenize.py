@@ -8,6 +8,9 @@ cut the text into chunks at safe points, split each chunk at special tokens (so 
 a document boundary), pre-tokenize it and count the pre-tokens; each batch returns one Counter.
 Memory is bounded by the distinct pre-tokens, not by the corpus size.
 
+Cut points are exact for the gpt2 and cl100k patterns (tested); a custom pattern that matches
+across "non-space, one space or newline, non-space" may split differently at chunk boundaries.
+
 Invalid UTF-8 is decoded with U+FFFD replacement; a UnicodeWarning names the file and the byte
 offset of the first bad byte (once per file range).
 """
