@@ -78,11 +78,13 @@ def _train(model, run, ids, autocast):
     return step
 
 
-def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa") -> dict:
+def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa",
+        models: list[str] | None = None) -> dict:
     repeats = repeats or (2 if quick else 3)
     rates = {d: accounting.measure_matmul_flops(d, n=1024, seconds=1.0) for d in ("fp32", "bf16")}
     rows = []
-    for name, (config, B, T) in POINTS.items():
+    for name in models or list(POINTS):
+        config, B, T = POINTS[name]
         if quick:
             B, T = max(1, B // 2), T // 2
         config = dataclasses.replace(config, dropout=0.0)
@@ -146,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--peer-attn", default="sdpa", choices=["sdpa", "eager"],
                         help="transformers' attention kernel (default sdpa, its default)")
+    parser.add_argument("--models", nargs="*", choices=list(POINTS), default=None,
+                        help="which shapes to run (default: all)")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args.quick, args.repeats, args.peer_attn)
+    result = run(args.quick, args.repeats, args.peer_attn, args.models)
     path = write_results("model-quick" if args.quick else "model", result)
     print(f"results: {path}")
     if not args.no_doc:
