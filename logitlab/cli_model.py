@@ -30,8 +30,9 @@ def register(subparsers) -> None:
     p.set_defaults(func=_params)
 
     c = subparsers.add_parser("convert", help="Hugging Face <-> logitlab model directories",
-                              description="--hf DIR: read a Hugging Face directory (GPT-2, Llama, Mistral, "
-                              "Qwen2, Qwen3), write a logitlab directory to --out. --to-hf DIR: read a "
+                              description="--hf DIR: read a Hugging Face directory (an architecture "
+                              "logitlab.families.SUPPORTED_ARCHITECTURES lists), write a logitlab directory "
+                              "to --out. --to-hf DIR: read a "
                               "logitlab directory, write a Hugging Face directory to --out. --verify "
                               "compares every hidden state and the logits with transformers.")
     src = c.add_mutually_exclusive_group(required=True)

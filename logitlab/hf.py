@@ -117,7 +117,7 @@ def model_from_hf_state(hf_state: dict, config: ModelConfig, source: str = "chec
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
                     device: str | torch.device = "cpu") -> Transformer:
-    """Load a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, Qwen3) or a logitlab one.
+    """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES) or a logitlab one.
 
     dtype None keeps the stored dtype. verify=True runs `verify_against_transformers` on the
     directory and raises ValueError when any hidden state or the logits differ beyond TOLERANCE."""
