@@ -63,6 +63,10 @@ def machine_info() -> dict:
     info = {"nproc": os.cpu_count(), "cpu": cpu_model(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     try:
+        info["load_avg_1m"] = round(os.getloadavg()[0], 2)   # others' work on a shared machine
+    except OSError:
+        pass
+    try:
         import transformers
 
         info["transformers"] = transformers.__version__
