@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from dataclasses import dataclass, field
 from collections.abc import Iterable
 
 from logitlab.bpe_pretokenize import count_pretokens, expand_paths, stdlib_files
 from logitlab.tokenizer import Tokenizer, check_special_tokens, resolve_pattern
 
-__all__ = ["train_bpe", "train_tokenizer", "learn_merges", "reference_merges", "count_pretokens",
+__all__ = ["BPEConfig", "train_bpe", "train_tokenizer", "learn_merges", "reference_merges", "count_pretokens",
            "expand_paths", "stdlib_files"]
 
 SHIFT = 20  # pair key = left << SHIFT | right; ids stay below 2**20
@@ -195,6 +196,33 @@ def _apply_merge(words, freqs, counts, where, a: int, b: int, new: int, word_ids
 
 
 # ------------------------------------------------------------------------------ entry points
+@dataclass(frozen=True)
+class BPEConfig:
+    """Settings of one training run, checked when built."""
+
+    vocab_size: int = field(metadata={"help": "ids in the vocabulary: 256 bytes + merges + special tokens"})
+    special_tokens: tuple[str, ...] = field(default=(), metadata={"help": "never split, never merged; ids last"})
+    pattern: str = field(default="gpt2", metadata={"help": "pre-tokenization: gpt2, cl100k or a regex"})
+    workers: int | None = field(default=None, metadata={"help": "pre-tokenization processes (None: all cores)"})
+    glob: str = field(default="**/*", metadata={"help": "files taken from directories"})
+
+    def __post_init__(self):
+        object.__setattr__(self, "special_tokens", tuple(check_special_tokens(self.special_tokens)))
+        n = len(self.special_tokens)
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 256 + n:
+            raise ValueError(f"vocab_size ({self.vocab_size}) must be at least 256 + {n} special "
+                             f"token(s) = {256 + n}")
+        if self.vocab_size > MASK:
+            raise ValueError(f"vocab_size ({self.vocab_size}) must be below {MASK + 1}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers ({self.workers}) must be >= 1 or None")
+        object.__setattr__(self, "pattern", resolve_pattern(self.pattern))
+
+    @property
+    def n_merges(self) -> int:
+        return self.vocab_size - 256 - len(self.special_tokens)
+
+
 def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), pattern: str = "gpt2",
               workers: int | None = None, progress: bool = False, glob: str = "**/*"
               ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
@@ -203,22 +231,16 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
     Returns (vocab, merges): vocab maps ids 0..vocab_size-1 to bytes (bytes, then merges, then
     special tokens; fewer ids when the corpus runs out of pairs); merges are (left, right) byte
     strings in learned order. `stdlib_files()` lists the default corpus."""
-    specials = check_special_tokens(special_tokens)
-    if not isinstance(vocab_size, int) or vocab_size < 256 + len(specials):
-        raise ValueError(f"vocab_size ({vocab_size}) must be at least 256 + {len(specials)} special "
-                         f"token(s) = {256 + len(specials)}")
-    if vocab_size > MASK:
-        raise ValueError(f"vocab_size ({vocab_size}) must be below {MASK + 1}")
-    pattern = resolve_pattern(pattern)
-    files = expand_paths(input_path, glob)
-    n_merges = vocab_size - 256 - len(specials)
-    with _Progress(progress, sum(f.stat().st_size for f in files), n_merges) as bar:
-        pretokens = count_pretokens(files, pattern, specials, workers, bar.read)
+    config = BPEConfig(vocab_size, tuple(special_tokens), pattern, workers, glob)
+    files = expand_paths(input_path, config.glob)
+    specials = list(config.special_tokens)
+    with _Progress(progress, sum(f.stat().st_size for f in files), config.n_merges) as bar:
+        pretokens = count_pretokens(files, config.pattern, specials, config.workers, bar.read)
         word_counts: Counter = Counter()
         for text, count in pretokens.items():
             word_counts[text.encode("utf-8")] += count
         del pretokens
-        merges = learn_merges(word_counts, n_merges, progress=bar.merged)
+        merges = learn_merges(word_counts, config.n_merges, progress=bar.merged)
     vocab = {i: bytes([i]) for i in range(256)}
     seen = set(vocab.values())
     for a, b in merges:
