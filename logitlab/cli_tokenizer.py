@@ -144,7 +144,7 @@ def cmd_show(args) -> int:
         table.add_column(col, justify="right" if col in ("#", "id") else "left")
     for n, i in enumerate(ids):
         raw = tok.token_bytes(i)
-        label = escape(repr(readable_token(raw)))
+        label = escape("'" + readable_token(raw) + "'")
         table.add_row(str(n), str(i), f"[bold]{label}[/bold] special" if tok.is_special(i) else label,
                       raw.hex(" "))
     out = console()

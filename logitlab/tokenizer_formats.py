@@ -87,8 +87,9 @@ def fingerprint(tok) -> str:
 
 
 def readable_token(token: bytes) -> str:
-    """A token for people: UTF-8 with U+FFFD for broken bytes, control characters escaped."""
-    text = token.decode("utf-8", errors="replace")
+    """A token for people: UTF-8 text; bytes that are not valid UTF-8 as \\xNN; control
+    characters as \\uNNNN."""
+    text = token.decode("utf-8", errors="backslashreplace")
     return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
 
 
