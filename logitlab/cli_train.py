@@ -53,8 +53,11 @@ def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
     return manifest
 
 
-def _train_tokenizer(sources, vocab_size: int, max_bytes: int, con):
-    """A BPE tokenizer trained on about `max_bytes` of `sources` (default: spread over the stdlib)."""
+def _train_tokenizer(sources, vocab_size: int, max_bytes: int, con, text_field="text", column="text"):
+    """A BPE tokenizer trained on about `max_bytes` of `sources` (default: spread over the stdlib);
+    .jsonl / .parquet documents are extracted to a temporary text file first."""
+    import tempfile
+
     from logitlab import bpe, data
 
     files = data.resolve_sources(sources) if sources else data.default_corpus_files()
@@ -63,8 +66,15 @@ def _train_tokenizer(sources, vocab_size: int, max_bytes: int, con):
     picked = data.spread_files(files, max_bytes, offset=1)
     total = sum(p.stat().st_size for p in picked)
     t0 = time.perf_counter()
-    with con.status(f"training a {vocab_size}-token BPE tokenizer on {total / 1e6:.1f} MB"):
-        tok = bpe.train_tokenizer([str(p) for p in picked], vocab_size, [EOT])
+    with tempfile.TemporaryDirectory() as tmp, \
+            con.status(f"training a {vocab_size}-token BPE tokenizer on {total / 1e6:.1f} MB"):
+        inputs = [str(p) for p in picked]
+        if any(p.suffix in (".jsonl", ".parquet") for p in picked):
+            docs = data.iter_documents(picked, text_field, column, skip_undecodable=True)
+            sample = Path(tmp) / "sample.txt"
+            sample.write_text("\n".join(data.limit_chars(docs, max_bytes)), encoding="utf-8")
+            inputs = [str(sample)]
+        tok = bpe.train_tokenizer(inputs, vocab_size, [EOT])
     con.print(f"tokenizer: {tok.vocab_size} tokens trained on {len(picked)} files "
               f"({total / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     return tok
@@ -210,7 +220,8 @@ def cmd_train(args) -> int:
         tokenizer_path = tokenizer_path or Path(train_cfg.data_dir) / "tokenizer.logitlab.json"
     tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
     if tokenizer is None:
-        tokenizer = _train_tokenizer(args.data, args.tokenizer_vocab, args.tokenizer_bytes, con)
+        tokenizer = _train_tokenizer(args.data, args.tokenizer_vocab, args.tokenizer_bytes, con,
+                                     args.text_field, args.column)
     model_cfg = _model_config(args, table, tokenizer)
     if not train_cfg.data_dir:
         _prepare(args, tokenizer, out / "data", con)
@@ -286,7 +297,7 @@ def cmd_export(args) -> int:
 # The demo's sizes. The full demo uses the whole default corpus and sets its step count from a
 # short timing of the model, so that training takes about `train_seconds` on the machine at hand.
 _DEMO = {
-    "full": dict(vocab=4096, tok_bytes=3_000_000, corpus=12_000_000, val=0.02, train_seconds=210,
+    "full": dict(vocab=4096, tok_bytes=3_000_000, corpus=12_000_000, val=0.02, train_seconds=240,
                  model=dict(context_length=128, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384),
                  train=dict(batch_size=16, lr=3e-3, eval_tokens=16384)),
     "quick": dict(vocab=512, tok_bytes=150_000, corpus=400_000, val=0.1, train_seconds=None,
@@ -368,7 +379,7 @@ def _pick_threads(model, batch_size: int, seq_len: int) -> tuple[int, float]:
     for n in sorted({torch.get_num_threads(), 1}, reverse=True):
         torch.set_num_threads(n)
         times = []
-        for i in range(3):  # a warm-up, then two timed steps
+        for i in range(4):  # a warm-up, then three timed steps
             t0 = time.perf_counter()
             cross_entropy(model(x), x).backward()
             if i:
@@ -448,7 +459,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced if a demo)")
     p.add_argument("--quick", action="store_true", help="a ~30 s version")
     p.add_argument("--train-seconds", type=float, default=None,
-                   help="about how long training may take (default 210; sets the step count)")
+                   help="about how long training may take (default 240; sets the step count)")
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--workers", type=int, default=None)

@@ -225,7 +225,7 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
     dtype = token_dtype(tokenizer.vocab_size)
     docs = iter_documents(files, text_field, column, skip_undecodable=default)
     if max_bytes is not None:
-        docs = _limit_chars(docs, max_bytes)
+        docs = limit_chars(docs, max_bytes)
     tasks = ((chunk, eot, dtype.str) for chunk in _chunks(docs))
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
     counts = {s: {"documents": 0, "tokens": 0} for s in SPLIT_FILES}
@@ -264,7 +264,7 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
     return manifest
 
 
-def _limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
+def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
     total = 0
     for doc in docs:
         if total >= max_chars:

@@ -110,3 +110,16 @@ def test_model_config_and_missing_data_errors_come_before_any_work(tmp_path, cap
     assert "absent.txt" in capsys.readouterr().err and not run.exists()
     assert cli.main(["train", "--resume", str(tmp_path)]) == 2
     assert "run.json" in capsys.readouterr().err
+
+
+def test_train_on_jsonl_trains_the_tokenizer_on_the_text_field(tmp_path):
+    rows = [{"id": i, "body": f"def f{i}(x):\n    return x + {i}\n"} for i in range(200)]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = _train_args(tmp_path, "--steps", "2", "--out-dir", str(tmp_path / "run"))
+    args[args.index("--data") + 1] = str(tmp_path / "code.jsonl")
+    assert cli.main(args + ["--text-field", "body"]) == 0
+    _, tok = load_for_inference(tmp_path / "run")
+    pieces = {tok.decode([i]) for i in range(tok.vocab_size)}
+    assert not any('"body"' in p or '{"id' in p for p in pieces)  # learned from the text, not the JSON
+    manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    assert manifest["documents"] == 200 and manifest["splits"]["val"]["documents"] == 40
