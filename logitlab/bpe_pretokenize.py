@@ -98,7 +98,8 @@ def _warn_bad(path, offset: int) -> None:
                   f"replacement", UnicodeWarning, stacklevel=2)
 
 
-def iter_chunks(path, start: int, end: int | None, special_re, chunk_chars: int | None = None) -> Iterator[str]:
+def iter_chunks(path, start: int, end: int | None, special_re, longest_special: int = 0,
+                chunk_chars: int | None = None) -> Iterator[str]:
     """Text of one file range in chunks of about `chunk_chars`, cut where no pre-token or
     special token is split."""
     chunk_chars = chunk_chars or CHUNK_CHARS
@@ -106,7 +107,7 @@ def iter_chunks(path, start: int, end: int | None, special_re, chunk_chars: int 
     for text in read_text_blocks(path, start, end):
         buf += text
         if len(buf) >= chunk_chars:
-            cut = find_safe_cut(buf, special_re)
+            cut = find_safe_cut(buf, special_re, longest_special)
             if cut > 0:
                 yield buf[:cut]
                 buf = buf[cut:]
@@ -150,6 +151,7 @@ _WORKER: dict = {}
 def _init_worker(pattern: str, specials: list[str]) -> None:
     _WORKER["split"] = pretokenizer(pattern)
     _WORKER["special"] = special_regex(specials)
+    _WORKER["longest"] = max(map(len, specials), default=0)
 
 
 def _count_batch(batch: list[tuple[str, int, int]]) -> tuple[Counter, list[str], int]:
@@ -159,7 +161,7 @@ def _count_batch(batch: list[tuple[str, int, int]]) -> tuple[Counter, list[str],
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for path, start, end in batch:
-            for chunk in iter_chunks(path, start, end, special):
+            for chunk in iter_chunks(path, start, end, special, _WORKER["longest"]):
                 for part in (special.split(chunk) if special is not None else (chunk,)):
                     counts.update(split(part))
     return counts, [str(w.message) for w in caught], sum(end - start for _, start, end in batch)

@@ -375,7 +375,7 @@ class Tokenizer:
             yield from self.encode("".join(pending), allowed_special, fast)
 
     def _safe_cut(self, buf: str) -> int:
-        return find_safe_cut(buf, self._special_re)
+        return find_safe_cut(buf, self._special_re, max(map(len, self._special), default=0))
 
     # ---------------------------------------------------------------- decoding
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -449,22 +449,27 @@ def _utf8(text: str) -> bytes:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
 
 
-def find_safe_cut(buf: str, special_re: regex.Pattern | None) -> int:
-    """The last SAFE_CUT position in `buf` that is not inside a special-token match (0: none)."""
-    longest = 0 if special_re is None else len(special_re.pattern)  # >= the longest special token
-    end = len(buf)
-    while True:
+def find_safe_cut(buf: str, special_re: regex.Pattern | None, longest_special: int = 0) -> int:
+    """The last SAFE_CUT position in `buf` outside every special-token match (0: none).
+
+    Only positions at least `longest_special` characters before the end are taken: a special
+    token that straddles such a cut lies wholly inside `buf`, so it is seen even when more text
+    follows."""
+    end = len(buf) - longest_special + 1 if longest_special else len(buf)
+    while end > 0:
         m = SAFE_CUT.search(buf, 0, end)
         if m is None:
             return 0
         cut, inside = m.start(), None
         if special_re is not None:
-            for s in special_re.finditer(buf, max(0, cut - longest), min(len(buf), cut + longest)):
+            lo, hi = max(0, cut - longest_special), min(len(buf), cut + longest_special)
+            for s in special_re.finditer(buf, lo, hi):
                 if s.start() < cut < s.end():
                     inside = s.start()
         if inside is None:
             return cut
         end = inside
+    return 0
 
 
 def _prefix_overlap(specials: set[str]) -> bool:

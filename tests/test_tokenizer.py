@@ -216,3 +216,13 @@ def test_safe_cut_points_do_not_change_pretokens(text):
         for m in SAFE_CUT.finditer(text):
             cut = m.start()
             assert regex.findall(pattern, text[:cut]) + regex.findall(pattern, text[cut:]) == whole, (pattern, cut)
+
+
+def test_encode_iterable_keeps_special_tokens_split_across_pieces():
+    vocab = {i: bytes([i]) for i in range(256)}
+    tok = Tokenizer(vocab, [], special_tokens=["<|end of text|>", "<|x y|>"])
+    pieces = ["hello world <|end", " of text|> more words <|x", " y|>", " tail text here <|end of", " text|>"]
+    want = tok.encode("".join(pieces))
+    assert want.count(256) == 2 and want.count(257) == 1
+    for chunk in (1, 5, 20):
+        assert list(tok.encode_iterable(pieces, chunk_chars=chunk)) == want
