@@ -226,3 +226,10 @@ def test_encode_iterable_keeps_special_tokens_split_across_pieces():
     assert want.count(256) == 2 and want.count(257) == 1
     for chunk in (1, 5, 20):
         assert list(tok.encode_iterable(pieces, chunk_chars=chunk)) == want
+
+
+def test_lone_surrogates_become_replacement_characters(gpt2):
+    text = "a\ud800b \udfff"
+    ids = gpt2.encode(text)
+    assert ids == gpt2.encode(text, fast=False)
+    assert gpt2.decode(ids) == "a\ufffdb \ufffd"
