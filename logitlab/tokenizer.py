@@ -57,6 +57,8 @@ ASCII_PATTERNS = {
 # GPT-2's \s+(?!\S) takes "\n\n" whole.) Used to cut long text into independent pieces
 # (encode_iterable, parallel training).
 SAFE_CUT = regex.compile(r"(?r)(?<=\S) (?=\S)|(?<=\S\n)(?=\S)")
+_SAFE_CUT_FORWARD = regex.compile(SAFE_CUT.pattern[4:])
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
 _REFERENCE_CACHE_LIMIT = 100_000  # encoded pre-tokens kept by the reference path
 _NO_MERGE = 1 << 62
 
@@ -82,7 +84,28 @@ def pretokenizer(pattern: str):
     fast = re.compile(ascii_pattern).findall
 
     def split(text: str) -> list[str]:
-        return fast(text) if text.isascii() else full(text)
+        if text.isascii():
+            return fast(text)
+        if len(text) - len(text.encode("ascii", "ignore")) > len(text) >> 8:
+            return full(text)  # dense non-ASCII: one `regex` pass
+        # Sparse non-ASCII (e.g. source code with a few accents): cut each non-ASCII stretch out
+        # at SAFE_CUT points so the ASCII around it still takes the fast lane.
+        out: list[str] = []
+        pos, n = 0, len(text)
+        while pos < n:
+            m = _NON_ASCII.search(text, pos)
+            if m is None:
+                out += fast(text[pos:])
+                break
+            cut = SAFE_CUT.search(text, pos, m.start())
+            start = cut.start() if cut is not None else pos
+            if start > pos:
+                out += fast(text[pos:start])
+            after = _SAFE_CUT_FORWARD.search(text, m.end())
+            end = after.start() if after is not None else n
+            out += full(text[start:end])
+            pos = end
+        return out
 
     return split
 

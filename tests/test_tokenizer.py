@@ -233,3 +233,16 @@ def test_lone_surrogates_become_replacement_characters(gpt2):
     ids = gpt2.encode(text)
     assert ids == gpt2.encode(text, fast=False)
     assert gpt2.decode(ids) == "a\ufffdb \ufffd"
+
+
+FILLER = "def f(x):\n    return x + 1  # plain ASCII source\n" * 40
+
+
+@settings(max_examples=200, deadline=None)
+@given(middle=st.lists(st.sampled_from([" ", "\n", "\n\n", "a", "Zz", "1", ".", "'s", "é", " ü", "中", "\xa0",
+                                        "\u2028", "🎉", "\t"]), max_size=20).map("".join))
+def test_sparse_non_ascii_lane_equals_regex(middle):
+    """Mostly-ASCII text with a few non-ASCII characters is cut around them (SAFE_CUT)."""
+    text = FILLER + middle + FILLER + middle[::-1] + FILLER
+    for pattern in (GPT2_PATTERN, CL100K_PATTERN):
+        assert pretokenizer(pattern)(text) == regex.findall(pattern, text)
