@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from logitlab.tokenizer import find_safe_cut, pretokenizer, special_regex
+from logitlab.tokenizer_patterns import find_safe_cut, pretokenizer, special_regex
 
 BLOCK_BYTES = 1 << 20  # bytes per read
 CHUNK_CHARS = 1 << 20  # characters pre-tokenized at once
