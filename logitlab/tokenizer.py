@@ -20,8 +20,10 @@ pre-token's UTF-8 bytes are merged by BPE. Two encoders give the same ids:
 * the fast path (default): tiktoken's Rust core built from the same ranks. tiktoken merges the
   adjacent pair whose *concatenation* has the lowest rank, which equals replaying merges only
   when the vocabulary is consistent: merge results are distinct byte strings whose ids grow with
-  merge order, and every token's own bytes encode to that single token. `Tokenizer` checks this
-  on first use (`fast_path_ok`) and uses the reference path when the check fails.
+  merge order, and every token's own bytes encode to that single token. `Tokenizer` checks these
+  conditions on first use (`fast_path_ok`) and uses the reference path when they fail. They are
+  a static check; tests compare both paths on GPT-2 and on trained vocabularies (property-based
+  text, tinyshakespeare, and 10 MB of stdlib source with a 32k vocabulary).
 
 Special tokens: `encode(text)` turns every special-token string into its id
 (`allowed_special="all"`, the default). For untrusted text use `encode_ordinary(text)` or
