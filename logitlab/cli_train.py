@@ -402,7 +402,7 @@ def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
     result = generate(model, ids, SampleConfig(max_new_tokens=60, temperature=0.8, top_k=50, seed=seed),
                       eot_id=tok.eot_id)
     con.print("\n[bold]sample[/bold] (temperature 0.8, top-k 50):")
-    con.print(prompt + tok.decode(result.tokens[0]), markup=False)
+    con.print(prompt + tok.decode([i for i in result.tokens[0] if i != tok.eot_id]), markup=False)
     with torch.no_grad():
         probs = torch.softmax(model(torch.tensor([ids]))[0, -1].float(), dim=-1)  # (V,)
     values, order = torch.topk(probs, 10)

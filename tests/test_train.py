@@ -248,3 +248,28 @@ def test_runtime_choices_and_rng_round_trip():
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
     peak = runtime.matmul_peak_flops(torch.device("cpu"), size=128)
     assert peak > 1e6
+
+
+def test_tensorboard_writer_gets_the_scalars(corpus, tmp_path, monkeypatch):
+    import logitlab.train as train_mod
+
+    written = []
+
+    class FakeWriter:
+        def add_scalar(self, key, value, step):
+            written.append((key, step))
+
+        def close(self):
+            written.append(("closed", -1))
+
+    monkeypatch.setattr(train_mod, "_tensorboard_writer", lambda run_dir: FakeWriter())
+    train(tiny_model(), _cfg(corpus, tmp_path / "tb", steps=4, warmup_steps=1))
+    assert ("loss", 1) in written and ("val_loss", 4) in written and ("mfu", 4) in written
+    assert written[-1] == ("closed", -1)
+
+
+@pytest.mark.slow
+def test_torch_compile_matches_eager(corpus, tmp_path):
+    eager = train(tiny_model(dropout=0.0), _cfg(corpus, tmp_path / "e", steps=3, warmup_steps=1))
+    compiled = train(tiny_model(dropout=0.0), _cfg(corpus, tmp_path / "c", steps=3, warmup_steps=1, compile=True))
+    assert compiled.last_loss == pytest.approx(eager.last_loss, rel=1e-4)
