@@ -6,8 +6,8 @@
 Both sides hold the same weights: logitlab builds the model, save_pretrained writes it, transformers
 loads that directory (its default SDPA attention unless --peer-attn eager). A training step is
 forward + float32 cross-entropy on the logits + backward + torch.optim.AdamW, identical code for
-both sides. bf16 is torch.autocast over fp32 weights. MFU = achieved FLOP/s (accounting.flops_per_token x tokens) over
-the matmul rate measured in the same run and dtype.
+both sides. bf16 is torch.autocast over fp32 weights. MFU = achieved FLOP/s
+(accounting.flops_per_token x tokens) over the best matmul rate measured in the same run and dtype.
 """
 
 from __future__ import annotations
