@@ -24,7 +24,7 @@ def register(subparsers) -> None:
                               description="Continue PROMPT with a model, printing text as it is generated, "
                               "then the prefill time, decode tokens/s and why generation stopped.")
     _model_flags(g)
-    g.add_argument("prompt", help="the text to continue")
+    g.add_argument("prompt", help="the text to continue (empty: start from the end-of-text token)")
     _sample_flags(g)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object at the end instead of streaming")
@@ -222,6 +222,8 @@ def _generate(args) -> int:
     m = load(args)
     cfg = sample_config(args, m.end_ids[1:])
     ids = m.tokenizer.encode(args.prompt)
+    if not ids and m.eot_id is not None:
+        ids = [m.eot_id]  # an empty prompt starts from end-of-text, as GPT-2 samples unconditionally
     s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes, compile=args.compile)
     if not args.json:
         sys.stdout.write(args.prompt)
