@@ -58,8 +58,10 @@ def _train_child(side: str, list_file: str, vocab_size: int) -> None:
     own = _vm_hwm_mb()
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     n_workers = (os.cpu_count() or 1) if side == "ours" else 0  # concurrent worker processes
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))  # all threads and worker processes, whole run
     print(json.dumps({"seconds": seconds, "peak_mb": own + n_workers * workers, "own_mb": own,
-                      "worker_mb": workers, "vocab": size}))
+                      "worker_mb": workers, "cpu_s": cpu, "vocab": size}))
 
 
 def _vm_hwm_mb() -> float:
@@ -104,6 +106,7 @@ def bench_training(cases, repeats: int) -> list[dict]:
             ratios = [o["seconds"] / h["seconds"] for o, h in zip(ours, hf)]
             mem = [o["peak_mb"] / h["peak_mb"] for o, h in zip(ours, hf)]
             row = {"corpus": name, "mb": mb, "vocab": vocab_size,
+                   "ours_cpu_s": [o["cpu_s"] for o in ours], "hf_cpu_s": [h["cpu_s"] for h in hf],
                    "ours_s": [o["seconds"] for o in ours], "hf_s": [h["seconds"] for h in hf],
                    "ours_peak_mb": [o["peak_mb"] for o in ours], "hf_peak_mb": [h["peak_mb"] for h in hf],
                    "time_ratio": statistics.median(ratios), "time_ratio_min": min(ratios),
@@ -179,14 +182,17 @@ def report(train_rows, encode_rows, info, command) -> str:
              f"{info['nproc']} cores), so absolute times move between runs; the ratios come from "
              f"alternating runs.", ""]
     if train_rows:
-        lines += ["Training (ratio = our time / `tokenizers` time, median (min-max); < 1 means faster; "
-                  "memory ratio = our peak RSS / theirs):", ""]
+        lines += ["Training (ratio = our wall time / `tokenizers` wall time, median (min-max); < 1 means "
+                  "faster; CPU s = user + system seconds of the whole child process, all threads and "
+                  "workers, interpreter start-up included, a load-independent view of the work done; "
+                  "memory ratio = our peak RSS (main + nproc x largest worker) / theirs):", ""]
         lines.append(markdown_table(
-            ["corpus", "MB", "vocab", "logitlab s", "tokenizers s", "time ratio", "logitlab MB", "tokenizers MB",
-             "memory ratio"],
+            ["corpus", "MB", "vocab", "logitlab s", "tokenizers s", "time ratio", "CPU s (ours / theirs)",
+             "logitlab MB", "tokenizers MB", "memory ratio"],
             [[r["corpus"], f"{r['mb']:.1f}", r["vocab"], f"{statistics.median(r['ours_s']):.2f}",
               f"{statistics.median(r['hf_s']):.2f}",
               f"{r['time_ratio']:.2f} ({r['time_ratio_min']:.2f}-{r['time_ratio_max']:.2f})",
+              f"{statistics.median(r['ours_cpu_s']):.1f} / {statistics.median(r['hf_cpu_s']):.1f}",
               f"{statistics.median(r['ours_peak_mb']):.0f}", f"{statistics.median(r['hf_peak_mb']):.0f}",
               f"{r['mem_ratio']:.2f}"] for r in train_rows]))
         lines.append("")

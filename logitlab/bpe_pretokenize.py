@@ -31,6 +31,7 @@ from logitlab.tokenizer_patterns import find_safe_cut, pretokenizer, special_reg
 BLOCK_BYTES = 1 << 20  # bytes per read
 CHUNK_CHARS = 1 << 20  # characters pre-tokenized at once
 BATCH_BYTES = 4 << 20  # bytes of input per worker task
+MIN_BYTES_PER_WORKER = 2 << 20  # below this much input per process, extra processes cost more than they save
 _RANGE_CUT = re.compile(rb"(?<=[!-~])\n(?=[!-~])")  # a newline between printable ASCII characters
 
 
@@ -170,11 +171,13 @@ def _count_batch(batch: list[tuple[str, int, int]]) -> tuple[Counter, list[str],
 def count_pretokens(files: list[Path], pattern: str, specials: list[str], workers: int | None = None,
                     progress=None) -> Counter:
     """str pre-token -> frequency over all files, pre-tokenized by `workers` processes (default:
-    all cores). The result does not depend on `workers`."""
+    all cores; fewer when there is under MIN_BYTES_PER_WORKER of input per process). The result
+    does not depend on `workers`."""
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     total_bytes = sum(f.stat().st_size for f in files)
+    workers = max(1, min(workers, total_bytes // max(1, MIN_BYTES_PER_WORKER)))
     batch_bytes = min(BATCH_BYTES, max(1 << 18, total_bytes // (4 * workers)))
     batches = plan_batches(files, specials, batch_bytes)
     total: Counter = Counter()

@@ -71,6 +71,7 @@ def test_special_tokens_never_merged(tmp_path):
 
 def test_workers_give_identical_merges(shared_data, tmp_path, monkeypatch):
     monkeypatch.setattr(bpe_pretokenize, "CHUNK_CHARS", 50_000)  # many chunks and batches
+    monkeypatch.setattr(bpe_pretokenize, "MIN_BYTES_PER_WORKER", 0)  # really use two processes
     files = [shared_data / "tinyshakespeare.txt", shared_data / "corpus.en"]
     one = train_bpe(files, 700, [EOT], workers=1)
     two = train_bpe(files, 700, [EOT], workers=2)
