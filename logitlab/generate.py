@@ -421,10 +421,11 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
 
 
 def _as_batch(prompt_ids) -> list[list[int]]:
+    """One prompt (a sequence of ids) or a batch (a sequence of them, or a (B, T) tensor) -> lists."""
     if isinstance(prompt_ids, torch.Tensor):
         prompt_ids = prompt_ids.tolist()
-    if len(prompt_ids) and isinstance(prompt_ids[0], int):
-        return [list(prompt_ids)]
+    if len(prompt_ids) and not hasattr(prompt_ids[0], "__len__"):
+        return [list(map(int, prompt_ids))]
     return [list(map(int, p)) for p in prompt_ids]
 
 
