@@ -110,16 +110,18 @@ def is_logitlab_dir(path: str | os.PathLike) -> bool:
         return False
 
 
-def write_model_files(model, directory: str | os.PathLike) -> None:
+def write_model_files(model, directory: str | os.PathLike, state: dict | None = None) -> None:
     """Write config.json + model.safetensors of `model` (unwrapped) into an existing directory.
 
-    Callers that want atomicity write into `atomic_directory(...)`."""
+    `state` replaces model.state_dict() (a full state gathered from sharded ranks). Callers that
+    want atomicity write into `atomic_directory(...)`."""
     import json
 
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = model.state_dict() if state is None else state
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": MODEL_FORMAT})
@@ -251,22 +253,27 @@ def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None, *,
                     state: dict | None = None, rng: dict | None = None, tokenizer=None,
-                    metrics: list[dict] | None = None, keep_last: int | None = 3) -> Path:
+                    metrics: list[dict] | None = None, keep_last: int | None = 3,
+                    model_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
     """Atomically write RUN/ckpt-{step:06d}/ (see the layout above) and prune old checkpoints.
 
     `model` is the unwrapped module; `state` is JSON-ready (step is added); `rng` comes from
-    runtime.capture_rng_state(); `metrics` is the list of metric records so far."""
+    runtime.capture_rng_state(); `metrics` is the list of metric records so far. `model_state` /
+    `optimizer_state` replace model.state_dict() / optimizer.state_dict() (full states gathered
+    from several ranks)."""
     import json
 
     import torch
 
     target = checkpoint_dir(run_dir, step)
     with atomic_directory(target) as tmp:
-        write_model_files(model, tmp)
+        write_model_files(model, tmp, model_state)
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_FILE)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if optimizer_state is None and optimizer is not None:
+            optimizer_state = optimizer.state_dict()
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         if rng is not None:
             torch.save(rng, tmp / RNG_FILE)
         payload = dict(state or {}, step=int(step))
@@ -309,12 +316,11 @@ def load_checkpoint(ckpt: str | os.PathLike, model=None, optimizer=None) -> dict
     import json
 
     import torch
-    from safetensors.torch import load_file
 
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     if model is not None:
-        weights = load_file(str(ckpt / WEIGHTS_FILE), device="cpu")
+        weights = load_model_state(ckpt)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if model.config.tie_embeddings:
             missing = [k for k in missing if k != "lm_head.weight"]
@@ -322,15 +328,29 @@ def load_checkpoint(ckpt: str | os.PathLike, model=None, optimizer=None) -> dict
             raise ValueError(f"{ckpt / WEIGHTS_FILE} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     if optimizer is not None:
-        path = ckpt / OPTIMIZER_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"no {OPTIMIZER_FILE} in {ckpt}")
-        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(load_optimizer_state(ckpt))
     rng = torch.load(ckpt / RNG_FILE, weights_only=True) if (ckpt / RNG_FILE).is_file() else None
     metrics = []
     if (ckpt / METRICS_FILE).is_file():
         metrics = [json.loads(line) for line in (ckpt / METRICS_FILE).read_text().splitlines() if line]
     return {"state": state, "rng": rng, "metrics": metrics, "path": ckpt}
+
+
+def load_model_state(ckpt: str | os.PathLike) -> dict:
+    """The checkpoint's weights as a state dict (CPU tensors; a tied head stored once)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(ckpt) / WEIGHTS_FILE), device="cpu")
+
+
+def load_optimizer_state(ckpt: str | os.PathLike) -> dict:
+    """The checkpoint's optimizer state_dict (torch.load with weights_only=True)."""
+    import torch
+
+    path = Path(ckpt) / OPTIMIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {OPTIMIZER_FILE} in {ckpt}")
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def resolve_model_dir(path: str | os.PathLike, which: str = "latest") -> Path:

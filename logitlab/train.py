@@ -12,10 +12,11 @@ Failure handling: a NaN/inf loss raises TrainingDiverged naming the step before 
 applies it (the last good checkpoint stays); SIGINT/SIGTERM finish the current step, save a
 checkpoint and return. Progress display is the caller's: `callback(event, record)`.
 
-Distributed hooks (used from outside by parallel.py): `rank` / `world_size` select this
-process's slice of each global batch and of the validation windows; only rank 0 writes files;
-`wrap(model)` returns the module to run forward on (DDP/compile), `all_reduce(float) -> float`
-averages a scalar over ranks.
+Several processes: the loop is written for one, and `ParallelHooks` (filled in from outside by
+parallel.py) tells it this process's rank (its slice of each global batch and of the validation
+windows), how to wrap the model (DDP/FSDP, before the optimizer is built), average a float over
+ranks, clip sharded gradients, gather full model/optimizer states for saving and load them back.
+Only rank 0 writes files. The defaults are one plain process.
 """
 
 from __future__ import annotations
@@ -124,6 +125,30 @@ class TrainConfig:
         return WarmupCosine(self.lr, self.warmup_steps, self.steps, min_lr)
 
 
+@dataclass
+class ParallelHooks:
+    """How the loop talks to other processes; the defaults are a single plain process.
+
+    Collective hooks (all_reduce, clip, model_state, optimizer_state, load_state) are called on
+    every rank at the same points; model_state / optimizer_state return full CPU states on rank 0
+    (in the single-process layout, so a run saved with N ranks resumes with M)."""
+
+    rank: int = 0
+    world_size: int = 1
+    wrap: Callable | None = None               # model -> wrapped module (DDP / FSDP2), in place or not
+    all_reduce: Callable | None = None         # float -> mean over ranks
+    clip: Callable | None = None               # (wrapped, max_norm) -> pre-clip global norm
+    model_state: Callable | None = None        # wrapped -> full state dict (rank 0)
+    optimizer_state: Callable | None = None    # (wrapped, optimizer) -> full optimizer state (rank 0)
+    load_state: Callable | None = None         # (wrapped, model_state, optimizer, optimizer_state) -> None
+    barrier: Callable | None = None            # wait for every rank (after rank 0 saved)
+    sync: Callable | None = None               # (wrapped, sync: bool) -> context for a micro-step's backward
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the message names the step and the last good checkpoint."""
 
@@ -224,16 +249,16 @@ def _tensorboard_writer(run_dir: Path):
 
 def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = None, tokenizer=None,
           resume: bool = False, callback: Callable[[str, dict], None] | None = None,
-          rank: int = 0, world_size: int = 1, wrap: Callable | None = None,
-          all_reduce: Callable[[float], float] | None = None, extra_state: dict | None = None) -> TrainResult:
+          parallel: ParallelHooks | None = None, extra_state: dict | None = None) -> TrainResult:
     """Train `model` (an unwrapped Transformer, already initialised) per `config`.
 
     With resume=True the latest checkpoint of the run directory is loaded (weights, optimizer,
     schedule step, sampler position, RNG states, metrics) and the run continues exactly.
     `callback(event, record)` receives "start", "step", "eval", "checkpoint" and "end".
-    `extra_state` (JSON) is stored in every checkpoint's state.json."""
+    `extra_state` (JSON) is stored in every checkpoint's state.json; `parallel` see ParallelHooks."""
     run_dir = Path(run_dir or config.out_dir)
-    main = rank == 0
+    par = parallel or ParallelHooks()
+    rank, world_size, all_reduce, main = par.rank, par.world_size, par.all_reduce, par.main
     emit = callback or (lambda event, record: None)
     if config.data_dir is None:
         raise ValueError("TrainConfig.data_dir is not set: prepare a corpus first (logitlab prepare)")
@@ -258,27 +283,34 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     schedule = config.schedule()
 
     model.to(device).train()
-    optimizer = build_adamw(model, config.lr, config.weight_decay, (config.beta1, config.beta2),
-                            config.eps, config.decay_embeddings)
     metrics: list[dict] = []
-    step, best_val = 0, None
+    step, best_val, loaded = 0, None, None
     latest = ckpt_io.latest_checkpoint(run_dir)
     if resume:
         if latest is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
         if main:
             ckpt_io.remove_stale_temporaries(run_dir)
-        loaded = ckpt_io.load_checkpoint(latest, model, optimizer)
+        loaded = ckpt_io.load_checkpoint(latest, None if par.load_state else model)
         state = loaded["state"]
         step, best_val, metrics = state["step"], state.get("best_val_loss"), loaded["metrics"]
         sampler.load_state_dict(state["sampler"])
-        if loaded["rng"] is not None:
-            runtime.restore_rng_state(loaded["rng"])
     elif latest is not None:
         raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
     else:
         runtime.seed_everything(config.seed)
-    wrapped = wrap(model) if wrap is not None else model  # DDP / FSDP from outside (parallel.py)
+    # wrap before building the optimizer: FSDP2 replaces the parameters with sharded ones
+    wrapped = par.wrap(model) if par.wrap is not None else model
+    optimizer = build_adamw(model, config.lr, config.weight_decay, (config.beta1, config.beta2),
+                            config.eps, config.decay_embeddings)
+    if loaded is not None:
+        opt_state = ckpt_io.load_optimizer_state(latest)
+        if par.load_state is not None:
+            par.load_state(wrapped, ckpt_io.load_model_state(latest), optimizer, opt_state)
+        else:
+            optimizer.load_state_dict(opt_state)
+        if loaded["rng"] is not None:
+            runtime.restore_rng_state(loaded["rng"])
     runner = torch.compile(wrapped) if config.compile else wrapped
 
     tokens_per_step = config.batch_size * config.grad_accum * seq_len  # global, all ranks
@@ -298,14 +330,21 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     metrics_file = metrics_path.open("a") if main else None
 
     def save(val_loss: float | None) -> Path | None:
+        model_state = par.model_state(wrapped) if par.model_state is not None else None  # collective
+        opt_state = par.optimizer_state(wrapped, optimizer) if par.optimizer_state is not None else None
         if not main:
+            if par.barrier is not None:
+                par.barrier()
             return None
         state = {"sampler": sampler.state_dict(), "schedule": dataclasses.asdict(schedule),
                  "train_config": config.to_dict(), "val_loss": val_loss, "best_val_loss": best_val,
                  "tokens_seen": step * tokens_per_step, **(extra_state or {})}
         path = ckpt_io.save_checkpoint(run_dir, step, model, optimizer, state=state,
                                        rng=runtime.capture_rng_state(), tokenizer=tokenizer,
-                                       metrics=metrics, keep_last=config.keep_last)
+                                       metrics=metrics, keep_last=config.keep_last,
+                                       model_state=model_state, optimizer_state=opt_state)
+        if par.barrier is not None:
+            par.barrier()
         emit("checkpoint", {"step": step, "path": str(path)})
         return path
 
@@ -331,9 +370,9 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                 for micro in range(config.grad_accum):
                     x, y = sampler.next()
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    # DDP: skip the gradient all-reduce on every micro-step but the last
-                    skip_sync = micro < config.grad_accum - 1 and hasattr(runner, "no_sync")
-                    with runner.no_sync() if skip_sync else contextlib.nullcontext():
+                    # several processes: gradients are averaged over ranks on the last micro-step only
+                    last = micro == config.grad_accum - 1
+                    with par.sync(wrapped, last) if par.sync is not None else contextlib.nullcontext():
                         with runtime.autocast(device, amp_dtype):
                             loss = cross_entropy(runner(x), y)
                         (loss / config.grad_accum).backward()
@@ -346,7 +385,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                     where = f"; last good checkpoint: {last_ckpt}" if last_ckpt else "; no checkpoint was written"
                     raise TrainingDiverged(f"loss is {step_loss} at step {step + 1} (lr {lr:.3g}); "
                                            f"the run stopped before applying it{where}")
-                grad_norm = clip_grad_norm(model.parameters(), config.grad_clip)
+                grad_norm = (par.clip(wrapped, config.grad_clip) if par.clip is not None
+                             else clip_grad_norm(model.parameters(), config.grad_clip))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 runtime.synchronize(device)

@@ -82,8 +82,29 @@ def test_tiny_model_overfits_short_text(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["ckpt-000150"]
 
 
-def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
-    full = train(tiny_model(), _cfg(corpus, tmp_path / "full"))
+def _single_process_hooks():
+    """Every ParallelHooks entry filled in as a one-process stand-in, so the hook paths run."""
+    import contextlib
+
+    from logitlab.optim import clip_grad_norm
+    from logitlab.train import ParallelHooks
+
+    def load_state(wrapped, model_state, optimizer, optimizer_state):
+        missing, unexpected = wrapped.load_state_dict(model_state, strict=False)
+        assert missing == ["lm_head.weight"] or not missing and not unexpected
+        optimizer.load_state_dict(optimizer_state)
+
+    return ParallelHooks(wrap=lambda m: m, all_reduce=lambda v: v,
+                         clip=lambda w, max_norm: clip_grad_norm(w.parameters(), max_norm),
+                         model_state=lambda w: w.state_dict(), optimizer_state=lambda w, o: o.state_dict(),
+                         load_state=load_state, barrier=lambda: None,
+                         sync=lambda w, sync: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("hooks", [None, "single-process hooks"])
+def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path, hooks):
+    par = _single_process_hooks() if hooks else None
+    full = train(tiny_model(), _cfg(corpus, tmp_path / "full"), parallel=par)
     assert full.step == 12
 
     class Crash(Exception):
@@ -94,9 +115,9 @@ def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
             raise Crash
 
     with pytest.raises(Crash):
-        train(tiny_model(), _cfg(corpus, tmp_path / "part"), callback=crash_after_6)
+        train(tiny_model(), _cfg(corpus, tmp_path / "part"), callback=crash_after_6, parallel=par)
     assert latest_checkpoint(tmp_path / "part").name == "ckpt-000006"
-    resumed = train(tiny_model(seed=99), _cfg(corpus, tmp_path / "part"), resume=True)
+    resumed = train(tiny_model(seed=99), _cfg(corpus, tmp_path / "part"), resume=True, parallel=par)
     a, b = _losses(tmp_path / "full"), _losses(tmp_path / "part")
     assert sorted(a) == sorted(b) == list(range(1, 13))
     assert [a[s] for s in range(1, 13)] == [b[s] for s in range(1, 13)]  # exact float equality
