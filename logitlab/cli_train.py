@@ -124,12 +124,12 @@ class _LiveProgress:
             self.bar = None
 
 
-def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool):
+def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool, parallel=None):
     from logitlab.train import train
 
     live = _LiveProgress(con, progress)
     try:
-        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live)
+        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live, parallel=parallel)
     finally:
         live.close()
     if result.stopped == "time":
@@ -182,6 +182,33 @@ def _underived(cfg) -> dict:
 
 
 def cmd_train(args) -> int:
+    """One process, or one rank of a torchrun job (RANK/WORLD_SIZE set): then rank 0 trains the
+    tokenizer and prepares the data while the others wait, and only rank 0 prints and writes."""
+    import os
+
+    from logitlab.train import TrainConfig, parallel_hooks
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return _train_one(args, cli.console(), None)
+    from logitlab import parallel as P
+
+    table = cli.read_toml(args.config) if args.config and not args.resume else {}
+    hooks = parallel_hooks(cli.build_config(TrainConfig, args, table.get("train", {})))
+    con = cli.console() if hooks.main else _quiet_console()
+    try:
+        with P.rank_failure_guard():
+            return _train_one(args, con, hooks)
+    finally:
+        P.destroy()
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(quiet=True)
+
+
+def _train_one(args, con, hooks) -> int:
     import torch
 
     from logitlab.checkpoint import latest_checkpoint
@@ -189,7 +216,7 @@ def cmd_train(args) -> int:
     from logitlab.tokenizer import Tokenizer
     from logitlab.train import TrainConfig
 
-    con = cli.console()
+    main = hooks is None or hooks.main
     table = cli.read_toml(args.config) if args.config else {}
     if args.resume:  # the run's own configs, with typed flags overriding (e.g. --steps)
         if not (Path(args.resume) / "run.json").is_file():
@@ -200,7 +227,7 @@ def cmd_train(args) -> int:
         tok_file = Path(args.resume) / "tokenizer.logitlab.json"
         tokenizer = Tokenizer.load(tok_file) if tok_file.is_file() else None
         torch.manual_seed(train_cfg.seed)
-        _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True)
+        _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True, hooks)
         return 0
     # every config error is reported before any work (the vocabulary size is filled in later)
     train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
@@ -218,20 +245,27 @@ def cmd_train(args) -> int:
 
         read_manifest(train_cfg.data_dir)
         tokenizer_path = tokenizer_path or Path(train_cfg.data_dir) / "tokenizer.logitlab.json"
-    tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
-    if tokenizer is None:
-        tokenizer = _train_tokenizer(args.data, args.tokenizer_vocab, args.tokenizer_bytes, con,
-                                     args.text_field, args.column)
-    model_cfg = _model_config(args, table, tokenizer)
+    prepared = out / "data"
+    if main:
+        tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
+        if tokenizer is None:
+            tokenizer = _train_tokenizer(args.data, args.tokenizer_vocab, args.tokenizer_bytes, con,
+                                         args.text_field, args.column)
+        if not train_cfg.data_dir:
+            _prepare(args, tokenizer, prepared, con)
+    if hooks is not None:
+        hooks.barrier()  # the other ranks read what rank 0 prepared
+        if not main:
+            tokenizer = Tokenizer.load(tokenizer_path or prepared / "tokenizer.logitlab.json")
     if not train_cfg.data_dir:
-        _prepare(args, tokenizer, out / "data", con)
-        train_cfg = dataclasses.replace(train_cfg, data_dir=str(out / "data"))
+        train_cfg = dataclasses.replace(train_cfg, data_dir=str(prepared))
+    model_cfg = _model_config(args, table, tokenizer)
     torch.manual_seed(train_cfg.seed)
     model = Transformer(model_cfg)
     n = sum(p.numel() for p in model.parameters())
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
               f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
-    _run_training(model, train_cfg, tokenizer, con, args.progress, False)
+    _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks)
     return 0
 
 

@@ -74,6 +74,7 @@ class TrainConfig:
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps")
     precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto = bf16 autocast on capable GPUs, else fp32")
     compile: bool = _f(False, "torch.compile the model")
+    parallel: Literal["ddp", "fsdp"] = _f("ddp", "under torchrun: data parallel (ddp) or fully sharded (fsdp)")
     log_every: int = _f(1, "metrics record every N steps")
     time_limit_s: float | None = _f(None, "stop (evaluate, save) after the step that passes this many seconds")
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
@@ -106,6 +107,8 @@ class TrainConfig:
         if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
                              f">= 0 and eps ({self.eps}) > 0")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
 
@@ -147,6 +150,23 @@ class ParallelHooks:
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def parallel_hooks(config: TrainConfig) -> ParallelHooks:
+    """ParallelHooks for the job torchrun started (parallel.py: process group from the launcher's
+    environment, config.parallel = "ddp" or "fsdp"); a plain process gets the defaults."""
+    from logitlab import parallel as P
+
+    info = P.init_distributed(device="cpu" if config.device == "cpu" else None)
+    if not info.distributed:
+        return ParallelHooks()
+    mixed = config.precision == "bf16" or (config.precision == "auto" and info.device.type == "cuda")
+    return ParallelHooks(
+        rank=info.rank, world_size=info.world_size,
+        wrap=lambda m: P.wrap_model(m, config.parallel, mixed_precision=mixed, info=info),
+        all_reduce=lambda v: float(P.all_reduce_mean(float(v))), clip=P.clip_grad_norm,
+        model_state=P.full_state_dict, optimizer_state=P.full_optimizer_state_dict,
+        load_state=P.load_full_state_dict, barrier=P.barrier, sync=P.sync_gradients)
 
 
 class TrainingDiverged(RuntimeError):
