@@ -123,3 +123,26 @@ def test_train_on_jsonl_trains_the_tokenizer_on_the_text_field(tmp_path):
     assert not any('"body"' in p or '{"id' in p for p in pieces)  # learned from the text, not the JSON
     manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
     assert manifest["documents"] == 200 and manifest["splits"]["val"]["documents"] == 40
+
+
+def test_torchrun_two_ranks_match_one_process(tmp_path):
+    """`torchrun -m logitlab train` with 2 CPU ranks (gloo, FSDP2) gives the loss sequence of one
+    process with the same global batch."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "code.txt").write_text(TEXT)
+    common = _train_args(tmp_path, "--steps", "3", "--precision", "fp32", "--eval-every", "0")
+    assert cli.main(common + ["--out-dir", str(tmp_path / "one")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "logitlab", *common, "--parallel", "fsdp", "--out-dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def losses(run):
+        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    assert latest_checkpoint(tmp_path / "two").name == "ckpt-000003"
