@@ -400,29 +400,18 @@ def cmd_demo(args) -> int:
 
 
 def _pick_threads(model, batch_size: int, seq_len: int) -> tuple[int, float]:
-    """Time a training step with torch's default thread count and with one thread, keep the
-    faster (on a CPU shared with other jobs, two spinning threads can be several times slower
-    than one) and return (threads, seconds per step). Weights are untouched (no optimizer step)."""
+    """(threads, seconds per training step) from runtime.fastest_thread_count on a random batch;
+    the weights are untouched (no optimizer step) and the gradients cleared afterwards."""
     import torch
 
+    from logitlab.runtime import fastest_thread_count
     from logitlab.train import cross_entropy
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g)  # (B, T)
-    timings = {}
-    for n in sorted({torch.get_num_threads(), 1}, reverse=True):
-        torch.set_num_threads(n)
-        times = []
-        for i in range(4):  # a warm-up, then three timed steps
-            t0 = time.perf_counter()
-            cross_entropy(model(x), x).backward()
-            if i:
-                times.append(time.perf_counter() - t0)
-        timings[n] = min(times) * 1.05  # + the optimizer step
+    threads, seconds = fastest_thread_count(lambda: cross_entropy(model(x), x).backward())
     model.zero_grad(set_to_none=True)
-    best = min(timings, key=timings.get)
-    torch.set_num_threads(best)
-    return best, timings[best]
+    return threads, seconds * 1.05  # + the optimizer step
 
 
 def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
@@ -472,7 +461,8 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer-vocab", type=int, default=4096, help="vocab size when training a tokenizer")
     p.add_argument("--tokenizer-bytes", type=int, default=2_000_000, help="text used to train it")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
-    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL")
+    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
+                   help="live progress bar when the console is interactive (default true)")
     _add_data_flags(p)
     cli.add_config_flags(p, TrainConfig)
     cli.add_config_flags(p, ModelConfig)
@@ -497,5 +487,6 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL")
+    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
+                   help="live progress bar when the console is interactive (default true)")
     p.set_defaults(func=cmd_demo)

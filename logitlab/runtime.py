@@ -142,3 +142,24 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, si
     dtype = dtype or torch.float32
     size = size or (4096 if device.type == "cuda" else 1024)
     return _measured_peak(str(device), str(dtype).removeprefix("torch."), size)
+
+
+def fastest_thread_count(step, candidates=None, repeats: int = 3) -> tuple[int, float]:
+    """Run `step()` under each torch thread count in `candidates` (default: torch's current count
+    and 1), keep the fastest and return (threads, seconds per step: min of `repeats` after one
+    warm-up). On a CPU shared with other jobs, two spinning threads can be several times slower
+    than one. The chosen count stays set."""
+    candidates = sorted(set(candidates or (torch.get_num_threads(), 1)), reverse=True)
+    timings = {}
+    for n in candidates:
+        torch.set_num_threads(n)
+        step()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        timings[n] = min(times)
+    best = min(timings, key=timings.get)
+    torch.set_num_threads(best)
+    return best, timings[best]

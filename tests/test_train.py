@@ -294,3 +294,21 @@ def test_torch_compile_matches_eager(corpus, tmp_path):
     eager = train(tiny_model(dropout=0.0), _cfg(corpus, tmp_path / "e", steps=3, warmup_steps=1))
     compiled = train(tiny_model(dropout=0.0), _cfg(corpus, tmp_path / "c", steps=3, warmup_steps=1, compile=True))
     assert compiled.last_loss == pytest.approx(eager.last_loss, rel=1e-4)
+
+
+def test_fastest_thread_count_keeps_the_faster_setting():
+    from logitlab import runtime
+
+    before = torch.get_num_threads()
+    calls = []
+
+    def step():
+        calls.append(torch.get_num_threads())
+        time.sleep(0.002 if torch.get_num_threads() == 1 else 0.02)
+
+    try:
+        threads, seconds = runtime.fastest_thread_count(step, candidates=(2, 1), repeats=2)
+        assert threads == 1 and torch.get_num_threads() == 1 and 0.002 <= seconds < 0.02
+        assert calls == [2, 2, 2, 1, 1, 1]
+    finally:
+        torch.set_num_threads(before)
