@@ -144,3 +144,31 @@ def test_bytes_only_corpus_stops_when_no_pairs(tmp_path):
     path.write_text("a b")
     vocab, merges = train_bpe(path, 300, [EOT], workers=1)
     assert merges == [(b" ", b"b")] and len(vocab) == 258 and vocab[257] == EOT.encode()
+
+
+def test_progress_bar_runs(tmp_path, capsys):
+    path = tmp_path / "a.txt"
+    path.write_text("hello hello world " * 50)
+    vocab, _ = train_bpe(path, 262, [EOT], workers=1, progress=True)
+    assert len(vocab) == 262
+
+
+def test_duplicate_merge_results_use_the_reference_path():
+    """Two merges may give the same bytes (HF-style: the second reuses the first's id)."""
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab.update({256: b"ab", 257: b"bc", 258: b"abc"})
+    merges = [(b"a", b"b"), (b"b", b"c"), (b"ab", b"c"), (b"a", b"bc")]
+    tok = Tokenizer(vocab, merges)
+    assert tok.vocab_size == 259 and not tok.fast_path_ok
+    assert tok.encode("abc abcd bcx") == tok.encode("abc abcd bcx", fast=False) == [258, 32, 258, 100, 32, 257, 120]
+
+
+@pytest.mark.slow
+def test_stdlib_32k_vocabulary_both_encoders_agree():
+    from logitlab.bpe import stdlib_files
+
+    files = stdlib_files()
+    tok = train_tokenizer(files, 32_000, [EOT])
+    assert tok.vocab_size == 32_000 and tok.fast_path_ok
+    text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in files[::3])[:10_000_000]
+    assert tok.encode(text) == tok.encode(text, fast=False)
