@@ -338,7 +338,7 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
         rope = None
-        if self.rope is not None:                                  # cos, sin: (B|1, 1, T, Dh/2)
+        if self.rope is not None:                                  # cos, sin: (B|1, 1, T, Dh)
             rope = tuple(t.to(x.dtype) for t in self.rope(positions))
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):
