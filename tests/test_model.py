@@ -307,3 +307,35 @@ def test_bf16_autocast_matches_transformers_bit_for_bit(family):
     for ours, theirs in zip(hidden, ref.hidden_states, strict=True):
         assert torch.equal(ours, theirs)
     assert torch.equal(logits, ref.logits)
+
+
+
+def test_compiles_as_one_graph_forward_and_backward():
+    """torch.compile(model, fullgraph=True) raises on any graph break; aot_eager traces forward
+    and backward as inductor would, without the C++ compile, so the test stays fast."""
+    torch._dynamo.reset()
+    model = build(**dict(VARIANTS["qwen3-qknorm"], vocab_pad_multiple=64)).train()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 61, (2, 9))
+    grads = []
+    for run in (compiled, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(ids)
+        out.float().square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][n], rtol=1e-3, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa", "qwen3-qknorm"])
+def test_no_graph_breaks_with_and_without_cache(variant):
+    model = build(**VARIANTS[variant])
+    ids = torch.randint(0, 61, (2, 6))
+    cache = KVCache.for_model(model, batch_size=2, max_len=12)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        for args, kw in (((ids,), {}), ((ids[:, :1],), dict(cache=cache))):
+            explained = torch._dynamo.explain(model)(*args, **kw)
+            assert explained.graph_break_count == 0, explained.break_reasons
+            assert explained.graph_count == 1
