@@ -416,25 +416,23 @@ def _pick_threads(model, batch_size: int, seq_len: int) -> tuple[int, float]:
 
 def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
     """A sampled continuation of `prompt` and the top next-token probabilities after it."""
-    import torch
     from rich.table import Table
 
     from logitlab.generate import SampleConfig, generate
+    from logitlab.introspect import next_token_table
 
     ids = tok.encode_ordinary(prompt)
     result = generate(model, ids, SampleConfig(max_new_tokens=60, temperature=0.8, top_k=50, seed=seed),
                       eot_id=tok.eot_id)
     con.print("\n[bold]sample[/bold] (temperature 0.8, top-k 50):")
     con.print(prompt + tok.decode([i for i in result.tokens[0] if i != tok.eot_id]), markup=False)
-    with torch.no_grad():
-        probs = torch.softmax(model(torch.tensor([ids]))[0, -1].float(), dim=-1)  # (V,)
-    values, order = torch.topk(probs, 10)
+    top = next_token_table(model, ids, k=10, token_text=lambda i: tok.decode([i])).before
     table = Table(title="next-token probabilities after the prompt")
     table.add_column("id", justify="right")
     table.add_column("token")
     table.add_column("p", justify="right")
-    for p, i in zip(values.tolist(), order.tolist()):
-        table.add_row(str(i), repr(tok.decode([i])), f"{p:.3f}")
+    for c in top:
+        table.add_row(str(c.id), repr(c.text), f"{c.probability:.3f}")
     con.print(table)
 
 

@@ -146,3 +146,13 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
 
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
     assert latest_checkpoint(tmp_path / "two").name == "ckpt-000003"
+
+
+def test_demo_output_shows_sample_and_next_token_table(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["demo", "--quick", "--out", str(out), "--progress", "false", "--workers", "1",
+                     "--prompt", "import "]) == 0
+    text = capsys.readouterr().out
+    assert "sample" in text and "next-token probabilities" in text and "ln V" in text
+    summary = json.loads((out / "demo.json").read_text())["result"]
+    assert summary["val_loss_start"] > summary["val_loss"]
