@@ -143,7 +143,7 @@ def sample_config(args, end_ids: tuple[int, ...] = ()):
     table = read_toml(args.config).get("sample", {}) if getattr(args, "config", None) else {}
     bias = {}
     for item in args.logit_bias:
-        key, sep, value = item.partition("=")
+        key, _, value = item.partition("=")
         try:
             bias[int(key)] = float(value)
         except ValueError:
