@@ -220,6 +220,7 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
         files = spread_files(files, max_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST_FILE).unlink(missing_ok=True)  # the old manifest must not describe new files
     tok_path = out / "tokenizer.logitlab.json"
     tokenizer.save(tok_path)
     dtype = token_dtype(tokenizer.vocab_size)
