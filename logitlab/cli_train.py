@@ -192,7 +192,10 @@ def cmd_train(args) -> int:
         return _train_one(args, cli.console(), None)
     from logitlab import parallel as P
 
-    table = cli.read_toml(args.config) if args.config and not args.resume else {}
+    if args.resume and (Path(args.resume) / "run.json").is_file():
+        table = {"train": json.loads((Path(args.resume) / "run.json").read_text())["train"]}
+    else:
+        table = cli.read_toml(args.config) if args.config else {}
     hooks = parallel_hooks(cli.build_config(TrainConfig, args, table.get("train", {})))
     con = cli.console() if hooks.main else _quiet_console()
     try:
