@@ -294,8 +294,12 @@ class GenerationResult:
 
 def prefill(model, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
             attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the prompt ids (B, T) once, filling the cache; -> last position's logits (B, V) fp32."""
-    return model(ids, cache=cache, positions=positions, attn_mask=attn_mask)[:, -1].float()
+    """Run the prompt ids (B, T) once, filling the cache; -> last position's logits (B, V) fp32.
+
+    Only the last position goes through the final norm and the LM head (the other T - 1 rows
+    of the (T, V) logits would be thrown away): forward_features, then unembed on (B, 1, D)."""
+    h = model.forward_features(ids, cache=cache, positions=positions, attn_mask=attn_mask)  # (B, T, D)
+    return model.unembed(h[:, -1:])[:, -1].float()                                        # (B, V)
 
 
 def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
