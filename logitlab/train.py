@@ -74,7 +74,8 @@ class TrainConfig:
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps")
     precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto = bf16 autocast on capable GPUs, else fp32")
     compile: bool = _f(False, "torch.compile the model")
-    parallel: Literal["ddp", "fsdp"] = _f("ddp", "under torchrun: data parallel (ddp) or fully sharded (fsdp)")
+    parallel: Literal["none", "ddp", "fsdp"] = _f(
+        "ddp", "under torchrun: data parallel (ddp) or fully sharded (fsdp); none = ignore other ranks")
     log_every: int = _f(1, "metrics record every N steps")
     time_limit_s: float | None = _f(None, "stop (evaluate, save) after the step that passes this many seconds")
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
@@ -107,8 +108,8 @@ class TrainConfig:
         if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
                              f">= 0 and eps ({self.eps}) > 0")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise ValueError(f"parallel must be 'none', 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
 
@@ -152,11 +153,19 @@ class ParallelHooks:
         return self.rank == 0
 
 
+def _launched_distributed() -> bool:
+    import torch.distributed as dist
+
+    return (dist.is_available() and dist.is_initialized()) or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def parallel_hooks(config: TrainConfig) -> ParallelHooks:
     """ParallelHooks for the job torchrun started (parallel.py: process group from the launcher's
     environment, config.parallel = "ddp" or "fsdp"); a plain process gets the defaults."""
     from logitlab import parallel as P
 
+    if config.parallel == "none":
+        return ParallelHooks()
     info = P.init_distributed(device="cpu" if config.device == "cpu" else None)
     if not info.distributed:
         return ParallelHooks()
@@ -275,9 +284,12 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     With resume=True the latest checkpoint of the run directory is loaded (weights, optimizer,
     schedule step, sampler position, RNG states, metrics) and the run continues exactly.
     `callback(event, record)` receives "start", "step", "eval", "checkpoint" and "end".
-    `extra_state` (JSON) is stored in every checkpoint's state.json; `parallel` see ParallelHooks."""
+    `extra_state` (JSON) is stored in every checkpoint's state.json. `parallel` (ParallelHooks)
+    defaults to parallel_hooks(config) inside a torchrun job or an initialised process group, else
+    to one plain process."""
     run_dir = Path(run_dir or config.out_dir)
-    par = parallel or ParallelHooks()
+    par = parallel if parallel is not None else (
+        parallel_hooks(config) if _launched_distributed() else ParallelHooks())
     rank, world_size, all_reduce, main = par.rank, par.world_size, par.all_reduce, par.main
     emit = callback or (lambda event, record: None)
     if config.data_dir is None:
