@@ -132,11 +132,11 @@ def write_doc(result: dict) -> None:
     load = f", load average {m['load_avg_1m']} at the end" if "load_avg_1m" in m else ""
     rates = ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in result["matmul_flops_per_s"].items())
     body = f"""Forward (logits, no grad) and training step (forward + fp32 cross-entropy + backward + AdamW)
-tokens/s of logitlab against `transformers` holding the same weights (attn_implementation=
-"{result.get('peer_attn', 'sdpa')}"; logitlab uses SDPA), run
-alternately in one process. Ratio = logitlab tok/s / transformers tok/s per alternating pair
-(> 1: logitlab faster); tok/s from the best of {result['repeats']} timed runs. MFU against the
-best 1024³ matmul rate measured in the same run, before each point ({rates}).
+tokens/s of logitlab against `transformers` holding the same weights (transformers with
+attn_implementation="{result.get('peer_attn', 'sdpa')}", logitlab with SDPA), run alternately in one
+process. Ratio = logitlab tok/s / transformers tok/s per alternating pair (> 1: logitlab faster);
+tok/s from the best of {result['repeats']} timed runs. MFU against the best 1024³ matmul rate
+measured in the same run, before each point ({rates}).
 
 Command: `{cmd}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
 ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']},
@@ -150,6 +150,8 @@ the same kernels: a torch.profiler trace of one step (1 thread) shows matmuls (a
 GPT-2 forward, including the 50257 x 768 LM head), the CPU flash-attention kernel and log-softmax,
 within a few percent of each other in total. logitlab splits GPT-2's fused c_attn into three
 projections and uses SDPA's native GQA (enable_gqa) instead of repeating K/V; neither shows as a cost.
+A point below 1.0 is worth re-measuring alone before believing it:
+`python3 -m bench.model --models small-llama --threads 1 --no-doc`.
 """
     update_doc_section("Model", body)
 
