@@ -26,7 +26,9 @@ Shapes: B batch, T positions in this call, S key/value length, V vocab.
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -314,16 +316,64 @@ def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Ten
         model.validate_inputs = checking
 
 
-_compiled_step: Callable | None = None
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (weights key, step)
 
 
-def compiled_decode_step() -> Callable:
-    """decode_step through torch.compile (dynamic shapes: the cache length changes every step),
-    built once per process. The first call compiles (tens of seconds on a CPU)."""
-    global _compiled_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(decode_step, dynamic=True)
-    return _compiled_step
+def _compile_options(model) -> dict:
+    """Inductor options for the decode step of `model`, chosen by its device and dtype.
+
+    On a CPU a decode step is ~40 small kernels around the matrix-vector products, so
+    cpp_wrapper (the compiled graph calls its kernels from C++ rather than Python) saves
+    per-kernel overhead. With bf16/fp16 weights, freezing turns the weights into constants that
+    inductor prepacks for oneDNN's low-precision matrix-vector kernels (aten's bf16 mm reads
+    its weights more slowly per byte than the fp32 one here); fp32 keeps aten's mm, which the
+    prepacked path does not beat. Frozen weights are why compiled steps are kept per model and
+    rebuilt when a parameter changes (`compiled_decode_step`)."""
+    device, dtype = _device_dtype(model)
+    if device.type != "cpu":
+        return {}
+    return {"cpp_wrapper": True, "freezing": dtype in (torch.bfloat16, torch.float16)}
+
+
+def _weights_key(model) -> tuple:
+    """Changes when any parameter is replaced, moved, cast or written in place."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+
+
+def compiled_decode_step(model=None, backend: str = "inductor") -> Callable:
+    """decode_step through torch.compile, as one graph (fullgraph: a graph break is an error)
+    with dynamic shapes (the cache length grows every step, so one graph serves every step).
+
+    With a model, the compiled step is built for that model (see _compile_options) and kept
+    until its weights change; the first call compiles (tens of seconds on a CPU), later calls
+    reuse it. backend="aot_eager" traces the same graph without inductor (fast; for tests).
+    Without a model: one generic compiled step (default options) shared by every model."""
+    if model is None:
+        return _generic_compiled_step(backend)
+    key = (_weights_key(model), backend)
+    held = _COMPILED.get(model)
+    if held is not None and held[0] == key:
+        return held[1]
+    options = _compile_options(model) if backend == "inductor" else None
+
+    def step(model, token, cache, positions=None, attn_mask=None):
+        return decode_step(model, token, cache, positions, attn_mask)
+
+    fn = torch.compile(step, dynamic=True, fullgraph=True, backend=backend, options=options)
+    _COMPILED[model] = (key, fn)
+    return fn
+
+
+def _step_fn(model, compile: bool | str) -> Callable:
+    """compile: False (eager decode_step), True (inductor) or a torch.compile backend name."""
+    if not compile:
+        return decode_step
+    return compiled_decode_step(model, compile if isinstance(compile, str) else "inductor")
+
+
+@functools.lru_cache(maxsize=None)
+def _generic_compiled_step(backend: str) -> Callable:
+    return torch.compile(decode_step, dynamic=True, fullgraph=True, backend=backend)
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], model_config, max_new_tokens: int) -> int:
@@ -437,9 +487,9 @@ class Stream:
     """Iterator over the ids generated for one prompt; `.result` (a GenerationResult) is
     complete once the iterator is exhausted."""
 
-    def __init__(self, model, prompt_ids: Sequence[int], config: SampleConfig, compile: bool = False, **kw):
+    def __init__(self, model, prompt_ids: Sequence[int], config: SampleConfig, compile: bool | str = False, **kw):
         self.result = GenerationResult(tokens=[[]], stop_reasons=[""])
-        step = compiled_decode_step() if compile else decode_step
+        step = _step_fn(model, compile)
         self._steps = _steps(model, _as_batch(prompt_ids)[:1], config, result=self.result, decode_fn=step,
                              **kw)
 
@@ -451,7 +501,7 @@ class Stream:
 
 def stream(model, prompt_ids: Sequence[int], config: SampleConfig = SampleConfig(), *,
            eot_id: int | None = None, token_bytes=None, generator: torch.Generator | None = None,
-           compile: bool = False) -> Stream:
+           compile: bool | str = False) -> Stream:
     """Generate for one prompt, yielding each id as soon as it is chosen."""
     return Stream(model, prompt_ids, config, compile, eot_id=eot_id, token_bytes=token_bytes,
                   generator=generator)
@@ -459,12 +509,13 @@ def stream(model, prompt_ids: Sequence[int], config: SampleConfig = SampleConfig
 
 def generate(model, prompt_ids, config: SampleConfig = SampleConfig(), *, eot_id: int | None = None,
              token_bytes=None, generator: torch.Generator | None = None,
-             use_cache: bool = True, compile: bool = False) -> GenerationResult:
+             use_cache: bool = True, compile: bool | str = False) -> GenerationResult:
     """Generate for one prompt (list of ids) or a batch (list of lists, any lengths).
 
     `eot_id` ends a row; `token_bytes` (id -> bytes, callable or sequence) is needed only for
     config.stop_bytes. use_cache=False runs the reference path (a full forward per step), one
-    prompt at a time. compile=True runs the decode step through torch.compile."""
+    prompt at a time. compile=True runs the decode step through torch.compile (inductor; see
+    compiled_decode_step), a string names another backend ("aot_eager")."""
     prompts = _as_batch(prompt_ids)
     if not use_cache:
         results = [generate_reference(model, p, config, eot_id=eot_id, token_bytes=token_bytes,
@@ -474,7 +525,7 @@ def generate(model, prompt_ids, config: SampleConfig = SampleConfig(), *, eot_id
                                 sum(r.decode_seconds for r in results),
                                 sum(r.decode_tokens for r in results))
     result = GenerationResult(tokens=[[] for _ in prompts], stop_reasons=[""] * len(prompts))
-    step = compiled_decode_step() if compile else decode_step
+    step = _step_fn(model, compile)
     for _ in _steps(model, prompts, config, eot_id=eot_id, token_bytes=token_bytes,
                     generator=generator, result=result, decode_fn=step):
         pass

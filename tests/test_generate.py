@@ -224,10 +224,64 @@ def test_stream_yields_the_same_ids_and_fills_the_result(model):
     assert r.decode_tokens_per_second > 0
 
 
+def test_compiled_decode_step_is_one_graph_with_the_same_tokens(model):
+    """aot_eager traces exactly what inductor compiles (fullgraph: a graph break would raise),
+    without inductor's code generation, so it is fast enough for the default run."""
+    import torch._dynamo
+
+    cfg = SampleConfig(temperature=0, max_new_tokens=10)
+    torch._dynamo.reset()
+    got = generate(model, PROMPTS, cfg, compile="aot_eager").tokens
+    assert got == generate(model, PROMPTS, cfg).tokens
+
+
+def test_compiled_step_is_kept_per_model_until_its_weights_change(model):
+    from logitlab.generate import compiled_decode_step
+
+    other = Transformer(model.config).eval()
+    a = compiled_decode_step(model, "aot_eager")
+    assert compiled_decode_step(model, "aot_eager") is a
+    assert compiled_decode_step(other, "aot_eager") is not a
+    with torch.no_grad():
+        other.final_norm.weight.mul_(2.0)             # an in-place write bumps the version
+    assert compiled_decode_step(other, "aot_eager") is not compiled_decode_step(model, "aot_eager")
+    b = compiled_decode_step(other, "aot_eager")
+    with torch.no_grad():
+        other.final_norm.weight.mul_(0.5)
+    assert compiled_decode_step(other, "aot_eager") is not b
+
+
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_same_tokens(model):
     cfg = SampleConfig(temperature=0, max_new_tokens=16)
     assert generate(model, PROMPTS, cfg, compile=True).tokens == generate(model, PROMPTS, cfg).tokens
+
+
+@pytest.mark.slow
+def test_compiled_bf16_step_with_frozen_weights_follows_weight_changes(model):
+    """bf16 on a CPU compiles with frozen (constant) weights: after the weights change the
+    compiled step must be rebuilt, not reuse the old constants. (Logits, not tokens: bf16
+    rounding inside fused kernels differs from eager, so near-ties may flip.)"""
+    from logitlab.generate import compiled_decode_step, decode_step, prefill
+    from logitlab.kv_cache import KVCache
+
+    m = Transformer(model.config).eval()
+    m.load_state_dict(model.state_dict())
+    m = m.to(torch.bfloat16)
+
+    def last_logits(step):
+        cache = KVCache.for_model(m, 1, 16)
+        with torch.no_grad():
+            prefill(m, torch.tensor([PROMPTS[1]]), cache)
+            step(m, torch.tensor([[3]]), cache)
+            return step(m, torch.tensor([[4]]), cache)
+
+    for _ in range(2):
+        eager = last_logits(decode_step)
+        compiled = last_logits(compiled_decode_step(m))
+        assert torch.allclose(compiled, eager, atol=0.05 * eager.abs().max().item())
+        with torch.no_grad():
+            m.lm_head.weight.mul_(-1.0)
 
 
 def test_stop_reasons(model):
