@@ -2,10 +2,17 @@
 
 Both sides get the same random weights (logitlab model -> logitlab.hf.save_pretrained ->
 transformers.AutoModelForCausalLM.from_pretrained), the same prompts (B x 32 random ids, no
-padding) and greedy decoding with a KV cache; neither is compiled. Each side is measured the
-same way from outside: prefill = the time to generate 1 token, decode tokens/s =
-B x (N - 1) / (time to generate N tokens - prefill). Runs alternate (ours, peer, ours, peer)
-after a warm-up; ratios are peer time / our time per pair (> 1: logitlab faster).
+padding) and greedy decoding with a KV cache. logitlab runs twice: eager (no compilation, as
+transformers) and with its decode step through torch.compile (`generate(..., compile=True)`;
+the compile time is reported on its own, outside the timings). Each side is measured the same
+way from outside: prefill = the time to generate 1 token, decode tokens/s = B x (N - 1) /
+(time to generate N tokens - prefill). Runs alternate (eager, compiled, peer, ...) after a
+warm-up; ratios are per alternation (> 1: logitlab faster).
+
+Measured in the same run: the machine's memory bandwidth (a large tensor copy), giving each
+point's fraction of the memory-bandwidth bound (bytes of weights and KV cache read per decode
+step / bandwidth, over the measured step time), and the peak resident memory of each side
+generating at the largest batch, each in a fresh process (VmHWM above the imports).
 
     python3 -m bench.generate            # GPT-2-small shape and a small Llama, B 1 and 8, fp32 and bf16
     python3 -m bench.generate --quick    # fewer points and tokens, a smoke run
@@ -14,7 +21,11 @@ after a warm-up; ratios are peer time / our time per pair (> 1: logitlab faster)
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -22,7 +33,7 @@ import torch
 
 from bench.common import command_line, machine_info, markdown_table, update_doc_section, write_results
 from logitlab.generate import SampleConfig, generate
-from logitlab.hf import save_pretrained
+from logitlab.hf import load_pretrained, save_pretrained
 from logitlab.model import ModelConfig, Transformer
 
 SHAPES = {
@@ -34,33 +45,34 @@ SHAPES = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build(shape: str, dtype: torch.dtype):
-    """(logitlab model, transformers model) holding the same random weights, in eval mode."""
+def build(shape: str, dtype: torch.dtype, directory: str):
+    """(logitlab model, transformers model) holding the same random weights, in eval mode; the
+    Hugging Face directory is left in `directory` for the memory runs."""
     import transformers
 
     torch.manual_seed(0)
     ours = Transformer(SHAPES[shape]).eval()
-    with tempfile.TemporaryDirectory() as d:
-        save_pretrained(ours, d)
-        peer = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+    save_pretrained(ours, directory)
+    peer = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     peer.generation_config.eos_token_id = None
     peer.generation_config.pad_token_id = 0
     return ours.to(dtype), peer
 
 
-def runners(ours, peer, prompts: torch.Tensor, compile: bool = False):
-    """n -> a callable generating n tokens per row, for each side."""
+def runners(ours, peer, prompts: torch.Tensor):
+    """side -> (n -> a callable generating n tokens per row)."""
     rows = prompts.tolist()
     mask = torch.ones_like(prompts)
 
-    def run_ours(n):
-        return lambda: generate(ours, rows, SampleConfig(temperature=0, max_new_tokens=n), compile=compile)
+    def run(compile):
+        return lambda n: lambda: generate(ours, rows, SampleConfig(temperature=0, max_new_tokens=n),
+                                          compile=compile)
 
     def run_peer(n):
         return lambda: peer.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=n,
                                      min_new_tokens=n)
 
-    return run_ours, run_peer
+    return {"ours": run(False), "compiled": run(True), "peer": run_peer}
 
 
 def timed(fn) -> tuple[float, object]:
@@ -70,80 +82,209 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def measure(shape: str, dtype_name: str, B: int, prompt_len: int, new: int, repeats: int,
-            compile: bool = False) -> dict:
-    ours, peer = build(shape, DTYPES[dtype_name])
+def bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """Memory read bandwidth (GB/s) with torch's current thread count, measured the way a decode
+    step reads its weights: the best of `repeats` float32 matrix-vector products over a `mib`
+    MiB matrix (far larger than any cache), counting the matrix bytes."""
+    w = torch.ones(mib * 2**20 // 4 // 4096, 4096)
+    x = torch.ones(4096, 1)
+    best = min(timed(lambda: w @ x)[0] for _ in range(repeats))
+    return w.numel() * 4 / best / 1e9
+
+
+def bytes_per_step(model, B: int, S: float) -> int:
+    """Bytes a decode step must read at least: every weight once (the embedding table only as
+    the LM head, which reads all of it; an untied embedding contributes B rows) plus the keys
+    and values of S cached positions for every row."""
+    cfg = model.config
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "tok_emb.weight" and not cfg.tie_embeddings:
+            total += B * p.shape[1] * p.element_size()
+        elif name != "pos_emb.weight":
+            total += p.numel() * p.element_size()
+    item = next(model.parameters()).element_size()
+    return int(total + 2 * cfg.n_layers * B * cfg.n_kv_heads * S * cfg.head_dim * item)
+
+
+def measure(shape: str, dtype_name: str, batches: list[int], prompt_len: int, new: int, repeats: int,
+            sides: tuple[str, ...], bandwidth: float, directory: str) -> list[dict]:
+    ours, peer = build(shape, DTYPES[dtype_name], directory)
+    results = []
+    for B in batches:
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(0, SHAPES[shape].vocab_size, (B, prompt_len), generator=g)
+        run = runners(ours, peer, prompts)
+        warm = {side: timed(run[side](4))[0] for side in sides}   # warm-up (compiled: compiles)
+        got = {side: {"prefill": [], "total": []} for side in sides}
+        last = {}
+        for _ in range(repeats):  # A B C A B C
+            for side in sides:
+                got[side]["prefill"].append(timed(run[side](1))[0])
+                seconds, last[side] = timed(run[side](new))
+                got[side]["total"].append(seconds)
+        out = dict(shape=shape, dtype=dtype_name, batch=B, prompt=prompt_len, new_tokens=new,
+                   bandwidth_gbs=bandwidth, bytes_per_step=bytes_per_step(ours, B, prompt_len + new / 2))
+        # greedy with the same weights: both sides should choose the same tokens
+        out["same_tokens"] = last["ours"].tokens == last["peer"][:, prompt_len:].tolist()
+        if "compiled" in sides:
+            out["compiled_same_tokens"] = last["compiled"].tokens == last["ours"].tokens
+            out["compile_s"] = warm["compiled"] - warm["ours"]
+        for side in sides:
+            pre, tot = got[side]["prefill"], got[side]["total"]
+            tps = [B * (new - 1) / max(t - p, 1e-9) for p, t in zip(pre, tot)]
+            out[side] = dict(prefill_ms=1e3 * statistics.median(pre), decode_tok_s=statistics.median(tps),
+                             decode_tok_s_all=tps, prefill_s_all=pre, total_s_all=tot)
+            # the bound: one step can take no less than bytes_per_step / bandwidth seconds
+            step_s = B / out[side]["decode_tok_s"]
+            out[side]["bandwidth_fraction"] = out["bytes_per_step"] / (bandwidth * 1e9) / step_s
+        for side in sides:
+            if side == "peer":
+                continue
+            key = "decode_ratio" if side == "ours" else "compiled_ratio"
+            ratios = [a / b for a, b in zip(out[side]["decode_tok_s_all"], out["peer"]["decode_tok_s_all"])]
+            out[key] = statistics.median(ratios)
+            out[key + "_min"], out[key + "_max"] = min(ratios), max(ratios)
+        pre_ratios = [p / o for o, p in zip(out["ours"]["prefill_s_all"], out["peer"]["prefill_s_all"])]
+        out["prefill_ratio"] = statistics.median(pre_ratios)
+        results.append(out)
+        line = (f"{shape:12s} {dtype_name} B={B}: decode eager {out['ours']['decode_tok_s']:8.1f}")
+        if "compiled" in sides:
+            line += f" compiled {out['compiled']['decode_tok_s']:8.1f}"
+        line += f" vs {out['peer']['decode_tok_s']:8.1f} tok/s  eager x{out['decode_ratio']:.2f}"
+        if "compiled" in sides:
+            line += (f" compiled x{out['compiled_ratio']:.2f} (bound {out['compiled']['bandwidth_fraction']:.0%},"
+                     f" compile {out['compile_s']:.0f} s)")
+        print(line + f"; prefill {out['ours']['prefill_ms']:.1f} vs {out['peer']['prefill_ms']:.1f} ms; "
+              f"same tokens: {out['same_tokens']}", flush=True)
+    return results
+
+
+def peak_rss_mib(side: str, directory: str, dtype_name: str, B: int, prompt_len: int, new: int,
+                 threads: int | None) -> float:
+    """Peak resident memory (MiB, above the imports) of a fresh process that loads `directory`
+    as `side` (ours or peer) and generates `new` tokens for B prompts."""
+    args = [sys.executable, "-m", "bench.generate", "--peak-rss", json.dumps(
+        dict(side=side, directory=directory, dtype=dtype_name, B=B, prompt=prompt_len, new=new,
+             threads=threads))]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, cwd=os.getcwd())
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _rss_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise ValueError(f"no {field} in /proc/self/status")
+
+
+def _peak_rss_child(spec: dict) -> int:
+    """Prints the peak RSS (MiB) above the imports: loading the weights and generating."""
+    import transformers  # both sides pay the same imports, which the measure leaves out
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    dtype = DTYPES[spec["dtype"]]
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, SHAPES[shape].vocab_size, (B, prompt_len), generator=g)
-    run_ours, run_peer = runners(ours, peer, prompts, compile)
-    run_ours(4)(), run_peer(4)()  # warm-up
-    got = {"ours": {"prefill": [], "total": []}, "peer": {"prefill": [], "total": []}}
-    last = {}
-    for _ in range(repeats):  # A B A B
-        for side, run in (("ours", run_ours), ("peer", run_peer)):
-            got[side]["prefill"].append(timed(run(1))[0])
-            seconds, last[side] = timed(run(new))
-            got[side]["total"].append(seconds)
-    # greedy with the same weights: both sides should choose the same tokens
-    same = last["ours"].tokens == last["peer"][:, prompt_len:].tolist()
-    out = dict(shape=shape, dtype=dtype_name, batch=B, prompt=prompt_len, new_tokens=new, same_tokens=same)
-    for side in ("ours", "peer"):
-        pre, tot = got[side]["prefill"], got[side]["total"]
-        tps = [B * (new - 1) / max(t - p, 1e-9) for p, t in zip(pre, tot)]
-        out[side] = dict(prefill_ms=1e3 * statistics.median(pre), decode_tok_s=statistics.median(tps),
-                         decode_tok_s_all=tps, prefill_s_all=pre, total_s_all=tot)
-    ratios = [a / b for a, b in zip(out["ours"]["decode_tok_s_all"], out["peer"]["decode_tok_s_all"])]
-    out["decode_ratio"] = statistics.median(ratios)
-    out["decode_ratio_min"], out["decode_ratio_max"] = min(ratios), max(ratios)
-    pre_ratios = [p / o for o, p in zip(out["ours"]["prefill_s_all"], out["peer"]["prefill_s_all"])]
-    out["prefill_ratio"] = statistics.median(pre_ratios)
-    return out
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                       # reset the peak (VmHWM) to the current RSS
+    base = _rss_kib("VmRSS")
+    with torch.no_grad():
+        if spec["side"] == "ours":
+            model = load_pretrained(spec["directory"], dtype=dtype).eval()
+            prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
+            generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]))
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=dtype).eval()
+            prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                           max_new_tokens=spec["new"], min_new_tokens=spec["new"], pad_token_id=0,
+                           eos_token_id=None)
+    print((_rss_kib("VmHWM") - base) / 1024)
+    return 0
+
+
+def _ratio(r: dict, key: str) -> str:
+    if key not in r:
+        return "-"
+    return f"**{r[key]:.2f}x** ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})"
 
 
 def render(payload: dict) -> str:
     """The docs/benchmarks.md section for one run's results."""
     info, results = payload["machine"], payload["results"]
-    rows = [[r["shape"], r["dtype"], r["batch"], f"{r['ours']['decode_tok_s']:.1f}",
-             f"{r['peer']['decode_tok_s']:.1f}",
-             f"**{r['decode_ratio']:.2f}x** ({r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f})",
-             f"{r['ours']['prefill_ms']:.1f}", f"{r['peer']['prefill_ms']:.1f}",
-             "yes" if r["same_tokens"] else "no"] for r in results]
-    table = markdown_table(["shape", "dtype", "B", "logitlab decode tok/s", "transformers decode tok/s",
-                            "decode ratio (min-max)", "logitlab prefill ms", "transformers prefill ms",
-                            "same tokens"], rows)
+    compiled = any("compiled" in r for r in results)
+    rows = []
+    for r in results:
+        c = r.get("compiled")
+        rows.append([r["shape"], r["dtype"], r["batch"], f"{r['ours']['decode_tok_s']:.1f}",
+                     f"{c['decode_tok_s']:.1f}" if c else "-", f"{r['peer']['decode_tok_s']:.1f}",
+                     _ratio(r, "decode_ratio"), _ratio(r, "compiled_ratio"),
+                     f"{(c or r['ours'])['bandwidth_fraction']:.0%} / {r['peer']['bandwidth_fraction']:.0%}",
+                     f"{r['ours']['prefill_ms']:.1f}", f"{r['peer']['prefill_ms']:.1f}",
+                     ("yes" if r["same_tokens"] else "no")
+                     + ("" if not c else " / " + ("yes" if r["compiled_same_tokens"] else "no"))])
+    table = markdown_table(["shape", "dtype", "B", "logitlab eager tok/s", "logitlab compiled tok/s",
+                            "transformers tok/s", "eager ratio (min-max)", "compiled ratio (min-max)",
+                            "bandwidth bound: logitlab / transformers", "logitlab prefill ms",
+                            "transformers prefill ms", "same tokens (eager / compiled)"], rows)
+    compile_line = ""
+    if compiled:
+        times = ", ".join(f"{r['shape']} {r['dtype']} B={r['batch']} {r['compile_s']:.0f} s" for r in results)
+        compile_line = (f"Compile time of the decode step (first compiled call minus an eager one, not in "
+                        f"the timings): {times}.\n\n")
+    mem = payload.get("memory") or []
+    mem_table = ""
+    if mem:
+        mem_table = "Peak resident memory above the imports (VmHWM reset after importing), each side alone in " \
+                    "a fresh process, loading the saved weights and generating the same tokens (eager):\n\n" + markdown_table(
+            ["shape", "dtype", "B", "logitlab MiB", "transformers MiB", "logitlab / transformers"],
+            [[m["shape"], m["dtype"], m["batch"], f"{m['ours_mib']:.0f}", f"{m['peer_mib']:.0f}",
+              f"{m['ours_mib'] / m['peer_mib']:.2f}"] for m in mem]) + "\n\n"
     return (f"Greedy generation with a KV cache, prompt 32 tokens, {payload['new_tokens']} new tokens per "
-            f"row, no compilation, transformers `generate` as the peer (same weights via `save_pretrained`). "
-            f"Median of {payload['repeats']} alternating pair(s) after a warm-up; ratio = logitlab decode "
-            f"tok/s / transformers decode tok/s (> 1: logitlab faster).\n\n"
+            f"row, transformers `generate` (eager) as the peer, same weights via `save_pretrained`. logitlab "
+            f"runs eager and with `compile=True` (its decode step through torch.compile, one graph). Median "
+            f"of {payload['repeats']} alternating round(s) after a warm-up; ratio = logitlab decode tok/s / "
+            f"transformers decode tok/s (> 1: logitlab faster). Bandwidth bound: the bytes a decode step "
+            f"must read (every weight once, the KV cache at its mean length) / the memory bandwidth "
+            f"measured in the same run ({payload['bandwidth_gbs']:.1f} GB/s, a float32 matrix-vector product over a 512 MiB matrix), "
+            f"over the measured step time (logitlab's compiled step where it ran).\n\n"
             f"Command: `{payload['command']}`  \nMachine: {info['nproc']} CPUs ({info['cpu']}), torch "
             f"{info['torch']} with {info['torch_threads']} thread(s), transformers {info['transformers']}, "
-            f"commit {info['commit']}. The machine was shared with other work while this ran, so absolute "
-            f"numbers move between runs; the ratios come from alternating runs.\n\n{table}\n\n"
-            "Reading it: at batch 1 a decode step reads every weight once for one token, so both sides spend "
-            "most of the step in the same matrix-vector products; what differs is the Python work around "
-            "them (logitlab's loop adds about 0.1-0.3 ms per step over a bare cached forward). The prefill "
-            "column includes the first token; logitlab's forward returns logits for every prompt position, "
-            "transformers computes the LM head for the last one only (`logits_to_keep`). In bf16 the two "
-            "sides round differently (transformers' GPT-2 fuses q/k/v into one projection), so after some "
-            "steps a near-tie between two tokens of the random model can go the other way (\"same tokens: "
-            "no\"); in fp32 they agree token for token.")
+            f"commit {info['commit']}, load average {info.get('load_avg_1m', '?')} when it started. The "
+            f"machine was shared with other work while this ran, so absolute numbers move between runs; "
+            f"the ratios come from alternating runs.\n\n{table}\n\n{compile_line}{mem_table}"
+            "Reading it: at batch 1 a decode step reads every weight once for one token, so the time goes to "
+            "the matrix-vector products (bound by memory bandwidth) plus the per-operation overhead around "
+            "them (Python and dispatch: about 40 operations per layer). Eager logitlab and transformers both "
+            "pay that overhead; the compiled step removes most of it (one graph, its kernels called from C++), "
+            "and for bf16 weights it prepacks them for oneDNN's bf16 kernels, which read them faster than "
+            "aten's bf16 matrix-vector product. The larger the model, the more the step is matmul-bound and "
+            "the closer every side comes to the same time (GPT-2 small in fp32). The prefill column includes "
+            "the first token; both sides compute the LM head for the last prompt position only. In bf16 the "
+            "sides round differently (transformers' GPT-2 fuses q/k/v into one projection; the compiled "
+            "step fuses elementwise work), so after some steps a near-tie between two tokens of the random "
+            "model can go the other way (\"same tokens: no\"); in fp32 they agree token for token.")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="the small Llama in fp32 at batch 1, 32 new tokens, one repeat")
-    ap.add_argument("--repeats", type=int, default=None, help="timed pairs per point (default 2; --quick 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per point (default 2; --quick 1)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per row (default 128; --quick 32)")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--batches", nargs="*", type=int, default=None,
                     help="batch sizes (default 1 8; --quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
-    ap.add_argument("--compile", action="store_true", help="logitlab's decode step through torch.compile "
-                    "(not part of the default comparison, which is eager against eager)")
+    ap.add_argument("--no-compile", action="store_true", help="skip logitlab's compiled decode step")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--peak-rss", metavar="JSON", help=argparse.SUPPRESS)   # the memory child process
     args = ap.parse_args(argv)
+    if args.peak_rss:
+        return _peak_rss_child(json.loads(args.peak_rss))
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 2)
@@ -152,21 +293,27 @@ def main(argv=None) -> int:
     if args.quick:
         args.shapes = args.shapes if args.shapes != list(SHAPES) else ["llama-small"]
         args.dtypes = args.dtypes if args.dtypes != list(DTYPES) else ["fp32"]
+    sides = ("ours", "peer") if args.no_compile else ("ours", "compiled", "peer")
     info = machine_info()
-    results = []
+    bandwidth = bandwidth_gbs()
+    print(f"memory bandwidth {bandwidth:.1f} GB/s", flush=True)
+    results, memory = [], []
     for shape in args.shapes:
         for dtype_name in args.dtypes:
-            for B in batches:
-                r = measure(shape, dtype_name, B, 32, new, repeats, args.compile)
-                results.append(r)
-                print(f"{shape:12s} {dtype_name} B={B}: decode {r['ours']['decode_tok_s']:8.1f} vs "
-                      f"{r['peer']['decode_tok_s']:8.1f} tok/s  x{r['decode_ratio']:.2f} "
-                      f"({r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f}); prefill "
-                      f"{r['ours']['prefill_ms']:.1f} vs {r['peer']['prefill_ms']:.1f} ms; "
-                      f"same tokens: {r['same_tokens']}", flush=True)
-    payload = dict(machine=info, command=command_line(), repeats=repeats, new_tokens=new, results=results)
+            with tempfile.TemporaryDirectory() as d:
+                results += measure(shape, dtype_name, batches, 32, new, repeats, sides, bandwidth, d)
+                if not args.no_memory:
+                    B = max(batches)
+                    mib = {side: peak_rss_mib(side, d, dtype_name, B, 32, new, args.threads)
+                           for side in ("ours", "peer")}
+                    memory.append(dict(shape=shape, dtype=dtype_name, batch=B, ours_mib=mib["ours"],
+                                       peer_mib=mib["peer"]))
+                    print(f"{shape:12s} {dtype_name} B={B}: peak RSS {mib['ours']:.0f} vs "
+                          f"{mib['peer']:.0f} MiB", flush=True)
+    payload = dict(machine=info, command=command_line(), repeats=repeats, new_tokens=new,
+                   bandwidth_gbs=bandwidth, results=results, memory=memory)
     write_results("generate", payload)
-    if not args.no_doc and not args.compile:
+    if not args.no_doc:
         update_doc_section("Generation", render(payload))
     return 0
 
