@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 
 # Subcommand modules, each exposing `register(subparsers)`. A module that fails to import is
 # a bug, not an optional feature, so there is no try/except here.
-_COMMAND_MODULES = ("cli_tokenizer", "cli_model", "cli_train", "cli_generate")
+_COMMAND_MODULES = ("cli_tokenizer", "cli_model", "cli_train", "cli_demo", "cli_generate")
 
 
 # --------------------------------------------------------------------------------------------
