@@ -113,3 +113,19 @@ def update_doc_section(title: str, body: str) -> Path:
         new = "\n".join(lines[:start] + [header, "", body.strip(), ""] + lines[end:]).rstrip("\n") + "\n"
     DOC.write_text(new)
     return DOC
+
+
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+                "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags(wanted: tuple[str, ...] = CPU_FEATURES) -> list[str]:
+    """The instruction-set features from /proc/cpuinfo that matter for matmul speed (bf16/AMX)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in wanted if f in have]
+    except OSError:
+        pass
+    return []

@@ -1,0 +1,302 @@
+"""Scaling: logitlab tokens/s against context length and model size, each as a fraction of its roofline.
+
+    python3 -m bench.scaling            # presets tiny, gpt2-tiny, small, gpt2 x T 128..2048 (~6 min)
+    python3 -m bench.scaling --quick    # three small presets x T 128..512 (~1 min)
+
+Three modes per (model, context T) point, fp32, torch's own thread count:
+- forward: logits for B x T tokens (no grad), B = max(1, tokens // T);
+- train: forward + fp32 cross-entropy + backward + AdamW step, same B x T;
+- decode: batch 1, `logitlab.generate` (greedy, KV cache, eager) continuing a prompt of T - n
+  tokens by n tokens; tokens/s from the decode phase alone (prefill excluded).
+
+Roofline, measured at the start of the same run (bench.roofline): MFU = accounting.flops_per_token
+(forward, or 3x for training, at context T) x tokens/s / the best fp32 matmul rate at the
+benchmark shapes; decode = bytes read per token (every weight once, an untied embedding as one
+row, plus K and V of the mean cached length) x tokens/s / the read bandwidth.
+
+Points run cheapest first. Each point's time is estimated beforehand from its FLOPs (or bytes),
+the measured roofline and the efficiency seen so far in that mode; a point estimated over the
+per-point cap, or past the run's time budget, is skipped and marked so in the table.
+Writes bench/results/scaling.json, docs/scaling.png and the `## Scaling` section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import ROOT, command_line, machine_info, markdown_table, update_doc_section, write_results
+from bench.roofline import SHAPES, best_time, matmul_peak, memory_bandwidth
+from logitlab import accounting
+from logitlab.families import PRESETS
+from logitlab.generate import SampleConfig, generate
+from logitlab.model import ModelConfig, Transformer
+from logitlab.optim import build_adamw
+from logitlab.train import cross_entropy
+
+MODES = ("forward", "train", "decode")
+CONTEXTS = (128, 256, 512, 1024, 2048)
+MODELS = ("tiny", "gpt2-tiny", "small", "gpt2")
+PLOT = ROOT / "docs" / "scaling.png"
+GUESS = {"forward": 0.3, "train": 0.2, "decode": 0.3}   # efficiency assumed before any measurement
+
+
+@dataclasses.dataclass
+class Settings:
+    tokens: int = 512        # B*T of a forward / training step (B = max(1, tokens // T))
+    repeats: int = 2         # timed calls per point, after one warm-up
+    new_tokens: int = 16     # decoded tokens per timed generate call
+    point_cap_s: float = 40.0
+    budget_s: float = 330.0
+
+
+def model_config(name_or_config: str | ModelConfig, context: int) -> ModelConfig:
+    """The preset (or config) with room for `context` positions and no dropout."""
+    c = PRESETS[name_or_config] if isinstance(name_or_config, str) else name_or_config
+    return dataclasses.replace(c, context_length=max(c.context_length, context), dropout=0.0)
+
+
+def decode_bytes_per_token(model: Transformer, cached: float) -> float:
+    """Bytes a batch-1 decode step must read at least: every weight once (an untied input embedding
+    only as one row, learned positions as one row) plus K and V of `cached` positions per layer."""
+    c = model.config
+    total = 0
+    for name, p in model.named_parameters():      # a tied head appears once
+        if name in ("pos_emb.weight",) or (name == "tok_emb.weight" and not c.tie_embeddings):
+            total += p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    item = next(model.parameters()).element_size()
+    return total + 2 * c.n_layers * c.n_kv_heads * c.head_dim * cached * item
+
+
+def _ids(config: ModelConfig, B: int, T: int) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+
+
+def time_forward(model: Transformer, B: int, T: int, repeats: int) -> float:
+    ids = _ids(model.config, B, T)                     # (B, T)
+    model.eval()
+    with torch.no_grad():
+        return best_time(lambda: model(ids), repeats, torch.device("cpu"))
+
+
+def time_train(model: Transformer, B: int, T: int, repeats: int) -> float:
+    ids = _ids(model.config, B, T + 1)                 # (B, T + 1): inputs and shifted targets
+    x, y = ids[:, :-1], ids[:, 1:]
+    model.train()
+    opt = build_adamw(model, lr=1e-6)
+
+    def step():
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = best_time(step, repeats, torch.device("cpu"))
+    model.eval()
+    return seconds
+
+
+def decode_rate(model: Transformer, T: int, new: int, repeats: int) -> float:
+    """Best decode tokens/s of `repeats` greedy generate calls (prompt T - new, `new` tokens)."""
+    prompt = _ids(model.config, 1, T - new)[0].tolist()
+    cfg = SampleConfig(temperature=0, max_new_tokens=new)
+    model.eval()
+    with torch.no_grad():
+        generate(model, prompt[:8], SampleConfig(temperature=0, max_new_tokens=4))   # warm-up
+        return max(generate(model, prompt, cfg).decode_tokens_per_second for _ in range(repeats))
+
+
+def estimate_s(cfg: ModelConfig, mode: str, T: int, s: Settings, peak: float, bw: float,
+               efficiency: float, n_params: int) -> float:
+    """Seconds the whole point should take (warm-up included) at `efficiency` of its roofline."""
+    flops = accounting.flops_per_token(cfg, T)
+    if mode == "decode":
+        prefill = (T - s.new_tokens) * flops["forward"] / (peak * 1e9 * GUESS["forward"])
+        step = n_params * 4 / (bw * 1e9) / efficiency + 1e-3 * cfg.n_layers   # + per-layer overhead
+        return s.repeats * (prefill + s.new_tokens * step) + 4 * step
+    tokens = max(1, s.tokens // T) * T
+    return (1 + s.repeats) * tokens * flops["training" if mode == "train" else "forward"] / (peak * 1e9 * efficiency)
+
+
+def run(models: dict[str, str | ModelConfig], contexts: tuple[int, ...], s: Settings,
+        peak_gflops: float | None = None, bandwidth_gbs: float | None = None) -> dict:
+    start = time.perf_counter()
+    shapes = [x for group in SHAPES.values() for x in group]
+    peak = peak_gflops or matmul_peak("fp32", shapes, repeats=2)
+    bw = bandwidth_gbs or memory_bandwidth(mib=256, repeats=3)
+    print(f"roofline: fp32 matmul {peak:.1f} GFLOP/s, read bandwidth {bw:.1f} GB/s", flush=True)
+    configs = {name: model_config(m, max(contexts)) for name, m in models.items()}
+    n_params = {name: accounting.count_parameters(c).total for name, c in configs.items()}
+    seen: dict[str, list[float]] = {m: [] for m in MODES}   # measured / estimated, per mode
+
+    def efficiency(mode: str) -> float:
+        return GUESS[mode] / statistics.median(seen[mode]) if seen[mode] else GUESS[mode]
+
+    plan = [(name, T, mode) for name in configs for T in contexts for mode in MODES]
+    plan.sort(key=lambda p: estimate_s(configs[p[0]], p[2], p[1], s, peak, bw, GUESS[p[2]], n_params[p[0]]))
+    built: dict[str, Transformer] = {}
+    points = []
+    for name, T, mode in plan:
+        cfg = configs[name]
+        B = 1 if mode == "decode" else max(1, s.tokens // T)
+        est = estimate_s(cfg, mode, T, s, peak, bw, efficiency(mode), n_params[name])
+        point = dict(model=name, params=n_params[name], T=T, mode=mode, batch=B, estimate_s=est)
+        points.append(point)
+        left = s.budget_s - (time.perf_counter() - start)
+        if est > s.point_cap_s or est > left:
+            point["skipped"] = (f"est. {est:.0f} s > {s.point_cap_s:.0f} s cap" if est > s.point_cap_s
+                                else f"est. {est:.0f} s, {max(left, 0):.0f} s of budget left")
+            print(f"{name:10s} T={T:5d} {mode:8s} skipped ({point['skipped']})", flush=True)
+            continue
+        if name not in built:
+            torch.manual_seed(0)
+            built[name] = Transformer(cfg).eval()
+        model = built[name]
+        t0 = time.perf_counter()
+        if mode == "forward":
+            tok_s = B * T / time_forward(model, B, T, s.repeats)
+            frac = accounting.flops_per_token(cfg, T)["forward"] * tok_s / (peak * 1e9)
+        elif mode == "train":
+            tok_s = B * T / time_train(model, B, T, s.repeats)
+            frac = accounting.flops_per_token(cfg, T)["training"] * tok_s / (peak * 1e9)
+        else:
+            tok_s = decode_rate(model, T, s.new_tokens, s.repeats)
+            point["bytes_per_token"] = decode_bytes_per_token(model, T - s.new_tokens / 2)
+            frac = point["bytes_per_token"] * tok_s / (bw * 1e9)
+        point.update(tok_s=tok_s, fraction=frac, seconds=time.perf_counter() - t0)
+        seen[mode].append(point["seconds"] / estimate_s(cfg, mode, T, s, peak, bw, GUESS[mode], n_params[name]))
+        print(f"{name:10s} T={T:5d} {mode:8s} B={B}: {tok_s:10.1f} tok/s, {frac:6.1%} of roofline "
+              f"({point['seconds']:.1f} s, est. {est:.1f} s)", flush=True)
+    points.sort(key=lambda p: (p["params"], p["model"], MODES.index(p["mode"]), p["T"]))
+    return dict(command=command_line(), machine=machine_info(), settings=dataclasses.asdict(s),
+                contexts=list(contexts), models=list(models), matmul_peak_gflops=peak,
+                bandwidth_gbs=bw, points=points, elapsed_s=time.perf_counter() - start)
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Two rows x three modes: tokens/s against context (a line per model) and against parameters
+    (a line per context); skipped points are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [p for p in result["points"] if "tok_s" in p]
+    fig, axes = plt.subplots(2, 3, figsize=(14, 8), squeeze=False)
+    for col, mode in enumerate(MODES):
+        top, bottom = axes[0][col], axes[1][col]
+        for name in result["models"]:
+            pts = [p for p in done if p["model"] == name and p["mode"] == mode]
+            if pts:
+                top.plot([p["T"] for p in pts], [p["tok_s"] for p in pts], marker="o",
+                         label=f"{name} ({pts[0]['params'] / 1e6:.1f}M)")
+        for T in result["contexts"]:
+            pts = sorted((p for p in done if p["T"] == T and p["mode"] == mode), key=lambda p: p["params"])
+            if pts:
+                bottom.plot([p["params"] for p in pts], [p["tok_s"] for p in pts], marker="o", label=f"T={T}")
+        top.set(xscale="log", yscale="log", xlabel="context T", ylabel="tokens/s", title=f"{mode} vs context")
+        bottom.set(xscale="log", yscale="log", xlabel="parameters", ylabel="tokens/s",
+                   title=f"{mode} vs model size")
+        top.set_xticks(result["contexts"], [str(T) for T in result["contexts"]])
+        for ax in (top, bottom):
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_lines():
+                ax.legend(fontsize=7)
+    m = result["machine"]
+    fig.suptitle(f"logitlab fp32 on {m['nproc']} CPUs ({m['cpu']}), {m['torch_threads']} threads; "
+                 f"forward/train B*T = {result['settings']['tokens']}, decode batch 1")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _cell(p: dict) -> str:
+    if "tok_s" not in p:
+        return f"skipped ({p['skipped']})"
+    rate = f"{p['tok_s']:,.0f}" if p["tok_s"] >= 100 else f"{p['tok_s']:.1f}"
+    return f"{rate} ({p['fraction']:.0%})"
+
+
+def render(result: dict) -> str:
+    """The `## Scaling` section: a row per (model, mode), a column per context."""
+    contexts, s, m = result["contexts"], result["settings"], result["machine"]
+    rows = []
+    for name in result["models"]:
+        for mode in MODES:
+            pts = {p["T"]: p for p in result["points"] if p["model"] == name and p["mode"] == mode}
+            if pts:
+                params = next(iter(pts.values()))["params"]
+                rows.append([name, f"{params / 1e6:.1f}M", mode] + [_cell(pts[T]) if T in pts else "-"
+                                                                    for T in contexts])
+    table = markdown_table(["model", "params", "mode"] + [f"T={T}" for T in contexts], rows)
+    skipped = sum("skipped" in p for p in result["points"])
+    return f"""logitlab tokens/s (fp32, eager) against context length T and model size, and in brackets the
+fraction of its roofline: MFU for forward and training (accounting.flops_per_token at context T,
+3x for training, over the best fp32 matmul rate measured at the start of the run,
+{result['matmul_peak_gflops']:.1f} GFLOP/s), the fraction of the memory-bandwidth bound for decode
+(bytes of weights + KV cache read per token over the read bandwidth measured in the run,
+{result['bandwidth_gbs']:.1f} GB/s). Forward and training run B x T = max(T, {s['tokens']}) tokens per
+step (best of {s['repeats']} after a warm-up); training is forward + fp32 cross-entropy + backward +
+AdamW; decode is batch 1 through `logitlab.generate` (greedy, KV cache, no compilation), {s['new_tokens']}
+tokens after a prompt of T - {s['new_tokens']}, tokens/s of the decode phase alone. Points run cheapest
+first; one whose estimated time exceeded {s['point_cap_s']:.0f} s, or the run's {s['budget_s']:.0f} s
+budget, was skipped ({skipped} here) and is marked so.
+
+Command: `{result['command']}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
+({m['torch_threads']} threads), Python {m['python']}, commit {m['commit']}, load average
+{m.get('load_avg_1m', '?')} at the end (shared machine: absolute numbers move between runs),
+{result['elapsed_s']:.0f} s in all.
+
+{table}
+
+![tokens/s against context and model size](scaling.png)
+
+Reading it: forward and training tokens/s fall with T once the attention term 2·L·T·H·Dh per
+token grows against the 2·N of the weights (earliest for the narrow models, where N is small);
+decode tokens/s fall with T as the KV cache read per token grows, and with model size as every
+weight is read once per token. At these sizes eager decode is dominated by per-operation overhead,
+not bandwidth, so its fraction of the bound is low for the small presets and rises with size
+(`bench.generate` measures the compiled decode step against transformers).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three small presets, T 128..512, tight caps")
+    parser.add_argument("--models", nargs="*", choices=list(PRESETS), default=None, help="presets to run")
+    parser.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths T")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
+    parser.add_argument("--cap", type=float, default=None, help="seconds at most per point (estimated)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared machine a second thread stalls "
+                             "every parallel region whenever another process holds its core)")
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md or the plot")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    s = Settings(tokens=256, repeats=2, new_tokens=8, point_cap_s=10, budget_s=50) if args.quick else Settings()
+    s.budget_s = args.budget or s.budget_s
+    s.point_cap_s = args.cap or s.point_cap_s
+    names = args.models or (list(MODELS[:3]) if args.quick else list(MODELS))
+    contexts = tuple(args.contexts or (CONTEXTS[:3] if args.quick else CONTEXTS))
+    if any(T <= s.new_tokens for T in contexts):
+        raise ValueError(f"contexts {contexts} must exceed the {s.new_tokens} decoded tokens")
+    result = run({n: n for n in names}, contexts, s)
+    path = write_results("scaling-quick" if args.quick else "scaling", result)
+    print(f"results: {path} ({result['elapsed_s']:.0f} s)")
+    if not args.no_doc:
+        plot(result, PLOT)
+        update_doc_section("Scaling", render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""The benchmark harness at tiny sizes: roofline measurements, the scaling run and its writers, the dispatcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import __main__ as dispatcher
+from bench import roofline, scaling
+from bench.common import cpu_flags
+from logitlab.model import ModelConfig, Transformer
+
+MICRO = ModelConfig(vocab_size=256, context_length=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                    d_ff=64, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_matmul_rates_and_peak_are_positive():
+    shapes = [(16, 32, 64), (32, 32, 32)]
+    rates = roofline.matmul_rates("fp32", shapes, repeats=2)
+    assert len(rates) == 2 and all(r > 0 for r in rates)
+    assert roofline.matmul_peak("bf16", shapes, repeats=1) > 0
+
+
+def test_matmul_rates_reject_bad_input():
+    with pytest.raises(ValueError, match="dtype"):
+        roofline.matmul_rates("fp13", [(4, 4, 4)])
+    with pytest.raises(ValueError, match="shape"):
+        roofline.matmul_rates("fp32", [(0, 4, 4)])
+
+
+def test_bandwidths_positive_and_read_is_the_larger_read():
+    bw = roofline.bandwidths(mib=4, repeats=1)
+    assert all(bw[k] > 0 for k in ("copy", "sum", "matvec", "read"))
+    assert bw["read"] == max(bw["sum"], bw["matvec"])
+    assert roofline.memory_bandwidth(mib=4, repeats=1) > 0
+    with pytest.raises(ValueError, match="mib"):
+        roofline.bandwidths(mib=0)
+
+
+def test_roofline_run_and_render(monkeypatch):
+    monkeypatch.setattr(roofline, "SHAPES", {"micro": [(8, 16, 16), (8, 16, 32)]})
+    result = roofline.run(quick=True, repeats=1, threads=[1])
+    assert torch.get_num_threads() == 1
+    assert {r["dtype"] for r in result["matmul"]} == {"fp32", "bf16"} and len(result["matmul"]) == 4
+    text = roofline.render(result)
+    assert "| micro | 8 x 16 x 32 |" in text and "read bandwidth" in text
+    assert result["machine"]["numpy"] and isinstance(cpu_flags(), list)
+
+
+def test_decode_bytes_counts_weights_once_and_the_cache():
+    model = Transformer(MICRO)
+    c = MICRO
+    weights = sum(p.numel() for p in model.parameters()) * 4          # tied: the table is the LM head
+    kv_per_pos = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    assert scaling.decode_bytes_per_token(model, 0) == weights
+    assert scaling.decode_bytes_per_token(model, 10) == weights + 10 * kv_per_pos
+
+
+def test_scaling_tiny_run_writes_table_and_png(tmp_path):
+    s = scaling.Settings(tokens=32, repeats=1, new_tokens=4, point_cap_s=30, budget_s=60)
+    result = scaling.run({"micro": MICRO}, (16, 32), s, peak_gflops=10.0, bandwidth_gbs=5.0)
+    done = [p for p in result["points"] if "tok_s" in p]
+    assert {(p["mode"], p["T"]) for p in done} == {(m, T) for m in scaling.MODES for T in (16, 32)}
+    assert all(p["tok_s"] > 0 and p["fraction"] > 0 for p in done)
+    png = scaling.plot(result, tmp_path / "scaling.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = scaling.render(result)
+    assert "| model | params | mode | T=16 | T=32 |" in text
+    assert sum(line.startswith("| micro |") for line in text.splitlines()) == 3
+
+
+def test_scaling_skips_points_over_the_cap():
+    s = scaling.Settings(tokens=32, repeats=1, new_tokens=4, point_cap_s=0.0, budget_s=60)
+    result = scaling.run({"micro": MICRO}, (16,), s, peak_gflops=10.0, bandwidth_gbs=5.0)
+    assert all("skipped" in p and "cap" in p["skipped"] for p in result["points"])
+    assert "skipped (est." in scaling.render(result)
+
+
+def test_dispatcher_goes_on_after_a_failure(monkeypatch, capsys):
+    ran = []
+
+    def fake(name, flags):
+        ran.append((name, tuple(flags)))
+        return 3 if name == "model" else 0
+
+    monkeypatch.setattr(dispatcher, "run_part", fake)
+    assert dispatcher.main(["tokenizer", "model", "roofline", "--quick"]) == 1
+    assert ran == [("tokenizer", ("--quick",)), ("model", ("--quick",)), ("roofline", ("--quick",))]
+    assert "failed: model" in capsys.readouterr().out
+    assert dispatcher.main(["nope"]) == 2
+
+
+def test_dispatcher_all_lists_every_part(monkeypatch):
+    ran = []
+    monkeypatch.setattr(dispatcher, "run_part", lambda name, flags: ran.append(name) or 0)
+    assert dispatcher.main(["all"]) == 0
+    assert ran == list(dispatcher.NAMES)
+    assert dispatcher.accepts("scaling", "--quick") and not dispatcher.accepts("roofline", "--nonsense")
