@@ -324,20 +324,27 @@ def _compile_options(model) -> dict:
 
     On a CPU a decode step is ~40 small kernels around the matrix-vector products, so
     cpp_wrapper (the compiled graph calls its kernels from C++ rather than Python) saves
-    per-kernel overhead. With bf16/fp16 weights, freezing turns the weights into constants that
-    inductor prepacks for oneDNN's low-precision matrix-vector kernels (aten's bf16 mm reads
-    its weights more slowly per byte than the fp32 one here); fp32 keeps aten's mm, which the
-    prepacked path does not beat. Frozen weights are why compiled steps are kept per model and
-    rebuilt when a parameter changes (`compiled_decode_step`)."""
+    per-kernel overhead. With bf16/fp16 weights, freezing turns the weights into constants and
+    max_autotune lets inductor pick, per matrix shape, its own C++ GEMM template over prepacked
+    weights (aten's bf16 matrix-vector product reads its weights more slowly per byte than the
+    fp32 one here); in fp32 aten's mm is as fast, so fp32 compiles without them (faster). Frozen
+    weights are why compiled steps are kept per model and rebuilt when a parameter changes
+    (`compiled_decode_step`). Guards on the model's modules are skipped (a decode step checks
+    ~10 per parameter): the per-model key stands in for them."""
     device, dtype = _device_dtype(model)
-    if device.type != "cpu":
-        return {}
-    return {"cpp_wrapper": True, "freezing": dtype in (torch.bfloat16, torch.float16)}
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if device.type == "cpu":
+        options["cpp_wrapper"] = True
+        if dtype in (torch.bfloat16, torch.float16):
+            options.update(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    return options
 
 
 def _weights_key(model) -> tuple:
-    """Changes when any parameter is replaced, moved, cast or written in place."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    """Changes when any parameter is replaced, moved, cast or written in place, or the attention
+    implementation is switched."""
+    return (getattr(model, "attn_impl", None),
+            *((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters()))
 
 
 def compiled_decode_step(model=None, backend: str = "inductor") -> Callable:
@@ -354,12 +361,14 @@ def compiled_decode_step(model=None, backend: str = "inductor") -> Callable:
     held = _COMPILED.get(model)
     if held is not None and held[0] == key:
         return held[1]
-    options = _compile_options(model) if backend == "inductor" else None
+    options = _compile_options(model) if backend == "inductor" else {
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
     def step(model, token, cache, positions=None, attn_mask=None):
         return decode_step(model, token, cache, positions, attn_mask)
 
-    fn = torch.compile(step, dynamic=True, fullgraph=True, backend=backend, options=options)
+    fn = torch.compile(step, dynamic=True, fullgraph=True, backend=backend, options=options,
+                       isolate_recompiles=True)   # this model's graphs only, never another's
     _COMPILED[model] = (key, fn)
     return fn
 
