@@ -214,8 +214,9 @@ class Attention(nn.Module):
                 impl: str = "sdpa", need_weights: bool = False):
         """x (B, T, D) -> (out (B, T, D), weights (B, H, T, S) or None).
 
-        rope: (cos, sin) each (B, 1, T, Dh) from RotaryEmbedding, or None (no rotary positions). cache: anything with
-        `update(layer, k_new, v_new) -> (k_all, v_all)` of shape (B, Hkv, S, Dh), or None
+        rope: (cos, sin) each (B, 1, T, Dh) from RotaryEmbedding, or None (no rotary positions).
+        cache: anything with `update(layer, k_new, v_new) -> (k_all, v_all)` of shape
+        (B, Hkv, S, Dh), or None
         (then S = T). mask: bool (B or 1, 1, T, S), True = may attend, or None; is_causal: use
         the plain lower-triangular mask (only when T == S and mask is None).
         need_weights forces the eager path and returns the attention weights."""

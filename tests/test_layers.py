@@ -72,6 +72,19 @@ def test_rope_matches_complex_rotation():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_half_by_half_rotation_bit_for_bit(dtype):
+    """The folded-sign tables give exactly [x1*c - x2*s, x2*c + x1*s] (transformers' values)."""
+    Dh, T = 16, 9
+    rope = RotaryEmbedding(Dh, context_length=16, theta=10000.0)
+    x = torch.randn(2, 3, T, Dh).to(dtype)
+    cos, sin = (t.to(dtype) for t in rope(torch.arange(T)[None]))
+    assert cos.shape == sin.shape == (1, 1, T, Dh)
+    c, s = rope.cos[:T].to(dtype), rope.sin[:T].to(dtype)                      # (T, Dh/2)
+    x1, x2 = x[..., :Dh // 2], x[..., Dh // 2:]
+    assert torch.equal(apply_rope(x, cos, sin), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
 def test_rope_dot_product_depends_only_on_relative_position():
     Dh = 16
     rope = RotaryEmbedding(Dh, context_length=64, theta=10000.0)
