@@ -197,6 +197,9 @@ class Transformer(nn.Module):
     which reads two numbers back from the device; a decode loop that already knows its ids are
     valid may set it False to keep the step free of host syncs. Shape and length checks always run;
     the range checks are skipped while torch.compile traces the model.
+    Compiling is done from outside, `torch.compile(model, fullgraph=True)`: forward, backward and
+    cached decode trace as one graph with no breaks (a prefill and a decode length each get one
+    graph; the cache length becomes a dynamic size after it first changes, not a recompile per step).
     """
 
     def __init__(self, config: ModelConfig, attn_impl: str = "sdpa"):
