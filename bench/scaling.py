@@ -277,17 +277,18 @@ def render(result: dict) -> str:
                                                                     for T in contexts])
     table = markdown_table(["model", "params", "mode"] + [f"T={T}" for T in contexts], rows)
     skipped = sum("skipped" in p for p in result["points"])
-    return f"""logitlab tokens/s (fp32, eager) against context length T and model size, and in brackets the
-fraction of its roofline: MFU for forward and training (accounting.flops_per_token at context T,
-3x for training, over the best fp32 matmul rate at the benchmark shapes measured in the run,
-{result['matmul_peak_gflops']:.1f} GFLOP/s), the fraction of the memory-bandwidth bound for decode (bytes of
-weights + KV cache read per token over the read bandwidth measured in the run, {result['bandwidth_gbs']:.1f} GB/s);
-each limit is the best of a measurement at the start of the run and one at the end. Forward and
-training run B x T = max(T, {s['tokens']}) tokens per step (best of {s['repeats']} after a warm-up);
-training is forward + fp32 cross-entropy + backward + AdamW; decode is batch 1 through `logitlab.generate` (greedy, KV cache, no compilation), {s['new_tokens']}
-tokens after a prompt of T - {s['new_tokens']}, tokens/s of the decode phase alone. Points run cheapest
-first; one whose estimated time exceeded {s['point_cap_s']:.0f} s, or the run's {s['budget_s']:.0f} s
-budget, was skipped ({skipped} here) and is marked so.
+    return f"""logitlab tokens/s (fp32, eager) against context length T and model size, and in brackets
+the fraction of its roofline: MFU for forward and training (accounting.flops_per_token at context
+T, 3x for training, over the best fp32 matmul rate at the benchmark shapes measured in the run,
+{result['matmul_peak_gflops']:.1f} GFLOP/s), the fraction of the memory-bandwidth bound for decode
+(bytes of weights + KV cache read per token over the read bandwidth measured in the run,
+{result['bandwidth_gbs']:.1f} GB/s); each limit is the best of a measurement at the start of the run
+and one at the end. Forward and training run B x T = max(T, {s['tokens']}) tokens per step (best of
+{s['repeats']} after a warm-up); training is forward + fp32 cross-entropy + backward + AdamW. Decode is
+batch 1 through `logitlab.generate` (greedy, KV cache, no compilation), {s['new_tokens']} tokens after
+a prompt of T - {s['new_tokens']}, tokens/s of the decode phase alone. Points run cheapest first; one
+whose estimated time exceeded {s['point_cap_s']:.0f} s, or the run's {s['budget_s']:.0f} s budget, was
+skipped ({skipped} here) and is marked so.
 
 Command: `{result['command']}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
 ({m['torch_threads']} thread(s)), Python {m['python']}, commit {m['commit']}, load average
