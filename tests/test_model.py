@@ -133,6 +133,28 @@ def test_vocab_padding_leaves_real_logits_unchanged():
         padded(torch.tensor([[1, 61]]))
 
 
+
+def test_padded_head_multiplies_only_real_rows_bit_for_bit():
+    """The fast head (first V rows of the weight) equals the obvious one (all rows, then slice
+    the logits) exactly, fp32 and bf16 autocast, with the same gradients; padded rows get none
+    from the head."""
+    model = build(**LLAMA_LIKE, vocab_pad_multiple=64).train()
+    ids = torch.randint(0, 61, (2, 9))
+    for autocast in (False, True):
+        outs = []
+        for head in (model._head, lambda h: model.lm_head(h)[..., :61]):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                h = model.final_norm(model.forward_features(ids))
+                logits = head(h)
+            logits.float().logsumexp(-1).mean().backward()
+            outs.append((logits, model.lm_head.weight.grad.clone()))
+            model.zero_grad(set_to_none=True)
+        (fast, g_fast), (slow, g_slow) = outs
+        assert fast.is_contiguous() and fast.shape == (2, 9, 61)
+        assert torch.equal(fast, slow)
+        torch.testing.assert_close(g_fast, g_slow, rtol=0, atol=0)
+        assert torch.all(g_fast[61:] == 0)
+
 def test_meta_device_construction_costs_nothing_and_loads_back(tmp_path):
     from logitlab.checkpoint import load_model, save_model
 
