@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from logitlab.model import ModelConfig, Transformer
-from logitlab.optim import (WarmupCosine, build_adamw, clip_grad_norm, global_grad_norm_reference, lr_at,
-                            param_group_names, param_groups)
+from logitlab.optim import (
+    WarmupCosine,
+    build_adamw,
+    clip_grad_norm,
+    global_grad_norm_reference,
+    lr_at,
+    param_group_names,
+    param_groups,
+)
 
 
 def test_schedule_values_at_start_end_of_warmup_and_end():
@@ -103,3 +110,30 @@ def test_build_adamw_groups_and_decay_values():
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)
     names = param_group_names(model, 0.05)
     assert "lm_head.weight" in names["decay"]  # an untied head is an ordinary matrix
+
+
+def test_build_adamw_uses_the_fused_kernel_on_cpu_and_matches_foreach():
+    # no biases: the key bias gets a gradient that is zero up to rounding, which Adam would amplify
+    cfg = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=1, n_heads=4, bias=False)
+    a, b = Transformer(cfg), Transformer(cfg)
+    b.load_state_dict(a.state_dict())
+    opt = build_adamw(a, lr=1e-2)
+    assert opt.defaults["fused"] is True
+    params_b = dict(b.named_parameters())
+    ref = torch.optim.AdamW([{"params": [params_b[n] for n in names], "weight_decay": g["weight_decay"]}
+                             for g, names in zip(opt.param_groups, _group_names(a, opt))],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    assert not ref.param_groups[0]["fused"]
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(3):
+        for model, o in ((a, opt), (b, ref)):
+            o.zero_grad()
+            model(x).float().logsumexp(-1).mean().backward()
+            o.step()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _group_names(model, opt) -> list[list[str]]:
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [[by_id[id(p)] for p in g["params"]] for g in opt.param_groups]
