@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.common import ROOT, command_line, machine_info, markdown_table, update_doc_section, write_results
-from bench.roofline import SHAPES, best_time, matmul_peak, memory_bandwidth
+from bench.roofline import SHAPES, matmul_peak, memory_bandwidth
 from logitlab import accounting
 from logitlab.families import PRESETS
 from logitlab.generate import SampleConfig, generate
@@ -49,7 +49,8 @@ GUESS = {"forward": 0.3, "train": 0.2, "decode": 0.3}   # efficiency assumed bef
 @dataclasses.dataclass
 class Settings:
     tokens: int = 512        # B*T of a forward / training step (B = max(1, tokens // T))
-    repeats: int = 2         # timed calls per point, after one warm-up
+    repeats: int = 2         # timed calls per point at least, after one warm-up
+    min_time_s: float = 1.0  # ... and more (up to 10) while a point has taken less than this
     new_tokens: int = 16     # decoded tokens per timed generate call
     point_cap_s: float = 60.0
     budget_s: float = 330.0
@@ -79,14 +80,32 @@ def _ids(config: ModelConfig, B: int, T: int) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
 
 
-def time_forward(model: Transformer, B: int, T: int, repeats: int) -> float:
+def measurements(measure, repeats: int, min_time_s: float, most: int = 10) -> list[float]:
+    """`measure()` at least `repeats` times, and again while less than `min_time_s` has passed
+    (cheap points get more samples, so their best is less at the mercy of a shared machine)."""
+    start, values = time.perf_counter(), []
+    while len(values) < repeats or (time.perf_counter() - start < min_time_s and len(values) < most):
+        values.append(measure())
+    return values
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_forward(model: Transformer, B: int, T: int, repeats: int, min_time_s: float = 0.0) -> float:
+    """Best seconds of a no-grad forward over B x T tokens, after a warm-up."""
     ids = _ids(model.config, B, T)                     # (B, T)
     model.eval()
     with torch.no_grad():
-        return best_time(lambda: model(ids), repeats, torch.device("cpu"))
+        model(ids)
+        return min(measurements(lambda: _seconds(lambda: model(ids)), repeats, min_time_s))
 
 
-def time_train(model: Transformer, B: int, T: int, repeats: int) -> float:
+def time_train(model: Transformer, B: int, T: int, repeats: int, min_time_s: float = 0.0) -> float:
+    """Best seconds of a training step over B x T tokens, after a warm-up step."""
     ids = _ids(model.config, B, T + 1)                 # (B, T + 1): inputs and shifted targets
     x, y = ids[:, :-1], ids[:, 1:]
     model.train()
@@ -98,19 +117,21 @@ def time_train(model: Transformer, B: int, T: int, repeats: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds = best_time(step, repeats, torch.device("cpu"))
+    step()
+    seconds = min(measurements(lambda: _seconds(step), repeats, min_time_s))
     model.eval()
     return seconds
 
 
-def decode_rate(model: Transformer, T: int, new: int, repeats: int) -> float:
-    """Best decode tokens/s of `repeats` greedy generate calls (prompt T - new, `new` tokens)."""
+def decode_rate(model: Transformer, T: int, new: int, repeats: int, min_time_s: float = 0.0) -> float:
+    """Best decode tokens/s of greedy generate calls (prompt T - new, `new` tokens)."""
     prompt = _ids(model.config, 1, T - new)[0].tolist()
     cfg = SampleConfig(temperature=0, max_new_tokens=new)
     model.eval()
     with torch.no_grad():
         generate(model, prompt[:8], SampleConfig(temperature=0, max_new_tokens=4))   # warm-up
-        return max(generate(model, prompt, cfg).decode_tokens_per_second for _ in range(repeats))
+        return max(measurements(lambda: generate(model, prompt, cfg).decode_tokens_per_second, repeats,
+                                min_time_s))
 
 
 def estimate_s(cfg: ModelConfig, mode: str, T: int, s: Settings, peak: float, bw: float,
@@ -169,13 +190,13 @@ def run(models: dict[str, str | ModelConfig], contexts: tuple[int, ...], s: Sett
         model = built[name]
         t0 = time.perf_counter()
         if mode == "forward":
-            tok_s = B * T / time_forward(model, B, T, s.repeats)
+            tok_s = B * T / time_forward(model, B, T, s.repeats, s.min_time_s)
             achieved = accounting.flops_per_token(cfg, T)["forward"] * tok_s / 1e9     # GFLOP/s
         elif mode == "train":
-            tok_s = B * T / time_train(model, B, T, s.repeats)
+            tok_s = B * T / time_train(model, B, T, s.repeats, s.min_time_s)
             achieved = accounting.flops_per_token(cfg, T)["training"] * tok_s / 1e9    # GFLOP/s
         else:
-            tok_s = decode_rate(model, T, s.new_tokens, s.repeats)
+            tok_s = decode_rate(model, T, s.new_tokens, s.repeats, s.min_time_s)
             point["bytes_per_token"] = decode_bytes_per_token(model, T - s.new_tokens / 2)
             achieved = point["bytes_per_token"] * tok_s / 1e9                          # GB/s
         point.update(tok_s=tok_s, achieved=achieved, seconds=time.perf_counter() - t0)
@@ -284,7 +305,8 @@ T, 3x for training, over the best fp32 matmul rate at the benchmark shapes measu
 (bytes of weights + KV cache read per token over the read bandwidth measured in the run,
 {result['bandwidth_gbs']:.1f} GB/s); each limit is the best of a measurement at the start of the run
 and one at the end. Forward and training run B x T = max(T, {s['tokens']}) tokens per step (best of
-{s['repeats']} after a warm-up); training is forward + fp32 cross-entropy + backward + AdamW. Decode is
+{s['repeats']} to 10 timed calls after a warm-up, more while the point has taken under
+{s['min_time_s']:g} s); training is forward + fp32 cross-entropy + backward + AdamW. Decode is
 batch 1 through `logitlab.generate` (greedy, KV cache, no compilation), {s['new_tokens']} tokens after
 a prompt of T - {s['new_tokens']}, tokens/s of the decode phase alone. Points run cheapest first; one
 whose estimated time exceeded {s['point_cap_s']:.0f} s, or the run's {s['budget_s']:.0f} s budget, was
@@ -303,7 +325,7 @@ Reading it: tokens/s at the longest context over the shortest, forward: {trends(
 Training: {trends(result, 'train')}. Decode: {trends(result, 'decode')}. Per token a forward costs
 2·N_matmul + 2·L·T·H·Dh FLOPs: the attention term grows with T and bites where it becomes a large
 share of the FLOPs (narrow models with a small vocabulary), while the large LM head of the GPT-2
-vocabulary (50257 x D) keeps gpt2-tiny's cost nearly flat in T. Decode reads every weight
+vocabulary (50257 x D) keeps gpt2-tiny's FLOPs per token nearly flat in T. Decode reads every weight
 once per token plus a KV cache that grows with T, so its tokens/s falls with model size roughly as
 the bytes grow; what separates the presets' bandwidth fractions is the fixed per-step cost of
 eager PyTorch (dispatch of ~40 small operations per layer), which weighs most on the smallest
@@ -329,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md or the plot")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    s = Settings(tokens=256, repeats=2, new_tokens=8, point_cap_s=10, budget_s=50) if args.quick else Settings()
+    s = Settings(tokens=256, repeats=2, min_time_s=0.3, new_tokens=8, point_cap_s=10,
+                 budget_s=50) if args.quick else Settings()
     s.budget_s = args.budget or s.budget_s
     s.point_cap_s = args.cap or s.point_cap_s
     names = args.models or (list(MODELS[:3]) if args.quick else list(MODELS))
