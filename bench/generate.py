@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from bench.common import command_line, machine_info, markdown_table, update_doc_section, write_results
+from bench.common import RESULTS, command_line, machine_info, markdown_table, update_doc_section, write_results
 from logitlab.generate import SampleConfig, generate
 from logitlab.hf import load_pretrained, save_pretrained
 from logitlab.model import ModelConfig, Transformer
@@ -161,14 +161,45 @@ def measure(shape: str, dtype_name: str, batches: list[int], prompt_len: int, ne
 
 
 def peak_rss_mib(side: str, directory: str, dtype_name: str, B: int, prompt_len: int, new: int,
-                 threads: int | None) -> float:
-    """Peak resident memory (MiB, above the imports) of a fresh process that loads `directory`
-    as `side` (ours or peer) and generates `new` tokens for B prompts."""
+                 threads: int | None) -> tuple[float, float]:
+    """(load + generate, generate alone): peak resident memory (MiB) of a fresh process that
+    loads `directory` as `side` (ours or peer) and generates `new` tokens for B prompts, above
+    its RSS after the imports and above its RSS once the model is loaded."""
     args = [sys.executable, "-m", "bench.generate", "--peak-rss", json.dumps(
         dict(side=side, directory=directory, dtype=dtype_name, B=B, prompt=prompt_len, new=new,
              threads=threads))]
     out = subprocess.run(args, capture_output=True, text=True, check=True, cwd=os.getcwd())
-    return float(out.stdout.strip().splitlines()[-1])
+    gen, total = out.stdout.strip().splitlines()[-2:]
+    return float(total), float(gen)
+
+
+def measure_memory(shape: str, dtype_name: str, directory: str, B: int, new: int, threads) -> dict:
+    mib = {side: peak_rss_mib(side, directory, dtype_name, B, 32, new, threads) for side in ("ours", "peer")}
+    out = dict(shape=shape, dtype=dtype_name, batch=B, ours_mib=mib["ours"][0], peer_mib=mib["peer"][0],
+               ours_gen_mib=mib["ours"][1], peer_gen_mib=mib["peer"][1])
+    print(f"{shape:12s} {dtype_name} B={B}: peak RSS load+generate {out['ours_mib']:.0f} vs "
+          f"{out['peer_mib']:.0f} MiB, generate alone {out['ours_gen_mib']:.0f} vs {out['peer_gen_mib']:.0f} MiB",
+          flush=True)
+    return out
+
+
+def memory_only(args, batches: list[int], new: int) -> int:
+    """Re-measure the memory table alone and re-render the section from the saved timings."""
+    path = RESULTS / "generate.json"
+    payload = json.loads(path.read_text())
+    memory = []
+    for shape in args.shapes:
+        for dtype_name in args.dtypes:
+            with tempfile.TemporaryDirectory() as d:
+                torch.manual_seed(0)
+                save_pretrained(Transformer(SHAPES[shape]).eval(), d)
+                memory.append(measure_memory(shape, dtype_name, d, max(batches), new, args.threads))
+    payload["memory"] = memory
+    payload["memory_command"] = command_line()
+    write_results("generate", payload)
+    if not args.no_doc:
+        update_doc_section("Generation", render(payload))
+    return 0
 
 
 def _rss_kib(field: str) -> int:
@@ -178,29 +209,40 @@ def _rss_kib(field: str) -> int:
     raise ValueError(f"no {field} in /proc/self/status")
 
 
+def _reset_peak() -> int:
+    """Reset the peak (VmHWM) to the current RSS; -> that RSS (KiB)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_kib("VmRSS")
+
+
 def _peak_rss_child(spec: dict) -> int:
-    """Prints the peak RSS (MiB) above the imports: loading the weights and generating."""
+    """Prints the peak RSS (MiB) of generating above the RSS after loading, then the peak of
+    loading and generating above the RSS after the imports."""
     import transformers  # both sides pay the same imports, which the measure leaves out
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     dtype = DTYPES[spec["dtype"]]
     g = torch.Generator().manual_seed(1)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                       # reset the peak (VmHWM) to the current RSS
-    base = _rss_kib("VmRSS")
+    base = _reset_peak()
     with torch.no_grad():
         if spec["side"] == "ours":
             model = load_pretrained(spec["directory"], dtype=dtype).eval()
-            prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
-            generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]))
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=dtype).eval()
-            prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
+        load_peak = _rss_kib("VmHWM")
+        loaded = _reset_peak()
+        prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
+        if spec["side"] == "ours":
+            generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]))
+        else:
             model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                            max_new_tokens=spec["new"], min_new_tokens=spec["new"], pad_token_id=0,
                            eos_token_id=None)
-    print((_rss_kib("VmHWM") - base) / 1024)
+    gen_peak = _rss_kib("VmHWM")
+    print((gen_peak - loaded) / 1024)
+    print((max(load_peak, gen_peak) - base) / 1024)
     return 0
 
 
@@ -236,11 +278,18 @@ def render(payload: dict) -> str:
     mem = payload.get("memory") or []
     mem_table = ""
     if mem:
-        mem_table = "Peak resident memory above the imports (VmHWM reset after importing), each side alone in " \
-                    "a fresh process, loading the saved weights and generating the same tokens (eager):\n\n" + markdown_table(
-            ["shape", "dtype", "B", "logitlab MiB", "transformers MiB", "logitlab / transformers"],
-            [[m["shape"], m["dtype"], m["batch"], f"{m['ours_mib']:.0f}", f"{m['peer_mib']:.0f}",
-              f"{m['ours_mib'] / m['peer_mib']:.2f}"] for m in mem]) + "\n\n"
+        mem_table = ("Peak resident memory, each side alone in a fresh process (same imports) loading the "
+                     "saved weights and generating the same tokens (eager): generating alone (peak above "
+                     "the RSS once the model is loaded: KV cache, activations, logits) and loading plus "
+                     "generating (peak above the RSS after the imports; loading is logitlab.hf's and "
+                     "transformers' loaders):\n\n") + markdown_table(
+            ["shape", "dtype", "B", "generate: logitlab MiB", "transformers MiB", "ratio",
+             "load + generate: logitlab MiB", "transformers MiB", "ratio"],
+            [[m["shape"], m["dtype"], m["batch"], *(
+                [f"{m['ours_gen_mib']:.0f}", f"{m['peer_gen_mib']:.0f}",
+                 f"{m['ours_gen_mib'] / max(m['peer_gen_mib'], 1e-9):.2f}"] if "ours_gen_mib" in m else ["-"] * 3),
+              f"{m['ours_mib']:.0f}", f"{m['peer_mib']:.0f}", f"{m['ours_mib'] / m['peer_mib']:.2f}"]
+             for m in mem]) + "\n\n"
     return (f"Greedy generation with a KV cache, prompt 32 tokens, {payload['new_tokens']} new tokens per "
             f"row, transformers `generate` (eager) as the peer, same weights via `save_pretrained`. logitlab "
             f"runs eager and with `compile=True` (its decode step through torch.compile, one graph). Median "
@@ -259,7 +308,8 @@ def render(payload: dict) -> str:
             "them (Python and dispatch: about 40 operations per layer). Eager logitlab and transformers both "
             "pay that overhead; the compiled step removes most of it (one graph, its kernels called from C++), "
             "and for bf16 weights it freezes and prepacks them for inductor's own C++ GEMM kernels (aten's bf16 "
-            "matrix-vector product reads about half as many bytes per second as its fp32 one here). The larger the model, the more the step is matmul-bound and "
+            "matrix-vector product reads about half as many bytes per second as its fp32 one here). A model whose weights fit in the last-level cache (the small "
+            "Llama) can pass 100% of the DRAM bound. The larger the model, the more the step is matmul-bound and "
             "the closer every side comes to the same time (GPT-2 small in fp32). The prefill column includes "
             "the first token; both sides compute the LM head for the last prompt position only. In bf16 the "
             "sides round differently (transformers' GPT-2 fuses q/k/v into one projection; the compiled "
@@ -280,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--no-compile", action="store_true", help="skip logitlab's compiled decode step")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="re-measure only the peak-memory table, keeping the saved timings")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     ap.add_argument("--peak-rss", metavar="JSON", help=argparse.SUPPRESS)   # the memory child process
     args = ap.parse_args(argv)
@@ -293,6 +345,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.shapes = args.shapes if args.shapes != list(SHAPES) else ["llama-small"]
         args.dtypes = args.dtypes if args.dtypes != list(DTYPES) else ["fp32"]
+    if args.memory_only:
+        return memory_only(args, batches, new)
     sides = ("ours", "peer") if args.no_compile else ("ours", "compiled", "peer")
     info = machine_info()
     bandwidth = bandwidth_gbs()
@@ -304,12 +358,7 @@ def main(argv=None) -> int:
                 results += measure(shape, dtype_name, batches, 32, new, repeats, sides, bandwidth, d)
                 if not args.no_memory:
                     B = max(batches)
-                    mib = {side: peak_rss_mib(side, d, dtype_name, B, 32, new, args.threads)
-                           for side in ("ours", "peer")}
-                    memory.append(dict(shape=shape, dtype=dtype_name, batch=B, ours_mib=mib["ours"],
-                                       peer_mib=mib["peer"]))
-                    print(f"{shape:12s} {dtype_name} B={B}: peak RSS {mib['ours']:.0f} vs "
-                          f"{mib['peer']:.0f} MiB", flush=True)
+                    memory.append(measure_memory(shape, dtype_name, d, B, new, args.threads))
     payload = dict(machine=info, command=command_line(), repeats=repeats, new_tokens=new,
                    bandwidth_gbs=bandwidth, results=results, memory=memory)
     write_results("generate", payload)
