@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import (alternate, command_line, machine_info, markdown_table, update_doc_section,
-                          write_results)
+from bench.common import alternate, command_line, machine_info, markdown_table, update_doc_section, write_results
 from logitlab import accounting, hf
 from logitlab.families import PRESETS
 from logitlab.model import ModelConfig, Transformer

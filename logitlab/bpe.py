@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from logitlab.bpe_pretokenize import count_pretokens, expand_paths, stdlib_files
 from logitlab.tokenizer import Tokenizer, check_special_tokens, resolve_pattern

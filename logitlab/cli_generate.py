@@ -286,7 +286,7 @@ def _chat(args) -> int:
 # inspect
 # --------------------------------------------------------------------------------------------
 
-def _quoted(text: str | None) -> "Text":
+def _quoted(text: str | None):
     """A token for a table: quoted, with escapes for newlines and other control characters."""
     from rich.text import Text
 

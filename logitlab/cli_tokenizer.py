@@ -152,7 +152,8 @@ def cmd_show(args) -> int:
     n_bytes = len(text.encode("utf-8", errors="replace"))
     ratio = n_bytes / len(ids) if ids else 0.0
     out.print(f"{len(ids)} tokens, {n_bytes} bytes, {ratio:.2f} bytes/token "
-              f"(vocab_size {tok.vocab_size}, encoder {'tiktoken' if tok.fast_path_ok and not args.reference else 'reference'})")
+              f"(vocab_size {tok.vocab_size}, "
+              f"encoder {'tiktoken' if tok.fast_path_ok and not args.reference else 'reference'})")
     return 0
 
 

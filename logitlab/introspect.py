@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from logitlab.generate import SampleConfig, bias_vector, process_logits, softmax
+from logitlab.sampling import SampleConfig, bias_vector, process_logits, softmax
 
 TokenText = Callable[[int], str] | None
 

@@ -96,7 +96,8 @@ class ModelConfig:
     norm: Literal["layernorm", "rmsnorm"] = field(default="layernorm", metadata={"help": "normalisation"})
     norm_eps: float = field(default=1e-5, metadata={"help": "epsilon inside the norms"})
     norm_placement: Literal["pre", "post"] = field(
-        default="pre", metadata={"help": "norm before each sublayer (pre, GPT-2/Llama) or after the residual add (post)"})
+        default="pre",
+        metadata={"help": "norm before each sublayer (pre, GPT-2/Llama) or after the residual add (post)"})
     mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP kind"})
     gelu_approximate: Literal["tanh", "none"] = field(
         default="tanh", metadata={"help": "GELU form for mlp=gelu (GPT-2 uses tanh)"})

@@ -36,8 +36,18 @@ import codecs
 from collections.abc import Iterable, Iterator
 
 from logitlab.tokenizer_patterns import (  # noqa: F401  (re-exported: the stage's public names)
-    ASCII_PATTERNS, CL100K_PATTERN, GPT2_PATTERN, PATTERNS, SAFE_CUT, check_special_tokens, find_safe_cut,
-    pattern_name, pretokenizer, resolve_pattern, special_regex)
+    ASCII_PATTERNS,
+    CL100K_PATTERN,
+    GPT2_PATTERN,
+    PATTERNS,
+    SAFE_CUT,
+    check_special_tokens,
+    find_safe_cut,
+    pattern_name,
+    pretokenizer,
+    resolve_pattern,
+    special_regex,
+)
 
 _REFERENCE_CACHE_LIMIT = 100_000  # encoded pre-tokens kept by the reference path
 _NO_MERGE = 1 << 62

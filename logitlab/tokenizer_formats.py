@@ -220,7 +220,8 @@ def save_hf(tok, path) -> None:
     data = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])],
+                          "normalized": False, "special": True}
+                         for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])],
         "normalizer": None,
         "pre_tokenizer": _pre_tokenizer(tok),
         "post_processor": None,
@@ -239,7 +240,8 @@ def _hf_pattern(pre, where) -> str:
         raise ValueError(f"{where}: pre_tokenizer is null; byte-level BPE needs ByteLevel")
     if pre.get("type") == "ByteLevel":
         if not pre.get("use_regex", True) or pre.get("add_prefix_space"):
-            raise ValueError(f"{where}: ByteLevel pre_tokenizer with use_regex=false or add_prefix_space=true is not supported")
+            raise ValueError(f"{where}: ByteLevel pre_tokenizer with use_regex=false or "
+                             "add_prefix_space=true is not supported")
         return "gpt2"
     if pre.get("type") == "Sequence":
         steps = pre.get("pretokenizers") or []

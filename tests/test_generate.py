@@ -10,8 +10,18 @@ import pytest
 import torch
 
 from logitlab.generate import (
-    SampleConfig, apply_count_penalties, apply_repetition_penalty, bias_vector, make_generator,
-    min_p_filter, next_token, process_logits, sample, softmax, top_k_filter, top_p_filter,
+    SampleConfig,
+    apply_count_penalties,
+    apply_repetition_penalty,
+    bias_vector,
+    make_generator,
+    min_p_filter,
+    next_token,
+    process_logits,
+    sample,
+    softmax,
+    top_k_filter,
+    top_p_filter,
 )
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.1, -1.0]])

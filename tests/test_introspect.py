@@ -11,7 +11,12 @@ import torch
 
 from logitlab.generate import SampleConfig
 from logitlab.introspect import (
-    embedding_neighbours, lens_logits, logit_lens, next_token_table, summarize, token_surprisals,
+    embedding_neighbours,
+    lens_logits,
+    logit_lens,
+    next_token_table,
+    summarize,
+    token_surprisals,
 )
 from logitlab.model import ModelConfig, Transformer
 

@@ -8,8 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logitlab.layers import (Attention, GeluMLP, LayerNorm, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope,
-                             eager_attention, repeat_kv, rope_inv_freq)
+from logitlab.layers import (
+    Attention,
+    GeluMLP,
+    LayerNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rope,
+    eager_attention,
+    repeat_kv,
+    rope_inv_freq,
+)
 from logitlab.model import ModelConfig, RopeScaling
 
 

@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+import _dist_worker as worker
 import pytest
 import torch
 
-import _dist_worker as worker
 from logitlab import parallel
 
 ROOT = Path(__file__).resolve().parents[1]
