@@ -1,4 +1,4 @@
-"""The command line: argparse subcommands and the one helper that turns config dataclasses into flags.
+"""The command line: argparse subcommands and the one function that turns config dataclasses into flags.
 
 cli.py owns `main()`, the shared flag machinery and the console. Each concern registers its
 subcommands from its own small module (cli_tokenizer.py, cli_model.py, cli_train.py,
