@@ -179,11 +179,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
         """Inverse of to_dict; unknown keys are an error naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(names)}")
-        return cls(**data)
+        return config_from_dict(cls, data)
+
+
+def config_from_dict(cls: type, data: dict):
+    """Build the config dataclass `cls` from a dict (the inverse of dataclasses.asdict); unknown
+    keys are an error naming them and the known fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(names)}")
+    return cls(**data)
 
 
 # ------------------------------------------------------------------------------------------

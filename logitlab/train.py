@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from logitlab import checkpoint as ckpt_io
 from logitlab import data as data_io
 from logitlab import runtime
+from logitlab.model import config_from_dict
 from logitlab.optim import WarmupCosine, build_adamw, clip_grad_norm
 
 
@@ -118,11 +119,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig field(s) {unknown}")
-        return cls(**data)
+        """Inverse of to_dict; unknown keys are an error naming them."""
+        return config_from_dict(cls, data)
 
     def schedule(self) -> WarmupCosine:
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
