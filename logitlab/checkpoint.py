@@ -52,11 +52,18 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
                     os.fsync(f.fileno())
         old = None
         if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            # Named after the unique temporary directory, so concurrent writers (threads of one
+            # process included) never move their old copies to the same place.
+            old = target.parent / tmp.name.replace(".tmp-", ".old-", 1)
             if old.exists():
                 shutil.rmtree(old)
             os.replace(target, old)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            if old is not None:  # put the previous directory back: target stays untouched
+                os.replace(old, target)
+            raise
         _fsync_dir(target.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
