@@ -401,14 +401,14 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str
     from logitlab import hf
 
     model, tokenizer = load_for_inference(run_dir, which)
-    out = hf.save_pretrained(model, out_dir)
-    if tokenizer is not None:
-        tokenizer.save_hf(out / "tokenizer.json")
-        special, eot = {}, "<|endoftext|>"
-        if tokenizer.eot_id is not None:
-            special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
-        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.context_length,
-                   "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
-        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    return out
+    with atomic_directory(out_dir) as out:  # model and tokenizer files appear together
+        hf.write_hf_files(model, out, tokenizer)
+        if tokenizer is not None:
+            special, eot = {}, "<|endoftext|>"
+            if tokenizer.eot_id is not None:
+                special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
+            (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+            tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.context_length,
+                       "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
+            (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return Path(out_dir)

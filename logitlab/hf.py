@@ -143,10 +143,9 @@ def _unwrap(model):
     return getattr(model, "module", model)         # DDP / FSDP wrappers
 
 
-def save_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path:
-    """Atomically write config.json + model.safetensors that transformers.AutoModelForCausalLM
-    loads as the matching class (families.hf_architecture). A tied head is stored once, as the
-    embedding, as Hugging Face expects. A logitlab Tokenizer, when given, goes in as tokenizer.json."""
+def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
+    """Write config.json + model.safetensors (+ tokenizer.json) of `model` into an existing
+    directory; save_pretrained is the atomic entry point."""
     from safetensors.torch import save_file
 
     model = _unwrap(model)
@@ -155,11 +154,19 @@ def save_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path
     hf_config = families.config_to_hf(config, dtype=str(dtype).removeprefix("torch."))
     state = families.state_dict_to_hf(model.state_dict(), config)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    directory = Path(directory)
+    save_file(state, str(directory / SAFETENSORS), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_hf(directory / "tokenizer.json")
+
+
+def save_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path:
+    """Atomically write config.json + model.safetensors that transformers.AutoModelForCausalLM
+    loads as the matching class (families.hf_architecture). A tied head is stored once, as the
+    embedding, as Hugging Face expects. A logitlab Tokenizer, when given, goes in as tokenizer.json."""
     with checkpoint.atomic_directory(directory) as tmp:
-        save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_hf(tmp / "tokenizer.json")
+        write_hf_files(model, tmp, tokenizer)
     return Path(directory)
 
 
