@@ -32,6 +32,7 @@ import time
 import torch
 
 from bench.common import RESULTS, command_line, machine_info, markdown_table, update_doc_section, write_results
+from bench.roofline import bandwidths
 from logitlab.generate import SampleConfig, generate
 from logitlab.hf import load_pretrained, save_pretrained
 from logitlab.model import ModelConfig, Transformer
@@ -85,11 +86,8 @@ def timed(fn) -> tuple[float, object]:
 def bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     """Memory read bandwidth (GB/s) with torch's current thread count, measured the way a decode
     step reads its weights: the best of `repeats` float32 matrix-vector products over a `mib`
-    MiB matrix (far larger than any cache), counting the matrix bytes."""
-    w = torch.ones(mib * 2**20 // 4 // 4096, 4096)
-    x = torch.ones(4096, 1)
-    best = min(timed(lambda: w @ x)[0] for _ in range(repeats))
-    return w.numel() * 4 / best / 1e9
+    MiB matrix (far larger than any cache), counting the matrix bytes (bench.roofline's "matvec")."""
+    return bandwidths(mib, repeats)["matvec"]
 
 
 def bytes_per_step(model, B: int, S: float) -> int:
