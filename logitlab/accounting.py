@@ -21,8 +21,6 @@ x H·Dh) over the T/2 keys a causal query sees on average. A training step costs
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 
 from logitlab.model import ModelConfig
@@ -306,17 +304,13 @@ def plan_training(config: ModelConfig, batch_size: int = 1, context: int | None 
 
 
 def measure_matmul_flops(dtype: str = "fp32", n: int = 1024, seconds: float = 0.5) -> float:
-    """FLOP/s of an n x n x n matmul on this CPU (2·n³ FLOPs each), the best of repeated timings."""
+    """FLOP/s of an n x n x n matmul on this CPU (2·n³ FLOPs each), the best of repeated timings
+    for about `seconds` (runtime.measure_matmul_flops)."""
     import torch
+
+    from logitlab import runtime
 
     dtype_bytes(dtype)  # validates the name
     torch_dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                    "float16": torch.float16}.get(dtype, torch.float32)
-    a, b = torch.randn(n, n, dtype=torch_dtype), torch.randn(n, n, dtype=torch_dtype)
-    a @ b  # warm-up
-    best, deadline = math.inf, time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == math.inf:
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    return runtime.measure_matmul_flops(torch.device("cpu"), torch_dtype, n, seconds)

@@ -117,23 +117,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@lru_cache(maxsize=None)
-def _measured_peak(device_str: str, dtype_str: str, size: int) -> float:
-    device, dtype = torch.device(device_str), getattr(torch, dtype_str)
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.1) -> float:
+    """FLOP/s of a size x size x size matmul (2·size³ FLOPs each): the fastest of repeated timings
+    for about `seconds` (at least one) after two warm-up calls. Uncached; see matmul_peak_flops."""
     g = torch.Generator().manual_seed(0)  # private: the global generators are not touched
     a = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
     for _ in range(2):  # warm-up
         a @ b
     synchronize(device)
-    best = float("inf")
-    for _ in range(3):
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
         start = time.perf_counter()
-        for _ in range(4):
-            a @ b
+        a @ b
         synchronize(device)
-        best = min(best, (time.perf_counter() - start) / 4)
+        best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+@lru_cache(maxsize=None)
+def _measured_peak(device_str: str, dtype_str: str, size: int) -> float:
+    return measure_matmul_flops(torch.device(device_str), getattr(torch, dtype_str), size)
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, size: int | None = None) -> float:
