@@ -419,7 +419,8 @@ class Transformer(nn.Module):
 
     def _check_positions(self, positions, B, T):
         if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
-            raise ValueError("positions must be an int64 tensor of shape (B, T)")
+            got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise ValueError(f"positions must be an int64 (or int32) tensor of shape (B, T), got {got}")
         if positions.ndim == 1:
             positions = positions.unsqueeze(0)                     # (T,) -> (1, T)
         if positions.ndim != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
