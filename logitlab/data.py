@@ -243,6 +243,11 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
                 k += 1
             if progress is not None:
                 progress(k, sum(c["tokens"] for c in counts.values()))
+    except BaseException:
+        for s in SPLIT_FILES:  # an interrupted run leaves no partial token files behind
+            handles[s].close()
+            tmp[s].unlink(missing_ok=True)
+        raise
     finally:
         for h in handles.values():
             h.close()
