@@ -15,7 +15,7 @@ EOT = "<|endoftext|>"
 
 
 def byte_tokenizer() -> Tokenizer:
-    """256 byte tokens + <|endoftext|> = 256: no merges, so any text round-trips."""
+    """256 byte tokens + <|endoftext|> = 257 ids: no merges, so any text round-trips."""
     return Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=[EOT])
 
 
