@@ -72,27 +72,6 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a single file atomically (temporary file in the same directory, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
 # --------------------------------------------------------------------------------------------
 # logitlab's own model directory: config.json {"format": "logitlab", "model": {...}} +
 # model.safetensors with logitlab's state-dict keys (see model.py). A tied LM head is stored
