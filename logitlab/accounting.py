@@ -201,9 +201,10 @@ def explain_classic(config: ModelConfig) -> str:
 # --------------------------------------------------------------------------------------------
 
 def matmul_params(config: ModelConfig) -> int:
-    """N_matmul: weights that multiply activations per token (blocks + LM head)."""
+    """N_matmul: weights that multiply activations per token (blocks + LM head). The LM head's
+    vocabulary padding rows are never multiplied (Transformer._head uses its first V rows)."""
     f = formula_count(config)
-    return f.layers + config.padded_vocab_size * config.d_model
+    return f.layers + config.vocab_size * config.d_model
 
 
 def flops_per_token(config: ModelConfig, context: int | None = None) -> dict[str, float]:
@@ -297,7 +298,7 @@ def plan_training(config: ModelConfig, batch_size: int = 1, context: int | None 
     N = n_params if n_params is not None else count_parameters(config).total
     tokens = batch_size * T
     activations = tokens * activation_elements_per_token(config) * dtype_bytes(dtype)
-    logits = 2 * tokens * config.padded_vocab_size * 4
+    logits = 2 * tokens * config.vocab_size * 4  # (B, T, V): the model never forms padded columns
     limit = None if memory_gb is None else int(memory_gb * 2**30)
     return TrainingPlan(batch_size, T, dtype, N, 4 * N, 4 * N, 8 * N, activations, logits, limit,
                         flops_per_token(config, T)["training"] * tokens, matmul_flops_per_s)
