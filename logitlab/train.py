@@ -226,16 +226,11 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_tokens: int, devi
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N for the matmuls of N parameters (embedding lookups
-    excluded, a tied LM head counted once) plus 12·L·H·Dh·T for attention scores and values
-    (Kaplan et al. 2020; PaLM appendix B)."""
-    cfg = model.config
-    n = sum(p.numel() for p in model.parameters())
-    if not cfg.tie_embeddings:
-        n -= model.tok_emb.weight.numel()
-    if getattr(model, "pos_emb", None) is not None:
-        n -= model.pos_emb.weight.numel()
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    """Training FLOPs per token at context seq_len: accounting.flops_per_token's count (3 x the
+    forward: 2 per matmul weight, LM head included, plus causal attention scores and values)."""
+    from logitlab.accounting import flops_per_token as counted
+
+    return float(counted(model.config, seq_len)["training"])
 
 
 # --------------------------------------------------------------------------------------------
