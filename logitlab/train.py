@@ -373,20 +373,20 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
         emit("checkpoint", {"step": step, "path": str(path)})
         return path
 
-    emit("start", {"step": step, "steps": config.steps, "tokens_per_step": tokens_per_step,
-                   "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir)})
-    if step == 0 and has_val and config.eval_at_start:  # no RNG is drawn: resume stays exact
-        val0 = evaluate(wrapped, val_tokens, seq_len, config.batch_size // world_size, config.eval_tokens,
-                        device, amp_dtype, rank, world_size, all_reduce)
-        record0 = {"step": 0, "tokens": 0, "val_loss": val0, "val_ppl": math.exp(min(val0, 700.0))}
-        metrics.append(record0)
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(record0) + "\n")
-            metrics_file.flush()
-        emit("eval", record0)
-    last_loss, val_loss, last_ckpt, stopped = None, None, latest if resume else None, "done"
-    started = time.perf_counter()
-    try:
+    try:  # the metrics file and the TensorBoard writer are closed however the run ends
+        emit("start", {"step": step, "steps": config.steps, "tokens_per_step": tokens_per_step,
+                       "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir)})
+        if step == 0 and has_val and config.eval_at_start:  # no RNG is drawn: resume stays exact
+            val0 = evaluate(wrapped, val_tokens, seq_len, config.batch_size // world_size, config.eval_tokens,
+                            device, amp_dtype, rank, world_size, all_reduce)
+            record0 = {"step": 0, "tokens": 0, "val_loss": val0, "val_ppl": math.exp(min(val0, 700.0))}
+            metrics.append(record0)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(record0) + "\n")
+                metrics_file.flush()
+            emit("eval", record0)
+        last_loss, val_loss, last_ckpt, stopped = None, None, latest if resume else None, "done"
+        started = time.perf_counter()
         with _StopFlag() as stop:
             while step < config.steps:
                 t0 = time.perf_counter()
