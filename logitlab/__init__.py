@@ -24,7 +24,7 @@ _EXPORTS = {
     "KVCache": "kv_cache",
     "get_preset": "families",
     "PRESETS": "families",
-    "SampleConfig": "generate",
+    "SampleConfig": "sampling",
     "stream": "generate",
     "TrainConfig": "train",
     "save_model": "checkpoint",
