@@ -2,7 +2,7 @@
 
 cli.py owns `main()`, the shared flag machinery and the console. Each concern registers its
 subcommands from its own small module (cli_tokenizer.py, cli_model.py, cli_train.py,
-cli_generate.py), so no single file grows past a few screens. Only the CLI layer reads argv
+cli_demo.py, cli_generate.py), so no single file grows past a few screens. Only the CLI layer reads argv
 or formats output for humans; the library modules return data.
 
 Config flags: `add_config_flags(parser, SomeConfig)` adds one `--field-name` flag per dataclass
