@@ -135,8 +135,10 @@ def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool
     if result.stopped == "signal":
         con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
     else:
+        # no step ran (a resumed run that had already finished): no loss to show
+        loss = f", loss {result.last_loss:.4f}" if result.last_loss is not None else ""
         val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-        con.print(f"done: {result.step} steps, loss {result.last_loss:.4f}{val}; checkpoint {result.checkpoint}")
+        con.print(f"done: {result.step} steps{loss}{val}; checkpoint {result.checkpoint}")
     return result
 
 
