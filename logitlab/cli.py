@@ -115,6 +115,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
         group.add_argument(flag_name(field.name, prefix), **kwargs)
 
 
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """--progress [BOOL]: a live progress bar when the console is interactive (default true)."""
+    parser.add_argument("--progress", type=_parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
+                        help="live progress bar when the console is interactive (default true)")
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config file, naming the file in any error."""
     if sys.version_info >= (3, 11):

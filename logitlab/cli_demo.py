@@ -139,6 +139,5 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
-                   help="live progress bar when the console is interactive (default true)")
+    cli.add_progress_flag(p)
     p.set_defaults(func=cmd_demo)

@@ -350,8 +350,7 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer-vocab", type=int, default=4096, help="vocab size when training a tokenizer")
     p.add_argument("--tokenizer-bytes", type=int, default=2_000_000, help="text used to train it")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
-    p.add_argument("--progress", type=cli._parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
-                   help="live progress bar when the console is interactive (default true)")
+    cli.add_progress_flag(p)
     _add_data_flags(p)
     cli.add_config_flags(p, TrainConfig)
     cli.add_config_flags(p, ModelConfig)
