@@ -121,6 +121,11 @@ def add_progress_flag(parser: argparse.ArgumentParser) -> None:
                         help="live progress bar when the console is interactive (default true)")
 
 
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """--dtype: cast loaded weights (hf.parse_dtype names); default: as stored."""
+    parser.add_argument("--dtype", default=None, help="cast the weights: fp32, bf16 or fp16 (default: as stored)")
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config file, naming the file in any error."""
     if sys.version_info >= (3, 11):

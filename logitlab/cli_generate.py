@@ -65,12 +65,14 @@ def register(subparsers) -> None:
 
 
 def _model_flags(p) -> None:
+    from logitlab.cli import add_dtype_flag
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="run directory, checkpoint directory or logitlab "
                      "model directory (with tokenizer.logitlab.json)")
     src.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json, safetensors, and "
                      "tokenizer.json or GPT-2 vocab.json + merges.txt)")
-    p.add_argument("--dtype", default=None, help="cast the weights: fp32, bf16 or fp16 (default: as stored)")
+    add_dtype_flag(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     """Add `params` and `convert` to `subparsers`."""
+    from logitlab.cli import add_dtype_flag
+
     p = subparsers.add_parser("params", help="parameter counts, FLOPs, memory and a training planner",
                               description="Exact parameter counts (model built on the meta device) beside "
                               "the back-of-envelope formula, FLOPs per token, weight and KV-cache memory, "
@@ -41,7 +43,7 @@ def register(subparsers) -> None:
     c.add_argument("--out", metavar="DIR", help="directory to write (required with --to-hf)")
     c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
                    "largest difference per layer and of the logits; exit 1 above tolerance")
-    c.add_argument("--dtype", default=None, help="cast weights on import (fp32, bf16, fp16)")
+    add_dtype_flag(c)
     c.set_defaults(func=_convert)
 
 
