@@ -19,8 +19,8 @@ from pathlib import Path
 from logitlab import cli
 from logitlab.cli_train import _prepare, _run_training, _train_tokenizer, plot_run
 
-# The demo's sizes. The full demo uses the whole default corpus and sets its step count from a
-# short timing of the model, so that training takes about `train_seconds` on the machine at hand.
+# The demo's sizes. The full demo tokenizes 12 MB spread over the default corpus and sets its step
+# count from a short timing of the model, so that training takes about `train_seconds` on the machine at hand.
 _DEMO = {
     "full": dict(vocab=4096, tok_bytes=3_000_000, corpus=12_000_000, val=0.02, train_seconds=240,
                  model=dict(context_length=128, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384),
