@@ -5,11 +5,11 @@ prints nothing and knows no family names; presets and Hugging Face mappings live
 families.py, checkpoint I/O in checkpoint.py / hf.py.
 
 Shapes: B batch, T positions in this call, S key/value length (cached + new), D d_model,
-V vocab (padded), H query heads, Hkv key/value heads, G = H // Hkv, Dh head_dim, F d_ff,
-L layers.
+V vocab (V_padded: the embedding and LM-head rows), H query heads, Hkv key/value heads,
+G = H // Hkv, Dh head_dim, F d_ff, L layers.
 
 The path: ids (B, T) -> tok_emb (+ pos_emb for learned positions) -> L blocks -> final_norm ->
-lm_head -> logits (B, T, V), sliced to config.vocab_size so padded rows never show.
+lm_head (its first V rows only) -> logits (B, T, V), so padded rows never show.
 
 State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on them):
 
