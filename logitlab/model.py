@@ -306,7 +306,8 @@ class Transformer(nn.Module):
         As transformers' output_hidden_states: hidden[0] is the embedding output (token plus
         learned position embedding), hidden[i] the output of blocks[i-1] (1 <= i < L), and
         hidden[L] the last block's output AFTER the final norm (unembed(h) applies the final
-        norm itself, so use it on hidden[:-1] and lm_head on hidden[-1])."""
+        norm itself, so use it on hidden[:-1]; the returned logits are hidden[-1] through the LM
+        head's first V rows alone)."""
         h, hidden, _ = self._run(ids, cache, positions, attn_mask, want_hidden=True)
         hidden.append(self.final_norm(h))
         return self._head(hidden[-1]), hidden
