@@ -1,6 +1,7 @@
-"""Tests for generate.py: the sampling functions against worked numbers, sampling in
-distribution (chi-square), and the prefill/decode loop against its references (no cache,
-each prompt alone, transformers' greedy generate)."""
+"""Tests for generate.py and sampling.py: the sampling functions (sampling.py, imported through
+generate.py's re-exports) against worked numbers, sampling in distribution (chi-square), and the
+prefill/decode loop against its references (no cache, each prompt alone, transformers' greedy
+generate)."""
 
 from __future__ import annotations
 
