@@ -373,21 +373,9 @@ def load_for_inference(path: str | os.PathLike, which: str = "latest", device: s
 
 
 def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str = "latest") -> Path:
-    """Model (hf.save_pretrained) + tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+    """Model + tokenizer.json, tokenizer_config.json, special_tokens_map.json (hf.save_pretrained),
     so transformers' AutoModelForCausalLM and AutoTokenizer load the directory."""
-    import json
-
     from logitlab import hf
 
     model, tokenizer = load_for_inference(run_dir, which)
-    with atomic_directory(out_dir) as out:  # model and tokenizer files appear together
-        hf.write_hf_files(model, out, tokenizer)
-        if tokenizer is not None:
-            special, eot = {}, "<|endoftext|>"
-            if tokenizer.eot_id is not None:
-                special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
-            (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-            tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.context_length,
-                       "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
-            (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    return Path(out_dir)
+    return hf.save_pretrained(model, out_dir, tokenizer)

@@ -144,8 +144,9 @@ def _unwrap(model):
 
 
 def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
-    """Write config.json + model.safetensors (+ tokenizer.json) of `model` into an existing
-    directory; save_pretrained is the atomic entry point."""
+    """Write config.json + model.safetensors of `model` into an existing directory, and with a
+    tokenizer its tokenizer.json, tokenizer_config.json and special_tokens_map.json (what
+    AutoTokenizer reads); save_pretrained is the atomic entry point."""
     from safetensors.torch import save_file
 
     model = _unwrap(model)
@@ -159,12 +160,20 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_hf(directory / "tokenizer.json")
+        special, eot = {}, "<|endoftext|>"
+        if tokenizer.eot_id is not None:
+            special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
+        (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.context_length,
+                   "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
+        (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
 def save_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path:
     """Atomically write config.json + model.safetensors that transformers.AutoModelForCausalLM
     loads as the matching class (families.hf_architecture). A tied head is stored once, as the
-    embedding, as Hugging Face expects. A logitlab Tokenizer, when given, goes in as tokenizer.json."""
+    embedding, as Hugging Face expects. A logitlab Tokenizer, when given, goes in as tokenizer.json
+    with the two files AutoTokenizer also reads (write_hf_files)."""
     with checkpoint.atomic_directory(directory) as tmp:
         write_hf_files(model, tmp, tokenizer)
     return Path(directory)
