@@ -153,6 +153,10 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
     config: ModelConfig = model.config
     dtype = next(model.parameters()).dtype
     hf_config = families.config_to_hf(config, dtype=str(dtype).removeprefix("torch."))
+    if tokenizer is not None and tokenizer.eot_id is not None:
+        # else transformers falls back to its class defaults (GPT-2: 50256, Llama: 1 and 2), ids
+        # that are another token here or lie outside a small vocabulary, so generate never stops
+        hf_config.update(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
     state = families.state_dict_to_hf(model.state_dict(), config)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     directory = Path(directory)
