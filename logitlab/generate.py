@@ -14,6 +14,7 @@ Shapes: B batch, T positions in this call, S key/value length, V vocab.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 import weakref
 from dataclasses import dataclass
@@ -125,6 +126,15 @@ def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Ten
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (weights key, step)
 
+# torch.compile(isolate_recompiles=True) (recent torch releases) keeps each compiled step's graphs
+# apart from every other's; only then is skipping the guards on the model's modules safe, since
+# nothing else could tell two models' graphs apart. Older torch keeps the guards.
+_ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
+def _guard_options() -> dict:
+    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if _ISOLATE else {}
+
 
 def _compile_options(model) -> dict:
     """Inductor options for the decode step of `model`, chosen by its device and dtype.
@@ -139,7 +149,7 @@ def _compile_options(model) -> dict:
     (`compiled_decode_step`). Guards on the model's modules are skipped (a decode step checks
     ~10 per parameter): the per-model key stands in for them."""
     device, dtype = _device_dtype(model)
-    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    options = _guard_options()
     if device.type == "cpu":
         options["cpp_wrapper"] = True
         if dtype in (torch.bfloat16, torch.float16):
@@ -168,14 +178,13 @@ def compiled_decode_step(model=None, backend: str = "inductor") -> Callable:
     held = _COMPILED.get(model)
     if held is not None and held[0] == key:
         return held[1]
-    options = _compile_options(model) if backend == "inductor" else {
-        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    options = _compile_options(model) if backend == "inductor" else _guard_options()
 
     def step(model, token, cache, positions=None, attn_mask=None):
         return decode_step(model, token, cache, positions, attn_mask)
 
-    fn = torch.compile(step, dynamic=True, fullgraph=True, backend=backend, options=options,
-                       isolate_recompiles=True)   # this model's graphs only, never another's
+    isolate = {"isolate_recompiles": True} if _ISOLATE else {}   # this model's graphs only
+    fn = torch.compile(step, dynamic=True, fullgraph=True, backend=backend, options=options, **isolate)
     _COMPILED[model] = (key, fn)
     return fn
 

@@ -235,11 +235,17 @@ def test_stream_yields_the_same_ids_and_fills_the_result(model):
     assert r.decode_tokens_per_second > 0
 
 
-def test_compiled_decode_step_is_one_graph_with_the_same_tokens(model):
+@pytest.mark.parametrize("isolate", [True, False], ids=["isolated", "guarded"])
+def test_compiled_decode_step_is_one_graph_with_the_same_tokens(model, monkeypatch, isolate):
     """aot_eager traces exactly what inductor compiles (fullgraph: a graph break would raise),
-    without inductor's code generation, so it is fast enough for the default run."""
+    without inductor's code generation, so it is fast enough for the default run. "guarded" is
+    the path for torch releases without isolate_recompiles (module guards kept)."""
     import torch._dynamo
 
+    import logitlab.generate as gen
+
+    monkeypatch.setattr(gen, "_ISOLATE", isolate and gen._ISOLATE)
+    gen._COMPILED.clear()
     cfg = SampleConfig(temperature=0, max_new_tokens=10)
     torch._dynamo.reset()
     got = generate(model, PROMPTS, cfg, compile="aot_eager").tokens
