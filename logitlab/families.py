@@ -262,14 +262,19 @@ _IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq
 
 _LLAMA_BLOCK = {  # Hugging Face suffix under model.layers.{i}. -> logitlab suffix under blocks.{i}.
     "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
-    **{f"self_attn.{p}": f"attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
-    **{f"mlp.{p}": f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
+    **{f"self_attn.{p}": f"attn.{p}" for p in ("o_proj", "q_norm", "k_norm")},
+    "mlp.down_proj": "mlp.down_proj",
 }
+# logitlab's fused projections and the Hugging Face (llama-layout) tensors they hold, in row order.
+_LLAMA_FUSED = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_LLAMA_PART = {part: (fused, j, len(parts)) for fused, parts in _LLAMA_FUSED.items() for j, part in enumerate(parts)}
 _LLAMA_TOP = {"model.embed_tokens": "tok_emb", "model.norm": "final_norm", "lm_head": "lm_head"}
 _GPT2_TOP = {"transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "final_norm",
              "lm_head": "lm_head"}
-_GPT2_BLOCK = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_proj": "attn.o_proj",
-               "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}  # Conv1D: (in, out)
+_GPT2_BLOCK = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv_proj",
+               "attn.c_proj": "attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+_GPT2_CONV1D = ("c_attn", "c_proj", "c_fc")  # Conv1D weights are stored (in, out): transposed here
 
 
 def key_layout(config: ModelConfig) -> str:
@@ -283,8 +288,9 @@ def _split_key(key: str) -> tuple[str, str]:
 
 
 def hf_key_to_logitlab(key: str, layout: str) -> str | None:
-    """Name of one Hugging Face tensor in logitlab (None for GPT-2's fused c_attn, handled by
-    state_dict_from_hf). Unknown names raise ValueError naming the key."""
+    """Name of one Hugging Face tensor in logitlab; None for a llama-layout q/k/v or gate/up
+    tensor, which is one block of rows of a fused logitlab projection (see hf_tensors_to_logitlab).
+    Unknown names raise ValueError naming the key."""
     module, leaf = _split_key(key)
     top, block_prefix, block = ((_GPT2_TOP, "transformer.h.", _GPT2_BLOCK) if layout == "gpt2"
                                 else (_LLAMA_TOP, "model.layers.", _LLAMA_BLOCK))
@@ -293,7 +299,7 @@ def hf_key_to_logitlab(key: str, layout: str) -> str | None:
     m = re.fullmatch(re.escape(block_prefix) + r"(\d+)\.(.+)", module)
     if m and m.group(2) in block:
         return f"blocks.{m.group(1)}.{block[m.group(2)]}.{leaf}"
-    if m and layout == "gpt2" and m.group(2) == "attn.c_attn":
+    if m and layout == "llama" and m.group(2) in _LLAMA_PART:
         return None
     raise ValueError(f"unexpected tensor {key!r} in a {layout}-layout checkpoint")
 
@@ -317,31 +323,53 @@ def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
     return state
 
 
-def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
-    """Hugging Face tensors -> logitlab state dict (GPT-2 Conv1D weights transposed, c_attn split
-    into q, k, v); see clean_hf_state for what is dropped."""
+def hf_tensors_to_logitlab(items, config: ModelConfig):
+    """(Hugging Face name, tensor) pairs, already cleaned (clean_hf_state), -> (logitlab name,
+    tensor) pairs, one at a time, so a loader can read, convert and drop each tensor in turn.
+
+    GPT-2 Conv1D weights are transposed (c_attn is qkv_proj's rows as they stand); llama-layout
+    q/k/v and gate/up are held until their last part arrives and then joined into the fused
+    projection (row order q, k, v and gate, up). A fused projection with a part missing at the
+    end raises ValueError naming it."""
+    import torch
+
     layout = key_layout(config)
-    out = {}
-    for key, tensor in clean_hf_state(hf_state, config).items():
-        name = hf_key_to_logitlab(key, layout)
+    pending: dict[str, dict[int, object]] = {}  # fused logitlab name -> {part index: tensor}
+    for key, tensor in items:
         module, leaf = _split_key(key)
-        if name is None:  # GPT-2 c_attn: weight (D, 3·H·Dh), bias (3·H·Dh), q | k | v along the last dim
-            i = module.split(".")[2]
-            for proj, part in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=-1)):
-                out[f"blocks.{i}.attn.{proj}.{leaf}"] = part.t().contiguous() if leaf == "weight" else part
+        name = hf_key_to_logitlab(key, layout)
+        if name is None:  # llama layout: one part of qkv_proj or gate_up_proj
+            i, sub = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module).groups()
+            fused, j, n = _LLAMA_PART[sub]
+            name = f"blocks.{i}.{fused}.{leaf}"
+            parts = pending.setdefault(name, {})
+            parts[j] = tensor
+            if len(parts) == n:
+                del pending[name]
+                yield name, torch.cat([parts.pop(k) for k in range(n)], dim=0)
             continue
-        conv1d = layout == "gpt2" and leaf == "weight" and module.rsplit(".", 1)[-1] in ("c_proj", "c_fc")
-        out[name] = tensor.t().contiguous() if conv1d else tensor
-    return out
+        conv1d = layout == "gpt2" and leaf == "weight" and module.rsplit(".", 1)[-1] in _GPT2_CONV1D
+        yield name, (tensor.t().contiguous() if conv1d else tensor)
+    if pending:
+        name = sorted(pending)[0]
+        raise ValueError(f"checkpoint holds only part of {name!r} (parts {sorted(pending[name])} of "
+                         f"{_LLAMA_FUSED[name.split('.', 2)[2].rsplit('.', 1)[0]]})")
+
+
+def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
+    """Hugging Face tensors -> logitlab state dict (GPT-2 Conv1D weights transposed, q/k/v and
+    gate/up joined into the fused projections); see clean_hf_state for what is dropped."""
+    return dict(hf_tensors_to_logitlab(clean_hf_state(hf_state, config).items(), config))
 
 
 def state_dict_to_hf(state: dict, config: ModelConfig) -> dict:
     """logitlab state dict -> Hugging Face tensors; inverse of state_dict_from_hf. The vocabulary
-    padding rows are cut off; a tied head is written once, as the embedding (lm_head omitted)."""
-    import torch
-
+    padding rows are cut off; a tied head is written once, as the embedding (lm_head omitted);
+    the fused projections are split into llama-layout q/k/v and gate/up."""
     layout = key_layout(config)
-    V = config.vocab_size
+    V, Dh = config.vocab_size, config.head_dim
+    fused_rows = {"attn.qkv_proj": (config.n_heads * Dh, config.n_kv_heads * Dh, config.n_kv_heads * Dh),
+                  "mlp.gate_up_proj": (config.d_ff, config.d_ff)}
     inverse_top = {v: k for k, v in (_GPT2_TOP if layout == "gpt2" else _LLAMA_TOP).items()}
     inverse_block = {v: k for k, v in (_GPT2_BLOCK if layout == "gpt2" else _LLAMA_BLOCK).items()}
     block_prefix = "transformer.h." if layout == "gpt2" else "model.layers."
@@ -357,17 +385,14 @@ def state_dict_to_hf(state: dict, config: ModelConfig) -> dict:
             out[f"{inverse_top[module]}.{leaf}"] = tensor.contiguous()
             continue
         i, sub = m.groups()
-        if layout == "gpt2" and sub in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
-            if sub != "attn.q_proj":
-                continue  # fused below with q
-            parts = [state[f"blocks.{i}.attn.{p}.{leaf}"] for p in ("q_proj", "k_proj", "v_proj")]
-            fused = [p.t() for p in parts] if leaf == "weight" else parts
-            out[f"{block_prefix}{i}.attn.c_attn.{leaf}"] = torch.cat(fused, dim=-1).contiguous()
+        if layout == "llama" and sub in _LLAMA_FUSED:
+            for part, rows in zip(_LLAMA_FUSED[sub], tensor.split(fused_rows[sub], dim=0), strict=True):
+                out[f"{block_prefix}{i}.{part}.{leaf}"] = rows.contiguous()
             continue
         if sub not in inverse_block:
             raise ValueError(f"logitlab tensor {key!r} has no Hugging Face {layout}-layout name")
         hf_module = inverse_block[sub]
-        if layout == "gpt2" and leaf == "weight" and hf_module.rsplit(".", 1)[-1] in ("c_proj", "c_fc"):
+        if layout == "gpt2" and leaf == "weight" and hf_module.rsplit(".", 1)[-1] in _GPT2_CONV1D:
             tensor = tensor.t()
         out[f"{block_prefix}{i}.{hf_module}.{leaf}"] = tensor.contiguous()
     return out

@@ -140,25 +140,25 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) int -> (cos, sin) each (B, 1, T, Dh), broadcasting over heads, in the
-        layout apply_rope takes: cos = [c, c], sin = [-s, s] (the sign of the rotation folded
-        into the table once per forward instead of a negation per layer)."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # (B, 1, T, Dh/2)
+        """positions (B, T) int -> (cos, sin) each (B, T, 1, Dh), broadcasting over the heads of a
+        (B, T, heads, Dh) tensor, in the layout apply_rope takes: cos = [c, c], sin = [-s, s] (the
+        sign of the rotation folded into the table once per forward instead of a negation per layer)."""
+        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)   # (B, T, 1, Dh/2)
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, Dh) by the tables of RotaryEmbedding.forward, rotate-half convention.
+    """Rotate x (B, T, heads, Dh) by the tables of RotaryEmbedding.forward, rotate-half convention.
 
-    cos = [c, c] and sin = [-s, s], each (B, 1, T, Dh). With x = [x1, x2] split into halves, the
+    cos = [c, c] and sin = [-s, s], each (B, T, 1, Dh). With x = [x1, x2] split into halves, the
     result is x*cos + [x2, x1]*sin = [x1*c - x2*s, x2*c + x1*s]: the same floating-point
     values as Hugging Face's `x*cos + rotate_half(x)*sin` (negation is exact), in four kernels
     (a swap, two products, a sum) rather than their five or a half-by-half form's seven.
     The result is in the promoted dtype of x and the tables; the model passes the tables in the
     residual stream's dtype, as Hugging Face does: bf16 weights rotate in bf16, bf16 autocast
     over float32 weights rotates in float32."""
-    x1, x2 = x.chunk(2, dim=-1)                                   # (B, H, T, Dh/2) each
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin             # (B, H, T, Dh)
+    x1, x2 = x.chunk(2, dim=-1)                                   # (B, T, heads, Dh/2) each
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin             # (B, T, heads, Dh)
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,18 +191,18 @@ def eager_attention(q, k, v, mask=None, is_causal=False):
 
 
 class Attention(nn.Module):
-    """Causal self-attention: q/k/v projections, optional QK-norm, RoPE, SDPA or eager, o_proj.
+    """Causal self-attention: one q/k/v projection, optional QK-norm, RoPE, SDPA or eager, o_proj.
 
-    q_proj: D -> H*Dh, k_proj / v_proj: D -> Hkv*Dh (GQA when Hkv < H), o_proj: H*Dh -> D.
-    QK-norm (Qwen3) is an RMSNorm over Dh applied to each head of q and k before RoPE."""
+    qkv_proj: D -> (H + 2*Hkv)*Dh, its output rows are q (H*Dh), then k (Hkv*Dh), then v
+    (Hkv*Dh): one matrix product instead of three (GQA when Hkv < H). o_proj: H*Dh -> D.
+    QK-norm (Qwen3) is an RMSNorm over Dh applied to each head of q and k before RoPE; without
+    it, q and k are rotated together in one pass over the first H + Hkv heads."""
 
     def __init__(self, config):
         super().__init__()
         D, H, Hkv, Dh = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.n_groups = H, Hkv, Dh, H // Hkv
-        self.q_proj = nn.Linear(D, H * Dh, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(D, Hkv * Dh, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(D, Hkv * Dh, bias=config.qkv_bias)
+        self.qkv_proj = nn.Linear(D, (H + 2 * Hkv) * Dh, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * Dh, D, bias=config.bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(Dh, config.norm_eps)
@@ -210,31 +210,40 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _fuse_legacy_keys(state_dict, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
                 impl: str = "sdpa", need_weights: bool = False):
         """x (B, T, D) -> (out (B, T, D), weights (B, H, T, S) or None).
 
-        rope: (cos, sin) each (B, 1, T, Dh) from RotaryEmbedding, or None (no rotary positions).
+        rope: (cos, sin) each (B, T, 1, Dh) from RotaryEmbedding, or None (no rotary positions).
         cache: anything with `update(layer, k_new, v_new) -> (k_all, v_all)` of shape
-        (B, Hkv, S, Dh), or None
-        (then S = T). mask: bool (B or 1, 1, T, S), True = may attend, or None; is_causal: use
-        the plain lower-triangular mask (only when T == S and mask is None).
+        (B, Hkv, S, Dh), or None (then S = T). mask: bool (B or 1, 1, T, S), True = may attend,
+        or None; is_causal: use the plain lower-triangular mask (only when T == S and mask is None).
         need_weights forces the eager path and returns the attention weights."""
         B, T, D = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, Dh)                       # (B, T, H*Dh) -> (B, T, H, Dh)
-        k = self.k_proj(x).view(B, T, Hkv, Dh)                     # (B, T, Hkv, Dh)
-        v = self.v_proj(x).view(B, T, Hkv, Dh)                     # (B, T, Hkv, Dh)
-        dtype = v.dtype  # projection output dtype (bf16 under autocast); q, k are kept in it
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, Dh)        # (B, T, H + 2*Hkv, Dh)
+        dtype = qkv.dtype  # projection output dtype (bf16 under autocast); q, k are kept in it
+        v = qkv[:, :, H + Hkv:]                                    # (B, T, Hkv, Dh) view
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv])
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        else:
+            qk = qkv[:, :, :H + Hkv]                               # (B, T, H + Hkv, Dh) view
+            if rope is not None:
+                qk = apply_rope(qk, *rope)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        if q.dtype != dtype:                                       # rotated in float32 under autocast
+            q, k = q.to(dtype), k.to(dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, H|Hkv, T, Dh)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k = q.to(dtype), k.to(dtype)
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, Hkv, S, Dh) views
-            k, v = k.to(dtype), v.to(dtype)
+            if k.dtype != dtype:
+                k, v = k.to(dtype), v.to(dtype)
         weights = None
         if need_weights or impl == "eager":
             out, weights = eager_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
@@ -247,6 +256,15 @@ class Attention(nn.Module):
                                                  attn_mask=mask, is_causal=is_causal)
         out = out.transpose(1, 2).reshape(B, T, H * Dh)            # (B, H, T, Dh) -> (B, T, H*Dh)
         return self.o_proj(out), (weights if need_weights else None)
+
+
+def _fuse_legacy_keys(state_dict: dict, prefix: str, fused: str, parts: tuple[str, ...]) -> None:
+    """Checkpoints written before the fused projections hold separate `parts` (e.g. q_proj,
+    k_proj, v_proj): join them, in place, into the `fused` Linear's rows, in that order."""
+    for leaf in ("weight", "bias"):
+        keys = [f"{prefix}{p}.{leaf}" for p in parts]
+        if f"{prefix}{fused}.{leaf}" not in state_dict and all(k in state_dict for k in keys):
+            state_dict[f"{prefix}{fused}.{leaf}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -267,16 +285,23 @@ class GeluMLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)): D -> F -> D (Shazeer 2020; Llama, Qwen)."""
+    """down_proj(silu(gate) * up): D -> F -> D (Shazeer 2020; Llama, Qwen).
+
+    gate_up_proj: D -> 2F, its output rows are the gate (F), then the up projection (F): one
+    matrix product instead of two."""
 
     def __init__(self, config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=config.bias)
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _fuse_legacy_keys(state_dict, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # (B, T, F) views each
+        return self.down_proj(F.silu(gate) * up)
 
 
 def make_mlp(config) -> nn.Module:

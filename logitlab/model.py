@@ -16,19 +16,21 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     tok_emb.weight                              (V_padded, D)
     pos_emb.weight                              (context_length, D)   positions="learned" only
     blocks.{i}.attn_norm.weight / .bias         (D,)   bias only for norm="layernorm"
-    blocks.{i}.attn.q_proj.weight / .bias       (H*Dh, D) / (H*Dh,)    bias when qkv_bias
-    blocks.{i}.attn.k_proj.weight / .bias       (Hkv*Dh, D) / (Hkv*Dh,)
-    blocks.{i}.attn.v_proj.weight / .bias       (Hkv*Dh, D) / (Hkv*Dh,)
+    blocks.{i}.attn.qkv_proj.weight / .bias     ((H+2*Hkv)*Dh, D)      rows: q, then k, then v;
+                                                                       bias when qkv_bias
     blocks.{i}.attn.o_proj.weight / .bias       (D, H*Dh) / (D,)       bias when bias
     blocks.{i}.attn.q_norm.weight, k_norm.weight (Dh,)  qk_norm only
     blocks.{i}.mlp_norm.weight / .bias          (D,)
-    blocks.{i}.mlp.gate_proj.weight / .bias     (F, D) / (F,)          mlp="swiglu" only
-    blocks.{i}.mlp.up_proj.weight / .bias       (F, D) / (F,)
+    blocks.{i}.mlp.gate_up_proj.weight / .bias  (2F, D) / (2F,)        mlp="swiglu": rows gate, then up
+    blocks.{i}.mlp.up_proj.weight / .bias       (F, D) / (F,)          mlp="gelu"
     blocks.{i}.mlp.down_proj.weight / .bias     (D, F) / (D,)
     final_norm.weight / .bias                   (D,)
     lm_head.weight                              (V_padded, D)  the same Parameter as tok_emb.weight
                                                                when tie_embeddings
 RoPE cos/sin tables are non-persistent buffers (not in the state dict): `rebuild_buffers()`.
+The fused projections (one matrix product for q, k, v and one for gate, up) are split into
+Hugging Face's separate tensors by families.py; checkpoints with separate q_proj / k_proj /
+v_proj / gate_proj / up_proj keys still load (layers._fuse_legacy_keys).
 With norm_placement="post" the final norm is kept, so the keys do not depend on placement.
 """
 
@@ -359,7 +361,7 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
         rope = None
-        if self.rope is not None:                                  # cos, sin: (B|1, 1, T, Dh)
+        if self.rope is not None:                                  # cos, sin: (B|1, T, 1, Dh)
             rope = tuple(t.to(x.dtype) for t in self.rope(positions))
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):

@@ -138,9 +138,9 @@ def test_gpt2_key_map_fuses_and_transposes():
     D, V = cfg.d_model, cfg.vocab_size
     c_attn = out["transformer.h.1.attn.c_attn.weight"]
     assert c_attn.shape == (D, 3 * D)
-    torch.testing.assert_close(c_attn[:, D:2 * D], state["blocks.1.attn.k_proj.weight"].t())
+    torch.testing.assert_close(c_attn[:, D:2 * D], state["blocks.1.attn.qkv_proj.weight"][D:2 * D].t())
     torch.testing.assert_close(out["transformer.h.0.attn.c_attn.bias"][2 * D:],
-                               state["blocks.0.attn.v_proj.bias"])
+                               state["blocks.0.attn.qkv_proj.bias"][2 * D:])
     torch.testing.assert_close(out["transformer.h.0.mlp.c_fc.weight"],
                                state["blocks.0.mlp.up_proj.weight"].t())
     assert out["transformer.wte.weight"].shape == (V, D)   # padding rows cut off (cfg pads to 64)
@@ -162,8 +162,21 @@ def test_llama_key_map_round_trip_and_names():
             "model.layers.0.mlp.gate_proj.weight"} <= set(out)
     torch.testing.assert_close(out["model.layers.1.self_attn.o_proj.weight"],
                                state["blocks.1.attn.o_proj.weight"])
+    H, Hkv, Dh, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    qkv, gate_up = state["blocks.1.attn.qkv_proj.weight"], state["blocks.0.mlp.gate_up_proj.weight"]
+    assert qkv.shape == ((H + 2 * Hkv) * Dh, cfg.d_model)
+    assert torch.equal(out["model.layers.1.self_attn.q_proj.weight"], qkv[:H * Dh])
+    assert torch.equal(out["model.layers.1.self_attn.k_proj.weight"], qkv[H * Dh:(H + Hkv) * Dh])
+    assert torch.equal(out["model.layers.1.self_attn.v_proj.weight"], qkv[(H + Hkv) * Dh:])
+    assert torch.equal(out["model.layers.0.mlp.gate_proj.weight"], gate_up[:F])
+    assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], gate_up[F:])
     back = families.state_dict_from_hf(out, cfg)
     assert set(back) == set(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert families.hf_key_to_logitlab("model.layers.0.self_attn.k_proj.weight", "llama") is None
+    del out["model.layers.1.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"only part of 'blocks.1.attn.qkv_proj.weight'"):
+        families.state_dict_from_hf(out, cfg)
     assert families.hf_key_to_logitlab("model.layers.3.input_layernorm.weight", "llama") == \
         "blocks.3.attn_norm.weight"
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.self_attn.rotary.weight'"):

@@ -71,11 +71,11 @@ def test_rope_matches_complex_rotation():
     """Rotate-half pairs dimension i with i + Dh/2 and turns the pair by angle pos * f_i."""
     Dh, T = 8, 6
     rope = RotaryEmbedding(Dh, context_length=16, theta=10000.0)
-    x = torch.randn(1, 2, T, Dh)
+    x = torch.randn(1, T, 2, Dh)                                                   # (B, T, heads, Dh)
     cos, sin = rope(torch.arange(T)[None])
     out = apply_rope(x, cos, sin)
     f = torch.tensor([10000.0 ** (-2 * i / Dh) for i in range(Dh // 2)], dtype=torch.float64)
-    angle = torch.arange(T, dtype=torch.float64)[:, None] * f[None]            # (T, Dh/2)
+    angle = (torch.arange(T, dtype=torch.float64)[:, None] * f[None])[:, None]  # (T, 1, Dh/2)
     z = torch.complex(x[..., : Dh // 2].double(), x[..., Dh // 2:].double())       # pairs (i, i + Dh/2)
     z = z * torch.polar(torch.ones_like(angle), angle)                              # turn by pos * f_i
     expected = torch.cat((z.real, z.imag), dim=-1).float()
@@ -88,10 +88,10 @@ def test_rope_equals_the_half_by_half_rotation_bit_for_bit(dtype):
     """The folded-sign tables give exactly [x1*c - x2*s, x2*c + x1*s] (transformers' values)."""
     Dh, T = 16, 9
     rope = RotaryEmbedding(Dh, context_length=16, theta=10000.0)
-    x = torch.randn(2, 3, T, Dh).to(dtype)
+    x = torch.randn(2, T, 3, Dh).to(dtype)                                     # (B, T, heads, Dh)
     cos, sin = (t.to(dtype) for t in rope(torch.arange(T)[None]))
-    assert cos.shape == sin.shape == (1, 1, T, Dh)
-    c, s = rope.cos[:T].to(dtype), rope.sin[:T].to(dtype)                      # (T, Dh/2)
+    assert cos.shape == sin.shape == (1, T, 1, Dh)
+    c, s = rope.cos[:T, None].to(dtype), rope.sin[:T, None].to(dtype)          # (T, 1, Dh/2)
     x1, x2 = x[..., :Dh // 2], x[..., Dh // 2:]
     assert torch.equal(apply_rope(x, cos, sin), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
 
@@ -136,7 +136,7 @@ def test_rope_tables_are_float32_non_persistent():
 def test_swiglu_matches_formula():
     mlp = SwiGLU(tiny(mlp="swiglu", d_ff=48, bias=False))
     x = torch.randn(2, 3, 32)
-    g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
+    g, u = (x @ mlp.gate_up_proj.weight.T).chunk(2, dim=-1)   # rows: gate, then up
     expected = (g * torch.sigmoid(g) * u) @ mlp.down_proj.weight.T
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -199,16 +199,18 @@ def test_qk_norm_is_applied_per_head_before_rope():
         attn.k_norm.weight.copy_(torch.rand(8) + 0.5)
     rope = RotaryEmbedding(8, 32, 10000.0)
     x = torch.randn(1, 5, 32)
-    cos, sin = rope(torch.arange(5)[None])
-    q = attn.q_proj(x).view(1, 5, 4, 8)
-    k = attn.k_proj(x).view(1, 5, 2, 8)
-    v = attn.v_proj(x).view(1, 5, 2, 8).transpose(1, 2)
+    cos, sin = rope(torch.arange(5)[None])                      # (1, 5, 1, 8)
+    qkv = attn.qkv_proj(x)                                       # columns: q (32), k (16), v (16)
+    q = qkv[..., :32].reshape(1, 5, 4, 8)
+    k = qkv[..., 32:48].reshape(1, 5, 2, 8)
+    v = qkv[..., 48:].reshape(1, 5, 2, 8).transpose(1, 2)
+    cos_h, sin_h = cos.transpose(1, 2), sin.transpose(1, 2)      # (1, 1, 5, 8) for (B, H, T, Dh) below
 
     def rms(t, w):
         return w * t / torch.sqrt((t ** 2).mean(-1, keepdim=True) + cfg.norm_eps)
 
-    q = apply_rope(rms(q, attn.q_norm.weight).transpose(1, 2), cos, sin)
-    k = apply_rope(rms(k, attn.k_norm.weight).transpose(1, 2), cos, sin)
+    q = apply_rope(rms(q, attn.q_norm.weight).transpose(1, 2), cos_h, sin_h)
+    k = apply_rope(rms(k, attn.k_norm.weight).transpose(1, 2), cos_h, sin_h)
     out, _ = eager_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
     expected = attn.o_proj(out.transpose(1, 2).reshape(1, 5, 32))
     torch.testing.assert_close(attn(x, (cos, sin), is_causal=True)[0], expected, rtol=1e-5, atol=1e-5)

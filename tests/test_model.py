@@ -184,6 +184,30 @@ def test_meta_device_construction_costs_nothing_and_loads_back(tmp_path):
         torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qknorm", "gpt2"])
+def test_state_dicts_with_separate_projections_still_load(variant):
+    """Checkpoints written before q/k/v and gate/up became one matrix each hold separate
+    q_proj, k_proj, v_proj (and gate_proj, up_proj) keys: they load into the fused rows."""
+    model = build(**dict(VARIANTS[variant], qkv_bias=True))
+    H, Hkv, Dh = model.config.n_heads, model.config.n_kv_heads, model.config.head_dim
+    legacy = {}
+    for key, t in model.state_dict().items():
+        if ".attn.qkv_proj." in key:
+            for name, rows in zip(("q_proj", "k_proj", "v_proj"), t.split((H * Dh, Hkv * Dh, Hkv * Dh))):
+                legacy[key.replace("qkv_proj", name)] = rows.clone()
+        elif ".mlp.gate_up_proj." in key:
+            gate, up = t.chunk(2)
+            legacy[key.replace("gate_up_proj", "gate_proj")] = gate.clone()
+            legacy[key.replace("gate_up_proj", "up_proj")] = up.clone()
+        else:
+            legacy[key] = t.clone()
+    fresh = Transformer(model.config).eval()
+    fresh.load_state_dict(legacy)                                   # strict: every key accounted for
+    ids = torch.randint(0, 61, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), model(ids))
+
+
 def test_hidden_states_follow_the_transformers_convention():
     model = build(**VARIANTS["llama-gqa"])
     ids = torch.randint(0, 61, (2, 5))
@@ -230,10 +254,10 @@ def test_init_recipe_statistics():
     std = lambda t: float(t.detach().float().std())  # noqa: E731
     assert std(model.blocks[0].attn.o_proj.weight) == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
     assert std(model.blocks[1].mlp.down_proj.weight) == pytest.approx(0.01, rel=0.05)
-    assert std(model.blocks[0].attn.q_proj.weight) == pytest.approx(0.02, rel=0.05)
+    assert std(model.blocks[0].attn.qkv_proj.weight) == pytest.approx(0.02, rel=0.05)
     assert std(model.tok_emb.weight) == pytest.approx(0.02, rel=0.05)
     assert std(model.lm_head.weight) == pytest.approx(0.02, rel=0.05)
-    assert torch.all(model.blocks[0].attn.q_proj.bias == 0)
+    assert torch.all(model.blocks[0].attn.qkv_proj.bias == 0)
     assert torch.all(model.blocks[0].attn_norm.weight == 1) and torch.all(model.final_norm.bias == 0)
 
 

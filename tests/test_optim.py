@@ -86,10 +86,10 @@ def test_weight_decay_only_on_matrices(positions):
                       norm="layernorm", bias=True, tie_embeddings=True)
     model = Transformer(cfg)
     names = param_group_names(model, 0.1)
-    assert "blocks.0.attn.q_proj.weight" in names["decay"]
+    assert "blocks.0.attn.qkv_proj.weight" in names["decay"]
     assert "blocks.1.mlp.down_proj.weight" in names["decay"]
     for n in ("tok_emb.weight", "blocks.0.attn_norm.weight", "blocks.0.attn_norm.bias",
-              "blocks.0.attn.q_proj.bias", "final_norm.weight"):
+              "blocks.0.attn.qkv_proj.bias", "final_norm.weight"):
         assert n in names["no_decay"], n
     if positions == "learned":
         assert "pos_emb.weight" in names["no_decay"]

@@ -170,7 +170,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(corpus, t
     def poison(event, record):
         if event == "step" and record["step"] == 3:
             with torch.no_grad():
-                model.blocks[0].attn.q_proj.weight.fill_(float("nan"))
+                model.blocks[0].attn.qkv_proj.weight.fill_(float("nan"))
 
     with pytest.raises(TrainingDiverged, match="at step 4") as info:
         train(model, _cfg(corpus, tmp_path / "run", save_every=2), callback=poison)
