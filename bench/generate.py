@@ -33,6 +33,7 @@ import torch
 
 from bench.common import RESULTS, command_line, machine_info, markdown_table, update_doc_section, write_results
 from bench.roofline import bandwidths
+from logitlab.families import PRESETS
 from logitlab.generate import SampleConfig, generate
 from logitlab.hf import load_pretrained, save_pretrained
 from logitlab.model import ModelConfig, Transformer
@@ -42,6 +43,7 @@ SHAPES = {
     "llama-small": ModelConfig(vocab_size=8192, context_length=1024, d_model=384, n_layers=6, n_heads=6,
                                n_kv_heads=2, d_ff=1024, norm="rmsnorm", mlp="swiglu", positions="rope",
                                bias=False, tie_embeddings=False),
+    "tiny": PRESETS["tiny"],   # the smallest preset: 1.8M parameters, Llama layout
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

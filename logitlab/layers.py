@@ -43,10 +43,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form.
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return self.weight * y
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -331,19 +330,22 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.mlp = make_mlp(config)
-        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else None
+
+    def _drop(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.dropout is None or not self.training else self.dropout(t)
 
     def forward(self, x, rope, *, cache=None, layer=0, mask=None, is_causal=False, impl="sdpa",
                 need_weights=False):
         """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
-        attn_args = dict(cache=cache, layer=layer, mask=mask, is_causal=is_causal, impl=impl,
-                         need_weights=need_weights)
         if self.post_norm:
-            a, weights = self.attn(x, rope, **attn_args)
-            x = self.attn_norm(x + self.dropout(a))
-            x = self.mlp_norm(x + self.dropout(self.mlp(x)))
+            a, weights = self.attn(x, rope, cache=cache, layer=layer, mask=mask, is_causal=is_causal,
+                                   impl=impl, need_weights=need_weights)
+            x = self.attn_norm(x + self._drop(a))
+            x = self.mlp_norm(x + self._drop(self.mlp(x)))
         else:
-            a, weights = self.attn(self.attn_norm(x), rope, **attn_args)
-            x = x + self.dropout(a)
-            x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+            a, weights = self.attn(self.attn_norm(x), rope, cache=cache, layer=layer, mask=mask,
+                                   is_causal=is_causal, impl=impl, need_weights=need_weights)
+            x = x + self._drop(a)
+            x = x + self._drop(self.mlp(self.mlp_norm(x)))
         return x, weights
