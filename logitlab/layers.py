@@ -226,16 +226,18 @@ class Attention(nn.Module):
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, Dh)        # (B, T, H + 2*Hkv, Dh)
         dtype = qkv.dtype  # projection output dtype (bf16 under autocast); q, k are kept in it
-        v = qkv[:, :, H + Hkv:]                                    # (B, T, Hkv, Dh) view
+        # split (not three slices): backward then joins the three gradients with one cat instead
+        # of adding three zero-filled (B, T, H + 2*Hkv, Dh) tensors.
         if self.q_norm is not None:
-            q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv])
+            q, k, v = qkv.split((H, Hkv, Hkv), dim=2)              # (B, T, H|Hkv, Dh) views
+            q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         else:
-            qk = qkv[:, :, :H + Hkv]                               # (B, T, H + Hkv, Dh) view
+            qk, v = qkv.split((H + Hkv, Hkv), dim=2)               # q and k rotate together
             if rope is not None:
                 qk = apply_rope(qk, *rope)
-            q, k = qk[:, :, :H], qk[:, :, H:]
+            q, k = qk.split((H, Hkv), dim=2)
         if q.dtype != dtype:                                       # rotated in float32 under autocast
             q, k = q.to(dtype), k.to(dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, H|Hkv, T, Dh)
