@@ -107,6 +107,34 @@ def bytes_per_step(model, B: int, S: float) -> int:
     return int(total + 2 * cfg.n_layers * B * cfg.n_kv_heads * S * cfg.head_dim * item)
 
 
+def matmul_floor_s(model, B: int, repeats: int = 5, steps: int = 4) -> float:
+    """Seconds per decode step spent in its matrix products alone: every Linear of the model
+    (q/k/v, o, MLP) and the LM head's V rows, applied in model order to B rows of random
+    activations, with the model's own weights (so what fits in cache fits here too). The best of
+    `repeats` timings of `steps` steps. No implementation that calls these matmul kernels can
+    decode faster than this; transformers' step time over it is the largest ratio reachable."""
+    import torch.nn.functional as F
+
+    V = model.config.vocab_size
+    weights = [(m.weight, m.bias) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    weights.append((model.lm_head.weight[:V], None))
+    dtype = weights[0][0].dtype
+    inputs = {w.shape[1]: torch.randn(B, w.shape[1], dtype=dtype) for w, _ in weights}
+
+    def step():
+        for w, b in weights:
+            F.linear(inputs[w.shape[1]], w, b)
+
+    with torch.no_grad():
+        step()
+        best = float("inf")
+        for _ in range(repeats):
+            seconds, _ = timed(lambda: [step() for _ in range(steps)])
+            best = min(best, seconds / steps)
+    return best
+
+
 def measure(shape: str, dtype_name: str, batches: list[int], prompt_len: int, new: int, repeats: int,
             sides: tuple[str, ...], bandwidth: float, directory: str) -> list[dict]:
     ours, peer = build(shape, DTYPES[dtype_name], directory)
@@ -145,6 +173,9 @@ def measure(shape: str, dtype_name: str, batches: list[int], prompt_len: int, ne
             ratios = [a / b for a, b in zip(out[side]["decode_tok_s_all"], out["peer"]["decode_tok_s_all"])]
             out[key] = statistics.median(ratios)
             out[key + "_min"], out[key + "_max"] = min(ratios), max(ratios)
+        out["matmul_floor_ms"] = 1e3 * matmul_floor_s(ours, B)
+        # the largest decode ratio any side built on the same matmul kernels could reach
+        out["ceiling"] = (B / out["peer"]["decode_tok_s"]) / (out["matmul_floor_ms"] / 1e3)
         pre_ratios = [p / o for o, p in zip(out["ours"]["prefill_s_all"], out["peer"]["prefill_s_all"])]
         out["prefill_ratio"] = statistics.median(pre_ratios)
         results.append(out)
@@ -155,6 +186,7 @@ def measure(shape: str, dtype_name: str, batches: list[int], prompt_len: int, ne
         if "compiled" in sides:
             line += (f" compiled x{out['compiled_ratio']:.2f} (bound {out['compiled']['bandwidth_fraction']:.0%},"
                      f" compile {out['compile_s']:.0f} s)")
+        line += f"; matmul floor {out['matmul_floor_ms']:.2f} ms/step (ceiling x{out['ceiling']:.2f})"
         print(line + f"; prefill {out['ours']['prefill_ms']:.1f} vs {out['peer']['prefill_ms']:.1f} ms; "
               f"same tokens: {out['same_tokens']}", flush=True)
     return results
@@ -263,12 +295,15 @@ def render(payload: dict) -> str:
                      f"{c['decode_tok_s']:.1f}" if c else "-", f"{r['peer']['decode_tok_s']:.1f}",
                      _ratio(r, "decode_ratio"), _ratio(r, "compiled_ratio"),
                      f"{(c or r['ours'])['bandwidth_fraction']:.0%} / {r['peer']['bandwidth_fraction']:.0%}",
+                     f"{r['matmul_floor_ms']:.2f}" if "matmul_floor_ms" in r else "-",
+                     f"{r['ceiling']:.2f}x" if "ceiling" in r else "-",
                      f"{r['ours']['prefill_ms']:.1f}", f"{r['peer']['prefill_ms']:.1f}",
                      ("yes" if r["same_tokens"] else "no")
                      + ("" if not c else " / " + ("yes" if r["compiled_same_tokens"] else "no"))])
     table = markdown_table(["shape", "dtype", "B", "logitlab eager tok/s", "logitlab compiled tok/s",
                             "transformers tok/s", "eager ratio (min-max)", "compiled ratio (min-max)",
-                            "bandwidth bound: logitlab / transformers", "logitlab prefill ms",
+                            "bandwidth bound: logitlab / transformers", "matmul floor ms/step",
+                            "ceiling (transformers step / floor)", "logitlab prefill ms",
                             "transformers prefill ms", "same tokens (eager / compiled)"], rows)
     compile_line = ""
     if compiled:
@@ -297,7 +332,10 @@ def render(payload: dict) -> str:
             f"transformers decode tok/s (> 1: logitlab faster). Bandwidth bound: the bytes a decode step "
             f"must read (every weight once, the KV cache at its mean length) / the memory bandwidth "
             f"measured in the same run ({payload['bandwidth_gbs']:.1f} GB/s, a float32 matrix-vector product over a 512 MiB matrix), "
-            f"over the measured step time (logitlab's compiled step where it ran).\n\n"
+            f"over the measured step time (logitlab's compiled step where it ran). Matmul floor: one step's "
+            f"matrix products alone (every Linear and the LM head, the model's own weights, B rows), best "
+            f"of 5; ceiling = transformers' step time / that floor, the largest ratio any implementation "
+            f"calling the same matmul kernels could reach.\n\n"
             f"Command: `{payload['command']}`  \nMachine: {info['nproc']} CPUs ({info['cpu']}), torch "
             f"{info['torch']} with {info['torch_threads']} thread(s), transformers {info['transformers']}, "
             f"commit {info['commit']}, load average {info.get('load_avg_1m', '?')} when it started. The "
