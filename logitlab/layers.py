@@ -44,8 +44,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form.
-        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-        return self.weight * y
+        # In float32 the weight goes in too (same products); otherwise the normalised value is
+        # rounded to x's dtype first and then weighted, as Hugging Face does.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
