@@ -2,8 +2,9 @@
 
 hf.py owns the files of a Hugging Face checkpoint: config.json plus model.safetensors, sharded
 safetensors (model.safetensors.index.json), or legacy pytorch_model.bin (read with
-torch.load(weights_only=True): no code is ever unpickled). Names and shapes are translated by the
-pure functions of families.py; logitlab's own directories are handed to checkpoint.py. Writes are
+torch.load(weights_only=True): no code is ever unpickled). Loading streams: names and shapes are
+checked before any tensor is read, then each tensor is read, cast, translated by the pure functions
+of families.py and placed in turn. logitlab's own directories are handed to checkpoint.py. Writes are
 atomic (checkpoint.atomic_directory). `transformers` is imported only by verification.
 """
 
@@ -49,36 +50,91 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: not valid JSON: {exc}") from exc
 
 
+class _WeightFiles:
+    """The tensors of a Hugging Face directory, whichever of the four layouts it uses, listed
+    before any is read: `shapes` (name -> shape, from the safetensors headers or a memory-mapped
+    .bin) lets names and shapes be checked first, and `tensors(names)` then reads the wanted
+    tensors one at a time, file by file, so a loader converts and drops each before the next.
+
+    safetensors are read with pread(2) into fresh CPU tensors (releases without the `backend`
+    option memory-map instead, and the pages go when each file is closed). A .bin is memory-mapped where torch's
+    zip format allows (torch.load(mmap=True, weights_only=True): never unpickles code, and only the
+    pages of tensors read become resident); each file's map is dropped once its tensors are read."""
+
+    def __init__(self, directory: str | os.PathLike):
+        d = Path(directory)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._file_of: dict[str, Path] = {}        # tensor name -> the file that holds it
+        self._bin: dict[Path, dict] = {}           # .bin file -> its (memory-mapped) tensors
+        if (d / SAFETENSORS).is_file():
+            self._add(d / SAFETENSORS)
+            return
+        for index_name in (SAFETENSORS_INDEX, TORCH_BIN_INDEX):
+            if (d / index_name).is_file():
+                weight_map = json.loads((d / index_name).read_text()).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ValueError(f"{d / index_name} has no weight_map")
+                for shard in sorted(set(weight_map.values())):
+                    if not (d / shard).is_file():
+                        raise FileNotFoundError(f"shard {shard} named in {d / index_name} is missing")
+                    self._add(d / shard)
+                missing = sorted(set(weight_map) - set(self.shapes))
+                if missing:
+                    raise ValueError(f"{d / index_name} lists tensors its shards lack: {missing[:5]}")
+                return
+        if (d / TORCH_BIN).is_file():
+            self._add(d / TORCH_BIN)
+            return
+        raise FileNotFoundError(f"no weights in {d}: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, "
+                                f"{TORCH_BIN} or {TORCH_BIN_INDEX}")
+
+    def _add(self, path: Path) -> None:
+        if path.suffix == ".safetensors":
+            with _safe_open(path) as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        else:
+            import zipfile
+
+            # tensors only, no code; a pre-1.6 (non-zip) file cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            self._bin[path] = state
+            shapes = {k: tuple(v.shape) for k, v in state.items()}
+        self.shapes.update(shapes)
+        self._file_of.update(dict.fromkeys(shapes, path))
+
+    def tensors(self, names: dict[str, str]):
+        """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
+        A .bin file's memory map (and its unread tensors) is released after its last tensor."""
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for key, name in names.items():
+            by_file.setdefault(self._file_of[name], []).append((key, name))
+        for path in sorted(by_file):
+            wanted = sorted(by_file[path], key=lambda kn: kn[1])
+            if path in self._bin:
+                state = self._bin.pop(path)
+                for key, name in wanted:
+                    yield key, state.pop(name)
+                del state
+            else:
+                with _safe_open(path) as f:
+                    for key, name in wanted:
+                        yield key, f.get_tensor(name)
+
+
+def _safe_open(path: Path):
+    from safetensors import safe_open
+
+    try:  # pread(2) into fresh tensors: no pages of the file stay mapped while others are read
+        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
+    except TypeError:  # safetensors without backends: memory-mapped, unmapped when closed
+        return safe_open(str(path), framework="pt", device="cpu")
+
+
 def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face directory, whichever of the four layouts it uses (CPU)."""
-    from safetensors.torch import load_file
-
-    d = Path(directory)
-    if (d / SAFETENSORS).is_file():
-        return load_file(str(d / SAFETENSORS), device="cpu")
-    for index_name, load in ((SAFETENSORS_INDEX, lambda p: load_file(str(p), device="cpu")),
-                             (TORCH_BIN_INDEX, _load_bin)):
-        if (d / index_name).is_file():
-            weight_map = json.loads((d / index_name).read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{d / index_name} has no weight_map")
-            state = {}
-            for shard in sorted(set(weight_map.values())):
-                if not (d / shard).is_file():
-                    raise FileNotFoundError(f"shard {shard} named in {d / index_name} is missing")
-                state.update(load(d / shard))
-            missing = sorted(set(weight_map) - set(state))
-            if missing:
-                raise ValueError(f"{d / index_name} lists tensors its shards lack: {missing[:5]}")
-            return state
-    if (d / TORCH_BIN).is_file():
-        return torch.load(d / TORCH_BIN, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no weights in {d}: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, "
-                            f"{TORCH_BIN} or {TORCH_BIN_INDEX}")
-
-
-def _load_bin(path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)   # tensors only, no code
+    """All tensors of a Hugging Face directory, whichever of the four layouts it uses (CPU; a
+    .bin's may be memory-mapped). Loading a model streams instead (load_pretrained)."""
+    files = _WeightFiles(directory)
+    return dict(files.tensors({k: k for k in files.shapes}))
 
 
 def _name_first(keys: list[str]) -> str:
@@ -87,7 +143,8 @@ def _name_first(keys: list[str]) -> str:
 
 
 def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> None:
-    """Refuse a checkpoint whose tensor names or shapes disagree with `config`, naming the key."""
+    """Refuse a checkpoint whose tensor names or shapes disagree with `config`, naming the key.
+    Only names and shapes are read: meta tensors stand in for a checkpoint not yet loaded."""
     with torch.device("meta"):
         expected = families.state_dict_to_hf(Transformer(config).state_dict(), config)
     got = families.clean_hf_state(hf_state, config)
@@ -103,32 +160,66 @@ def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoin
                              f"config.json implies {tuple(ref.shape)}")
 
 
-def model_from_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> Transformer:
-    """A Transformer holding the (checked, renamed) Hugging Face tensors, no copy beyond the renames."""
-    check_hf_state(hf_state, config, source)
-    state = families.state_dict_from_hf(hf_state, config)
+def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=None,
+                  device=None) -> Transformer:
+    """A Transformer from Hugging Face tensors read one at a time, so that at no moment is more
+    than the model held (in its final dtype and device) plus the tensors in flight.
+
+    shapes: file name -> shape of every tensor in the checkpoint, checked (check_hf_state) before
+    anything is read. read({full HF name: file name}) -> (full HF name, tensor) pairs. Each tensor
+    is cast to `dtype` and moved to `device` as it is read (a cast commutes with the transposes and
+    concatenations of the conversion, so the result is the same bit for bit), converted by
+    families.hf_tensors_to_logitlab and assigned into a model built on the meta device."""
+    check_hf_state({k: torch.empty(s, device="meta") for k, s in shapes.items()}, config, source)
+    # clean_hf_state decides on names alone: run over {name: name}, it maps each full HF name to
+    # the name the file stores it under (buffers and a tied head's copy dropped, base-model prefix)
+    names = families.clean_hf_state({k: k for k in shapes}, config)
+
+    def cast(items):
+        for key, tensor in items:  # rebound, so the uncast tensor is dropped before the next read
+            tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            yield key, tensor
+
     with torch.device("meta"):
         model = Transformer(config)
-    model.load_state_dict(state, strict=False, assign=True)
+    for name, tensor in families.hf_tensors_to_logitlab(cast(read(names)), config):
+        model.load_state_dict({name: tensor}, strict=False, assign=True)
     model.tie_weights()
+    unread = [name for name, p in model.named_parameters() if p.is_meta]
+    if unread:  # check_hf_state makes this unreachable; a conversion bug must not pass silently
+        raise ValueError(f"{source}: no tensor was loaded into {_name_first(unread)}")
     model.rebuild_buffers()
+    if dtype is not None or device is not None:  # buffers (RoPE tables) follow, as model.to does
+        model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model
+
+
+def model_from_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> Transformer:
+    """A Transformer holding the (checked, renamed) Hugging Face tensors, no copy beyond the
+    conversions (GPT-2 Conv1D transposes, the fused projections' concatenations)."""
+    shapes = {k: tuple(v.shape) for k, v in hf_state.items()}
+    return _stream_model(shapes, lambda names: ((k, hf_state[n]) for k, n in names.items()),
+                         config, source)
 
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
                     device: str | torch.device = "cpu") -> Transformer:
     """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES) or a logitlab one.
 
-    dtype None keeps the stored dtype. verify=True runs `verify_against_transformers` on the
-    directory and raises ValueError when any hidden state or the logits differ beyond TOLERANCE."""
+    dtype None keeps the stored dtype. A Hugging Face checkpoint is streamed: names and shapes are
+    checked from the file headers first, then each tensor is read, cast to `dtype`, moved to
+    `device`, converted and placed, so the peak is about the loaded model plus the largest tensors
+    in flight (never the file and a converted copy together). verify=True runs
+    `verify_against_transformers` on the directory and raises ValueError when any hidden state or
+    the logits differ beyond TOLERANCE."""
     directory = Path(directory)
     dtype = parse_dtype(dtype)
     if checkpoint.is_logitlab_dir(directory):
         model = checkpoint.load_model(directory, device=device, dtype=dtype)
     else:
         config = families.config_from_hf(read_hf_config(directory))
-        model = model_from_hf_state(read_hf_weights(directory), config, source=str(directory))
-        model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+        files = _WeightFiles(directory)
+        model = _stream_model(files.shapes, files.tensors, config, str(directory), dtype, device)
     model.eval()
     if verify:
         native = checkpoint.is_logitlab_dir(directory)   # then compare with its own HF export
@@ -153,10 +244,12 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
     config: ModelConfig = model.config
     dtype = next(model.parameters()).dtype
     hf_config = families.config_to_hf(config, dtype=str(dtype).removeprefix("torch."))
-    if tokenizer is not None and tokenizer.eot_id is not None:
-        # else transformers falls back to its class defaults (GPT-2: 50256, Llama: 1 and 2), ids
-        # that are another token here or lie outside a small vocabulary, so generate never stops
-        hf_config.update(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
+    # Always written: left out, transformers falls back to its class defaults (GPT-2: 50256,
+    # Llama: 1 and 2), ids that are another token here or lie outside a small vocabulary, so
+    # generate stops on a wrong token or never. Without a tokenizer's end-of-text id the model
+    # has none that we know of: null, and transformers' generate runs to max_new_tokens.
+    eot = tokenizer.eot_id if tokenizer is not None else None
+    hf_config.update(bos_token_id=eot, eos_token_id=eot)
     state = families.state_dict_to_hf(model.state_dict(), config)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     directory = Path(directory)

@@ -156,6 +156,112 @@ def test_legacy_bin_and_base_model_keys(hf_dirs, tmp_path):
     _assert_parity(hf.load_pretrained(tmp_path), theirs)
 
 
+def _write_layout(state: dict, directory, layout: str) -> None:
+    """`state` as one file or two shards (keys dealt alternately, so a layer's q/k/v and gate/up
+    are split between the shards), in safetensors or the legacy pytorch_model.bin format."""
+    from safetensors.torch import save_file
+
+    suffix = "safetensors" if layout.endswith("safetensors") else "bin"
+    write = ((lambda s, p: save_file(s, str(p))) if suffix == "safetensors" else torch.save)
+    if not layout.startswith("sharded"):
+        write(state, directory / (hf.SAFETENSORS if suffix == "safetensors" else hf.TORCH_BIN))
+        return
+    keys = sorted(state)
+    stem = "model" if suffix == "safetensors" else "pytorch_model"
+    shards = {f"{stem}-0000{i + 1}-of-00002.{suffix}": keys[i::2] for i in range(2)}
+    for fname, names in shards.items():
+        write({k: state[k] for k in names}, directory / fname)
+    index = {"metadata": {}, "weight_map": {k: f for f, names in shards.items() for k in names}}
+    index_name = hf.SAFETENSORS_INDEX if suffix == "safetensors" else hf.TORCH_BIN_INDEX
+    (directory / index_name).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded-safetensors", "bin", "sharded-bin"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-rope-scaling"])
+def test_streamed_load_every_layout_and_dtype(hf_dirs, tmp_path, name, layout):
+    """Each layout loads to the transformers model's outputs; dtype=bf16 gives bf16 parameters
+    equal bit for bit to the fp32 load cast afterwards (the cast per tensor, before the Conv1D
+    transposes and fused concatenations, commutes with them), and a tied head stays tied."""
+    theirs, d = hf_dirs[name]
+    tied = theirs.config.tie_word_embeddings
+    state = {k: v.clone() for k, v in theirs.state_dict().items() if not (tied and k == "lm_head.weight")}
+    _write_layout(state, tmp_path, layout)
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    ours = hf.load_pretrained(tmp_path)
+    _assert_parity(ours, theirs)
+    half = hf.load_pretrained(tmp_path, dtype="bf16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert (half.lm_head.weight is half.tok_emb.weight) == tied
+    reference = ours.to(torch.bfloat16).state_dict()
+    for key, tensor in half.state_dict().items():
+        assert torch.equal(tensor, reference[key]), key
+    assert hf.read_hf_weights(tmp_path).keys() == state.keys()
+
+
+_PEAK_SCRIPT = """
+import sys, torch
+from logitlab import hf
+
+def kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
+
+torch.empty(1, device="meta").normal_()   # torch imports torch._dynamo (75 MB of code) once here
+with open("/proc/self/clear_refs", "w") as f:   # reset VmHWM to the current RSS
+    f.write("5")
+base = kib("VmRSS")
+model = hf.load_pretrained(sys.argv[1], dtype=sys.argv[2] if sys.argv[2] != "none" else None)
+assert next(model.parameters()).dtype == (torch.bfloat16 if sys.argv[2] == "bf16" else torch.float32)
+print((kib("VmHWM") - base) * 1024)
+"""
+
+
+@pytest.fixture(scope="module")
+def big_hf_dir(tmp_path_factory):
+    """A 31M-parameter (124 MB in fp32) Llama-layout export, many tensors of similar size."""
+    cfg = ModelConfig(vocab_size=4096, context_length=64, d_model=512, n_layers=8, n_heads=8, n_kv_heads=8,
+                      d_ff=1536, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False,
+                      tie_embeddings=False)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    d = tmp_path_factory.mktemp("big")
+    hf.save_pretrained(model, d)
+    return d, 4 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.skipif(not __import__("os").access("/proc/self/clear_refs", __import__("os").W_OK),
+                    reason="needs Linux /proc/self/clear_refs to reset the peak resident memory")
+@pytest.mark.parametrize("dtype, bound", [("none", 1.2), ("bf16", 0.75)])
+def test_load_streams_tensor_by_tensor(big_hf_dir, dtype, bound):
+    """The peak resident memory of loading, in a fresh process, stays near the loaded model's own
+    size: fp32 below 1.2x the fp32 model (reading the whole file and then building the fused
+    q/k/v and gate/up copies costs about 2x), bf16 below 0.75x the fp32 model (so the fp32
+    checkpoint is never all resident at once; the bf16 model is 0.5x)."""
+    import subprocess
+    import sys
+
+    d, fp32_bytes = big_hf_dir
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(d), dtype], capture_output=True,
+                         text=True, check=True)
+    peak = int(out.stdout.split()[-1])
+    assert peak < bound * fp32_bytes, f"peak {peak / 2**20:.0f} MiB, fp32 model {fp32_bytes / 2**20:.0f} MiB"
+
+
+def test_save_pretrained_without_tokenizer_names_no_special_ids(tmp_path):
+    """Without a tokenizer no end-of-text id is known: config.json says null rather than leaving
+    transformers' class defaults (GPT-2 50256, Llama 1 and 2; outside this vocabulary of 50)."""
+    for kw in ({}, dict(norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)):
+        cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layers=1, n_heads=2, **kw)
+        d = tmp_path / ("llama" if kw else "gpt2")
+        hf.save_pretrained(Transformer(cfg), d)
+        stored = json.loads((d / "config.json").read_text())
+        assert stored["bos_token_id"] is None and stored["eos_token_id"] is None
+        theirs, _ = _load_hf(d)
+        assert theirs.config.eos_token_id is None and theirs.config.bos_token_id is None
+        assert theirs.generation_config.eos_token_id is None
+        out = theirs.generate(torch.tensor([[3, 4]]), max_new_tokens=5, do_sample=False)
+        assert out.shape == (1, 7)
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda s: s.pop("model.layers.1.mlp.up_proj.weight"),
      "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
@@ -185,15 +291,15 @@ def test_missing_weights_named(tmp_path, hf_dirs):
 def test_verify_catches_a_wrong_conversion(hf_dirs, monkeypatch):
     _, d = hf_dirs["qwen3"]
     assert hf.load_pretrained(d, verify=True).config.qk_norm
-    original = families.state_dict_from_hf
+    original = families.hf_tensors_to_logitlab
+    swap = {"blocks.0.attn.q_norm.weight": "blocks.0.attn.k_norm.weight",
+            "blocks.0.attn.k_norm.weight": "blocks.0.attn.q_norm.weight"}
 
-    def swapped(hf_state, config):  # a plausible bug: q_norm and k_norm exchanged
-        state = original(hf_state, config)
-        state["blocks.0.attn.q_norm.weight"], state["blocks.0.attn.k_norm.weight"] = (
-            state["blocks.0.attn.k_norm.weight"], state["blocks.0.attn.q_norm.weight"])
-        return state
+    def swapped(items, config):  # a plausible bug: q_norm and k_norm exchanged
+        for name, tensor in original(items, config):
+            yield swap.get(name, name), tensor
 
-    monkeypatch.setattr(families, "state_dict_from_hf", swapped)
+    monkeypatch.setattr(families, "hf_tensors_to_logitlab", swapped)
     with pytest.raises(ValueError, match="disagrees with transformers"):
         hf.load_pretrained(d, verify=True)
 
