@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -139,11 +140,24 @@ def read_model_config(directory: str | os.PathLike):
     return ModelConfig.from_dict(payload["model"])
 
 
+def open_safetensors(path):
+    """safetensors.safe_open for reading tensors one at a time on the CPU: with pread(2) into
+    fresh tensors where safetensors has that backend (no pages of the file stay mapped while
+    others are read), memory-mapped otherwise (unmapped when closed)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
+    except TypeError:
+        return safe_open(str(path), framework="pt", device="cpu")
+
+
 def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
     """Load a logitlab model directory written by save_model; keys and shapes are checked
-    against the config and a mismatch names the offending key."""
+    against the config (from the file's header, before any tensor is read) and a mismatch names
+    the offending key. Tensors are read one at a time and cast to `dtype` / moved to `device`
+    as they arrive, so the peak is the final model plus one tensor in flight."""
     import torch
-    from safetensors.torch import load_file
 
     from logitlab.model import Transformer
 
@@ -152,26 +166,54 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
-    state = load_file(str(weights), device="cpu")
     with torch.device("meta"):
         model = Transformer(config)
     expected = model.state_dict()
     if config.tie_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{weights}: keys disagree with {directory / CONFIG_FILE}: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for key, tensor in expected.items():
-        if tuple(state[key].shape) != tuple(tensor.shape):
-            raise ValueError(f"{weights}: {key} has shape {tuple(state[key].shape)}, "
-                             f"config expects {tuple(tensor.shape)}")
-    model.load_state_dict(state, strict=False, assign=True)
+    with open_safetensors(weights) as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        if any(_LEGACY_KEY.search(key) for key in shapes):  # written before the fused projections
+            _load_legacy(model, {key: f.get_tensor(key) for key in shapes}, weights, dtype, device)
+        else:
+            missing = sorted(set(expected) - set(shapes))
+            unexpected = sorted(set(shapes) - set(expected))
+            if missing or unexpected:
+                raise ValueError(f"{weights}: keys disagree with {directory / CONFIG_FILE}: "
+                                 f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+            for key, tensor in expected.items():
+                if shapes[key] != tuple(tensor.shape):
+                    raise ValueError(f"{weights}: {key} has shape {shapes[key]}, "
+                                     f"config expects {tuple(tensor.shape)}")
+            state = {}
+            for key in expected:  # each tensor cast as it arrives: only the final model is kept
+                tensor = f.get_tensor(key)
+                state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+                del tensor
+            model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.tie_weights()
     model.rebuild_buffers()
-    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return model
+
+
+def _load_legacy(model, state: dict, weights: Path, dtype, device) -> None:
+    """A state dict with separate q/k/v (gate/up) projections: the Attention / SwiGLU load hooks
+    join them; a key or shape that still disagrees is named by load_state_dict."""
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in state.items()}
+    tied = model.config.tie_embeddings and "lm_head.weight" not in state
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:  # shape mismatches
+        raise ValueError(f"{weights}: {exc}") from None
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{weights}: keys disagree with the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+# Keys of separate q/k/v and gate/up projections (state dicts from before they were fused).
+_LEGACY_KEY = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj)\.(weight|bias)$")  # GELU keeps up_proj
 
 
 # --------------------------------------------------------------------------------------------

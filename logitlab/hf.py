@@ -90,7 +90,7 @@ class _WeightFiles:
 
     def _add(self, path: Path) -> None:
         if path.suffix == ".safetensors":
-            with _safe_open(path) as f:
+            with checkpoint.open_safetensors(path) as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
             import zipfile
@@ -116,18 +116,9 @@ class _WeightFiles:
                     yield key, state.pop(name)
                 del state
             else:
-                with _safe_open(path) as f:
+                with checkpoint.open_safetensors(path) as f:
                     for key, name in wanted:
                         yield key, f.get_tensor(name)
-
-
-def _safe_open(path: Path):
-    from safetensors import safe_open
-
-    try:  # pread(2) into fresh tensors: no pages of the file stay mapped while others are read
-        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
-    except TypeError:  # safetensors without backends: memory-mapped, unmapped when closed
-        return safe_open(str(path), framework="pt", device="cpu")
 
 
 def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -44,6 +44,61 @@ def test_model_dir_round_trip(tmp_path):
     assert torch.equal(model(ids), loaded(ids))
 
 
+def test_model_dir_loads_in_a_dtype_tensor_by_tensor(tmp_path, monkeypatch):
+    """load_model(dtype=bf16) equals loading then casting, bit for bit, and casts each tensor as
+    it is read: no float32 copy of the model is ever handed to the module."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=257, context_length=16, d_model=32, n_layers=2, n_heads=4,
+                                    n_kv_heads=2, norm="rmsnorm", mlp="swiglu", positions="rope",
+                                    bias=False, tie_embeddings=True))
+    ck.save_model(model, tmp_path / "m")
+    seen = []
+    original = torch.nn.Module.load_state_dict
+
+    def spy(self, state, *args, **kwargs):
+        seen.extend(t.dtype for t in state.values())
+        return original(self, state, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", spy)
+    half = ck.load_model(tmp_path / "m", dtype=torch.bfloat16)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert half.lm_head.weight is half.tok_emb.weight
+    ids = torch.randint(0, 257, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(half(ids), model.to(torch.bfloat16)(ids))
+
+
+def test_model_dir_with_separate_projection_keys_still_loads(tmp_path):
+    """A model directory written before q/k/v and gate/up were fused (separate keys) loads."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=257, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      norm="rmsnorm", mlp="swiglu", positions="rope", bias=False, tie_embeddings=True)
+    model = Transformer(cfg)
+    ck.save_model(model, tmp_path / "m")
+    old = {}
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight":
+            continue
+        if ".qkv_proj." in key:
+            for name, rows in zip(("q_proj", "k_proj", "v_proj"), t.split((32, 16, 16))):
+                old[key.replace("qkv_proj", name)] = rows.contiguous()
+        elif ".gate_up_proj." in key:
+            for name, rows in zip(("gate_proj", "up_proj"), t.chunk(2)):
+                old[key.replace("gate_up_proj", name)] = rows.contiguous()
+        else:
+            old[key] = t.contiguous()
+    save_file(old, str(tmp_path / "m" / ck.WEIGHTS_FILE))
+    ids = torch.randint(0, 257, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(ck.load_model(tmp_path / "m")(ids), model(ids))
+    del old["blocks.1.attn.v_proj.weight"]
+    save_file(old, str(tmp_path / "m" / ck.WEIGHTS_FILE))
+    with pytest.raises(ValueError, match="blocks.1.attn"):
+        ck.load_model(tmp_path / "m")
+
+
 def test_run_checkpoint_round_trip_restores_everything(tmp_path):
     model = tiny()
     opt = build_adamw(model, lr=1e-3)
