@@ -233,7 +233,10 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
     pad = [S0 - n for n in lengths]
     generator = generator or make_generator(config.seed, device)
     rules = _StopRules(config, B, eot_id, token_bytes)
-    with torch.no_grad():
+    # inference_mode rather than no_grad: no view or version-counter bookkeeping per op, ~7-10% of
+    # an eager decode step here. Every tensor made in the loop (cache, positions, counts) is
+    # only read and written inside these blocks.
+    with torch.inference_mode():
         ids = torch.zeros(B, S0, dtype=torch.long)  # (B, S0), left padded with id 0
         for b, p in enumerate(prompts):
             ids[b, pad[b]:] = torch.tensor(list(p), dtype=torch.long)
@@ -267,7 +270,7 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
             result.prefill_seconds = time.perf_counter() - t0
         else:
             t0 = time.perf_counter()
-            with torch.no_grad():
+            with torch.inference_mode():
                 if seen is not None:
                     seen.scatter_(1, token[:, None], True)
                 if counts is not None:

@@ -190,6 +190,22 @@ def test_cached_equals_uncached_greedy(model):
         assert len(cached.tokens[0]) == 12 and cached.stop_reasons == ["max_new_tokens"]
 
 
+def test_generation_leaves_the_model_trainable_and_grad_mode_alone():
+    """The loop runs under torch.inference_mode; nothing of the model is turned into an
+    inference tensor, so it trains afterwards, and grad mode is restored, also mid-stream."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, context_length=48, d_model=32, n_layers=2, n_heads=4))
+    it = iter(stream(model, PROMPTS[0], SampleConfig(temperature=0.8, seed=1, max_new_tokens=5)))
+    next(it)
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    list(it)
+    generate(model, PROMPTS[1], GREEDY)
+    assert not any(p.is_inference() for p in model.parameters())
+    model.train()
+    model(torch.tensor([PROMPTS[1]])).float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_cached_equals_uncached_sampling_with_penalties(model):
     cfg = SampleConfig(temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, repetition_penalty=1.3,
                        frequency_penalty=0.2, presence_penalty=0.3, seed=11, max_new_tokens=12)
