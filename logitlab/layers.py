@@ -43,12 +43,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form.
-        # In float32 the weight goes in too (same products); otherwise the normalised value is
-        # rounded to x's dtype first and then weighted, as Hugging Face does.
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form, and
+        # for bf16/fp16 x it computes in float32 and rounds once, as x.float() ... .to(x.dtype)
+        # would. In float32 the weight goes in too (same products); otherwise the normalised
+        # value is rounded to x's dtype first and then weighted, as Hugging Face does.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -43,6 +43,8 @@ def test_rmsnorm_matches_formula():
 def test_rmsnorm_bf16_computes_in_float32_then_casts():
     x = (torch.randn(4, 64) * 50).bfloat16()
     norm = RMSNorm(64).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
     x32 = x.float()
     expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).bfloat16()
     out = norm(x)
