@@ -119,7 +119,8 @@ def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Ten
     The caller checked the ids, so the model's own range check (a host sync) is switched off."""
     checking, model.validate_inputs = model.validate_inputs, False
     try:
-        return model(token, cache=cache, positions=positions, attn_mask=attn_mask)[:, -1].float()
+        logits = model(token, cache=cache, positions=positions, attn_mask=attn_mask)[:, -1]   # (B, V)
+        return logits if logits.dtype == torch.float32 else logits.float()
     finally:
         model.validate_inputs = checking
 

@@ -72,15 +72,15 @@ class KVCache:
         Returns views (B, Hkv, S, Dh) over slots [0, S), S = length + T. `length` is NOT moved
         here (every layer writes at the same slots); the model calls `advance(T)` after the
         last layer."""
-        B, Hkv, T, Dh = k_new.shape
+        T = k_new.shape[2]
         start, end = self.length, self.length + T
         if end > self.max_len:
             raise ValueError(f"KVCache is full: writing {T} position(s) at length {start} would pass "
                              f"max_len ({self.max_len})")
-        k, v = self.k[layer], self.v[layer]
-        if (B, Hkv, Dh) != (k.shape[0], k.shape[1], k.shape[3]) or v_new.shape != k_new.shape:
+        if k_new.shape != (self.batch_size, self.n_kv_heads, T, self.head_dim) or v_new.shape != k_new.shape:
             raise ValueError(f"KVCache.update: k_new {tuple(k_new.shape)} / v_new {tuple(v_new.shape)} do "
-                             f"not fit the cache (B={k.shape[0]}, Hkv={k.shape[1]}, Dh={k.shape[3]})")
+                             f"not fit the cache (B={self.batch_size}, Hkv={self.n_kv_heads}, Dh={self.head_dim})")
+        k, v = self.k[layer], self.v[layer]
         k[:, :, start:end] = k_new
         v[:, :, start:end] = v_new
         return k[:, :, :end], v[:, :, :end]

@@ -362,7 +362,8 @@ class Transformer(nn.Module):
             x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
         rope = None
         if self.rope is not None:                                  # cos, sin: (B|1, T, 1, Dh)
-            rope = tuple(t.to(x.dtype) for t in self.rope(positions))
+            cos, sin = self.rope(positions)
+            rope = (cos, sin) if cos.dtype == x.dtype else (cos.to(x.dtype), sin.to(x.dtype))
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):
             x, w = block(x, rope, cache=cache, layer=i, mask=mask, is_causal=is_causal,
