@@ -399,10 +399,11 @@ def resolve_model_dir(path: str | os.PathLike, which: str = "latest") -> Path:
     return ckpt
 
 
-def load_for_inference(path: str | os.PathLike, which: str = "latest", device: str = "cpu"):
-    """(model in eval mode, tokenizer or None) from a run dir, checkpoint dir or model dir."""
+def load_for_inference(path: str | os.PathLike, which: str = "latest", device: str = "cpu", dtype=None):
+    """(model in eval mode, tokenizer or None) from a run dir, checkpoint dir or model dir;
+    dtype None keeps the stored dtype, else each tensor is cast as it is read."""
     directory = resolve_model_dir(path, which)
-    model = load_model(directory, device=device).eval()
+    model = load_model(directory, device=device, dtype=dtype).eval()
     tokenizer = None
     tok_file = directory / TOKENIZER_FILE
     if not tok_file.is_file() and (directory.parent / TOKENIZER_FILE).is_file():

@@ -107,26 +107,18 @@ class Loaded:
 def load(args) -> Loaded:
     """The model and tokenizer named by --checkpoint or --hf, cast to --dtype."""
     from logitlab import checkpoint, hf
-    from logitlab.tokenizer import Tokenizer
 
     dtype = hf.parse_dtype(args.dtype)
     eos: list[int] = []
     if args.checkpoint:
-        model, tok = checkpoint.load_for_inference(args.checkpoint)
+        model, tok = checkpoint.load_for_inference(args.checkpoint, dtype=dtype)
         if tok is None:
             raise FileNotFoundError(f"{args.checkpoint}: no {checkpoint.TOKENIZER_FILE} beside the model")
-        if dtype is not None:
-            model = model.to(dtype)
     else:
         d = Path(args.hf)
         model = hf.load_pretrained(d, dtype=dtype)
-        if (d / "tokenizer.json").is_file():
-            tok = Tokenizer.from_hf(d / "tokenizer.json")
-        elif (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
-            tok = Tokenizer.from_gpt2_files(d / "vocab.json", d / "merges.txt")
-        elif (d / checkpoint.TOKENIZER_FILE).is_file():
-            tok = Tokenizer.load(d / checkpoint.TOKENIZER_FILE)
-        else:
+        tok = hf.load_tokenizer(d)
+        if tok is None:
             raise FileNotFoundError(f"{d}: no tokenizer.json, vocab.json + merges.txt, or "
                                     f"{checkpoint.TOKENIZER_FILE}")
         if not checkpoint.is_logitlab_dir(d):

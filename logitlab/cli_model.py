@@ -194,16 +194,13 @@ def _print_report(report: dict) -> None:
 
 
 def _hf_tokenizer(directory: Path):
-    """The directory's tokenizer.json as a logitlab Tokenizer, or None (absent or not byte-level
-    BPE; a note says why)."""
+    """The directory's tokenizer (hf.load_tokenizer) or None: absent, or not byte-level BPE (a
+    note says why; the model is converted without it)."""
+    from logitlab import hf
     from logitlab.cli import error_console
-    from logitlab.tokenizer import Tokenizer
 
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        return None
     try:
-        return Tokenizer.from_hf(path)
+        return hf.load_tokenizer(directory)
     except ValueError as exc:
         error_console().print(f"note: tokenizer not converted: {exc}")
         return None
@@ -217,9 +214,8 @@ def _convert(args) -> int:
     if args.to_hf:
         if not args.out:
             raise ValueError("--to-hf needs --out DIR (the Hugging Face directory to write)")
-        model, tokenizer = checkpoint.load_for_inference(args.to_hf)   # model dir, checkpoint or run
-        dtype = hf.parse_dtype(args.dtype)
-        model = model.to(dtype) if dtype is not None else model
+        model, tokenizer = checkpoint.load_for_inference(args.to_hf,    # model dir, checkpoint or run
+                                                         dtype=hf.parse_dtype(args.dtype))
         hf.save_pretrained(model, args.out, tokenizer=tokenizer)
         arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
         out.print(f"wrote Hugging Face directory {args.out} ({arch}"

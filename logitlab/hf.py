@@ -128,6 +128,23 @@ def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(files.tensors({k: k for k in files.shapes}))
 
 
+def load_tokenizer(directory: str | os.PathLike):
+    """The tokenizer stored in a model directory, as a logitlab Tokenizer, or None when there is
+    none. Looked for in this order: tokenizer.json (Hugging Face), vocab.json + merges.txt (GPT-2),
+    tokenizer.logitlab.json (logitlab's own). A file that is there but cannot be read as byte-level
+    BPE raises ValueError naming it."""
+    from logitlab.tokenizer import Tokenizer
+
+    d = Path(directory)
+    if (d / "tokenizer.json").is_file():
+        return Tokenizer.from_hf(d / "tokenizer.json")
+    if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        return Tokenizer.from_gpt2_files(d / "vocab.json", d / "merges.txt")
+    if (d / checkpoint.TOKENIZER_FILE).is_file():
+        return Tokenizer.load(d / checkpoint.TOKENIZER_FILE)
+    return None
+
+
 def _name_first(keys: list[str]) -> str:
     more = f" (and {len(keys) - 1} more: {keys[1:4]})" if len(keys) > 1 else ""
     return f"{keys[0]!r}{more}"

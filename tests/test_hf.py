@@ -347,3 +347,27 @@ def test_cli_convert_carries_the_tokenizer(tmp_path):
     assert main(["convert", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
     back = Tokenizer.load(tmp_path / "back" / checkpoint.TOKENIZER_FILE)
     assert back.encode(text) == tok.encode(text) and back.fingerprint() == tok.fingerprint()
+
+
+def test_load_tokenizer_finds_each_format_in_order(tmp_path, gpt2_files):
+    """tokenizer.json first, then GPT-2's vocab.json + merges.txt, then logitlab's own file;
+    None when the directory has none; a broken file is an error naming it."""
+    import shutil
+
+    from logitlab.tokenizer import Tokenizer
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab[256], vocab[257] = b"th", b"the"
+    tok = Tokenizer(vocab, [(b"t", b"h"), (b"th", b"e")], special_tokens={"<|endoftext|>": 258})
+    text = "the theme there<|endoftext|>"
+    assert hf.load_tokenizer(tmp_path) is None
+    tok.save(tmp_path / checkpoint.TOKENIZER_FILE)
+    assert hf.load_tokenizer(tmp_path).encode(text) == tok.encode(text)
+    for f in gpt2_files:
+        shutil.copy(f, tmp_path / f.name)
+    assert hf.load_tokenizer(tmp_path).encode("hello world") == [31373, 995]     # GPT-2's ids
+    tok.save_hf(tmp_path / "tokenizer.json")
+    assert hf.load_tokenizer(tmp_path).encode(text) == tok.encode(text)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        hf.load_tokenizer(tmp_path)
