@@ -190,8 +190,11 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
 
     with torch.device("meta"):
         model = Transformer(config)
-    for name, tensor in families.hf_tensors_to_logitlab(cast(read(names)), config):
-        model.load_state_dict({name: tensor}, strict=False, assign=True)
+    # the converted tensors are the model's own (final dtype and device): holding them until one
+    # assignment costs nothing extra, and one load_state_dict walks the modules once
+    state = dict(families.hf_tensors_to_logitlab(cast(read(names)), config))
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
     model.tie_weights()
     unread = [name for name, p in model.named_parameters() if p.is_meta]
     if unread:  # check_hf_state makes this unreachable; a conversion bug must not pass silently
