@@ -8,8 +8,10 @@ else branches on the typed features of ModelConfig. It owns:
 - config_from_hf(dict) / config_to_hf(ModelConfig): Hugging Face config.json <-> ModelConfig;
   the Hugging Face architecture is chosen from typed features (see `hf_architecture`);
 - state_dict_from_hf / state_dict_to_hf: pure functions between Hugging Face tensor names and
-  logitlab's (model.py documents ours). Two layouts exist: "gpt2" (Conv1D weights stored (in, out),
-  q, k, v fused in one c_attn) and "llama" (nn.Linear weights, shared by Llama, Mistral, Qwen2, Qwen3).
+  logitlab's (model.py documents ours); hf_tensors_to_logitlab converts one tensor at a time for
+  streaming loaders. Two layouts exist: "gpt2" (Conv1D weights stored (in, out), q, k, v fused in
+  one c_attn, as logitlab's qkv_proj) and "llama" (nn.Linear weights, shared by Llama, Mistral,
+  Qwen2, Qwen3; separate q/k/v and gate/up, joined into logitlab's fused projections).
 
 File reading/writing lives in hf.py; this module never touches the disk.
 """
