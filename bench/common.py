@@ -115,6 +115,35 @@ def update_doc_section(title: str, body: str) -> Path:
     return DOC
 
 
+
+# --------------------------------------------------------------------------------------------
+# Peak resident memory, measured in a fresh child process (Linux /proc)
+# --------------------------------------------------------------------------------------------
+
+def rss_kib(field: str = "VmRSS") -> int:
+    """This process's /proc/self/status `field` (VmRSS: resident now; VmHWM: the peak), KiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise ValueError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak (VmHWM) to the current RSS (writing 5 to /proc/self/clear_refs); -> that RSS (KiB)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_kib("VmRSS")
+
+
+def run_child(module: str, flag: str, spec: dict) -> list[str]:
+    """Run `python3 -m module flag JSON(spec)` in a fresh interpreter (so nothing this process
+    allocated or imported counts) and return its stdout lines; a failure raises with its stderr."""
+    args = [sys.executable, "-m", module, flag, json.dumps(spec)]
+    out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise RuntimeError(f"{module} {flag} {spec} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()
+
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
                 "amx_tile", "amx_bf16", "amx_int8")
 

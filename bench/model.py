@@ -1,29 +1,49 @@
-"""Model speed against transformers: forward (logits) and training-step tokens/s, side by side.
+"""Model speed and training memory against transformers: forward and training-step tokens/s, peak RSS.
 
-    python3 -m bench.model            # full run (GPT-2 small 4 x 256, small Llama 8 x 256; fp32, bf16)
-    python3 -m bench.model --quick    # fewer repeats, shorter sequences (a smoke run)
+    python3 -m bench.model --threads 1    # full run (GPT-2 small 4 x 256, small Llama 8 x 256; fp32, bf16)
+    python3 -m bench.model --quick        # the small Llama at half size, 2 repeats (a smoke run)
 
 Both sides hold the same weights: logitlab builds the model, save_pretrained writes it, transformers
-loads that directory (its default SDPA attention unless --peer-attn eager). A training step is
-forward + float32 cross-entropy on the logits + backward + torch.optim.AdamW, identical code for
-both sides. bf16 is torch.autocast over fp32 weights. MFU = achieved FLOP/s
-(accounting.flops_per_token x tokens) over the best matmul rate measured in the same run and dtype.
+loads that directory (its default SDPA attention unless --peer-attn eager). Three sides run in turn
+(logitlab eager, logitlab compiled, transformers; A B C A B C ... after a warm-up):
+- forward: logits under no_grad; compiled = `torch.compile(model, fullgraph=True)`;
+- training step, as each library's trainer runs it: forward + float32 cross-entropy (the same
+  function on both sides) + backward + clipping to global norm 1.0 + fused AdamW (logitlab:
+  optim.build_adamw, what `logitlab train` uses; transformers: torch's fused AdamW, the default
+  optimizer of transformers.Trainer with torch >= 2.8). Compiled = train.loss_fn(model, True), the
+  model and the loss compiled as one graph, which is what `logitlab train --compile` runs.
+bf16 is torch.autocast over fp32 weights. Timed with the process's CPU time when torch runs one
+thread (see clock()), else the wall time. The compile time (the compiled side's first call less
+its best timed step) is reported on its own and excluded from the timings. MFU = achieved FLOP/s
+(accounting.flops_per_token x tokens; x3 for training) over the best 1024³ matmul rate measured in
+the same run and dtype.
+
+Memory: the peak resident memory of a training step of each side, each in a fresh process (VmHWM
+above the RSS after the imports, the compiler's included, so that both sides pay the same), after
+one warm-up step (the compiled side compiles in it; its peak is reported too).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import json
+import statistics
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from bench.common import alternate, command_line, machine_info, markdown_table, update_doc_section, write_results
+from bench import common
+from bench.common import command_line, machine_info, markdown_table, update_doc_section, write_results
 from logitlab import accounting, hf
 from logitlab.families import PRESETS
 from logitlab.model import ModelConfig, Transformer
+from logitlab.optim import build_adamw, clip_grad_norm
+from logitlab.train import cross_entropy, loss_fn
 
 SMALL_LLAMA = ModelConfig(vocab_size=8192, context_length=256, d_model=384, n_layers=6, n_heads=6,
                           n_kv_heads=2, d_ff=1024, norm="rmsnorm", mlp="swiglu", positions="rope",
@@ -32,7 +52,8 @@ POINTS = {  # name -> (config, batch, T)
     "gpt2-small": (PRESETS["gpt2"], 4, 256),
     "small-llama": (SMALL_LLAMA, 8, 256),
 }
-
+SIDES = ("ours", "compiled", "peer")
+LR, WEIGHT_DECAY, CLIP = 1e-5, 0.1, 1.0
 
 def _pair(config: ModelConfig, tmp: Path, peer_attn: str = "sdpa"):
     import transformers
@@ -45,135 +66,322 @@ def _pair(config: ModelConfig, tmp: Path, peer_attn: str = "sdpa"):
     return ours, theirs
 
 
-def _ours_logits(model, ids):
-    return model(ids)
+def _autocast(enabled: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
-def _theirs_logits(model, ids):
-    return model(input_ids=ids, use_cache=False).logits
-
-
-def _forward(model, run, ids, autocast):
+def forward_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str = "inductor") -> Callable:
+    """One forward (logits (B, T, V), no grad) of `side`'s model; compiled: fullgraph torch.compile."""
     model.eval()
+    if side == "peer":
+        def run():
+            return model(input_ids=ids, use_cache=False).logits
+    else:
+        run = torch.compile(model, fullgraph=True, backend=backend) if side == "compiled" else model
+        run = (lambda f: lambda: f(ids))(run)
 
     def step():
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            run(model, ids)
+        with torch.no_grad(), _autocast(autocast):
+            run()
     return step
 
 
-def _train(model, run, ids, autocast):
+def train_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str = "inductor") -> Callable:
+    """One training step of `side` on ids (B, T) predicting ids shifted by one (see the module docstring)."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     targets = torch.roll(ids, -1, dims=1)
+    if side == "peer":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+        def loss():
+            return cross_entropy(model(input_ids=ids, use_cache=False).logits, targets)
+
+        def clip():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    else:
+        opt = build_adamw(model, LR, WEIGHT_DECAY)
+        compute = loss_fn(model, backend if side == "compiled" else False)
+
+        def loss():
+            return compute(ids, targets)
+
+        def clip():
+            clip_grad_norm(model.parameters(), CLIP)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = run(model, ids)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
+        with _autocast(autocast):
+            value = loss()
+        value.backward()
+        clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
 
 
+def clock() -> tuple[str, Callable[[], float]]:
+    """The clock the timings use: with one torch thread the process's CPU time ("cpu": user +
+    system, equal to the wall time on an idle machine, but without the time other jobs of a
+    shared machine took from it), else the wall time ("wall", which counts every thread once)."""
+    if torch.get_num_threads() == 1:
+        return "cpu", time.process_time
+    return "wall", time.perf_counter
+
+
+def rotate(steps: dict[str, Callable], repeats: int, timer: Callable[[], float] = time.perf_counter
+           ) -> tuple[dict, dict]:
+    """One untimed warm-up call per side, then `repeats` rounds calling every side in turn.
+
+    -> ({side: wall seconds of its first call}, {side: [seconds per round, measured with `timer`]})"""
+    def timed(fn: Callable, timer: Callable[[], float]) -> float:
+        start = timer()
+        fn()
+        return timer() - start
+
+    first = {side: timed(fn, time.perf_counter) for side, fn in steps.items()}   # compile workers included
+    times: dict[str, list[float]] = {side: [] for side in steps}
+    for _ in range(repeats):
+        for side, fn in steps.items():
+            times[side].append(timed(fn, timer))
+    return first, times
+
+
+def _ratios(times: dict, side: str) -> dict:
+    """Median, min and max over rounds of peer time / `side` time (> 1: `side` faster)."""
+    r = [p / s for s, p in zip(times[side], times["peer"])]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r)}
+
+
 def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa",
-        models: list[str] | None = None) -> dict:
+        models: list[str] | None = None, compile: bool = True, memory: bool = True,
+        threads: int | None = None, backend: str = "inductor", points: dict | None = None) -> dict:
     repeats = repeats or (2 if quick else 3)
+    points = points or POINTS
+    models = models or (["small-llama"] if quick else list(points))
+    sides = SIDES if compile else ("ours", "peer")
     rates = {"fp32": 0.0, "bf16": 0.0}   # best matmul FLOP/s seen; re-measured before every point
+    clock_name, timer = clock()
 
     def measure(dtype: str) -> None:
         rates[dtype] = max(rates[dtype], accounting.measure_matmul_flops(dtype, n=1024, seconds=0.5))
 
-    rows = []
-    for name in models or list(POINTS):
-        config, B, T = POINTS[name]
+    rows, mem = [], []
+    for name in models:
+        torch._dynamo.reset()   # a fresh compile cache per shape (and its memory back)
+        config, B, T = points[name]
         if quick:
             B, T = max(1, B // 2), T // 2
         config = dataclasses.replace(config, dropout=0.0)
-        with tempfile.TemporaryDirectory() as tmp:
-            ours, theirs = _pair(config, Path(tmp) / "hf", peer_attn)
         ids = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
         fwd_flops = accounting.flops_per_token(config, T)["forward"] * B * T
-        for dtype in ("fp32", "bf16"):
-            for mode, make in (("forward", _forward), ("train", _train)):
-                measure(dtype)
-                autocast = dtype == "bf16"
-                r = alternate(make(ours, _ours_logits, ids, autocast),
-                              make(theirs, _theirs_logits, ids, autocast), repeats=repeats, warmup=1)
-                best_ours, best_peer = min(r["ours"]), min(r["peer"])
-                row = dict(model=name, mode=mode, dtype=dtype, batch=B, T=T,
-                           flops=fwd_flops * (3 if mode == "train" else 1),
-                           ours_tok_s=B * T / best_ours, peer_tok_s=B * T / best_peer,
-                           ratio=r["ratio"], ratio_min=r["ratio_min"], ratio_max=r["ratio_max"],
-                           times_ours=r["ours"], times_peer=r["peer"])
-                rows.append(row)
-                print(f"{name:12s} {mode:8s} {dtype:5s} B{B} T{T}: logitlab {row['ours_tok_s']:9.0f} tok/s, "
-                      f"transformers {row['peer_tok_s']:9.0f} tok/s, ratio {row['ratio']:.2f} "
-                      f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f})", flush=True)
-        del ours, theirs
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = Path(tmp) / "hf"
+            ours, theirs = _pair(config, directory, peer_attn)
+            models_of = {"ours": ours, "compiled": copy.deepcopy(ours), "peer": theirs}
+            for dtype in ("fp32", "bf16"):
+                for mode, make in (("forward", forward_step), ("train", train_step)):
+                    measure(dtype)
+                    steps = {side: make(side, models_of[side], ids, dtype == "bf16", backend) for side in sides}
+                    first, times = rotate(steps, repeats, timer)
+                    del steps   # the optimizers' states
+                    row = dict(model=name, mode=mode, dtype=dtype, batch=B, T=T,
+                               flops=fwd_flops * (3 if mode == "train" else 1), times=times)
+                    for side in sides:
+                        row[f"{side}_tok_s"] = B * T / min(times[side])
+                    for side in sides[:-1]:
+                        row[f"{side}_ratio"] = _ratios(times, side)
+                    if compile:
+                        row["compile_s"] = first["compiled"] - min(times["compiled"])
+                    rows.append(row)
+                    print(_line(row), flush=True)
+            del ours, theirs, models_of
+            if memory:
+                for dtype in ("fp32",) if quick else ("fp32", "bf16"):
+                    spec = dict(config=config.to_dict(), directory=str(directory), dtype=dtype, B=B, T=T,
+                                threads=threads, peer_attn=peer_attn, backend=backend)
+                    got = {side: peak_rss_mib(dict(spec, side=side)) for side in sides}
+                    mem.append(dict(model=name, dtype=dtype, batch=B, T=T, **got))
+                    print(f"{name:12s} train    {dtype:5s} peak RSS above imports (MiB): "
+                          + ", ".join(f"{s} {got[s]['step_mib']:.0f}" for s in sides), flush=True)
     for row in rows:   # MFU against the best matmul rate of the whole run
-        row["mfu_ours"] = row["flops"] / min(row["times_ours"]) / rates[row["dtype"]]
-        row["mfu_peer"] = row["flops"] / min(row["times_peer"]) / rates[row["dtype"]]
+        for side in sides:
+            row[f"{side}_mfu"] = row["flops"] / min(row["times"][side]) / rates[row["dtype"]]
     return {"command": command_line(), "machine": machine_info(), "matmul_flops_per_s": rates,
-            "quick": quick, "repeats": repeats, "peer_attn": peer_attn, "rows": rows}
+            "quick": quick, "repeats": repeats, "clock": clock_name, "peer_attn": peer_attn, "sides": list(sides),
+            "rows": rows, "memory": mem}
 
 
-def write_doc(result: dict) -> None:
+def _line(row: dict) -> str:
+    text = (f"{row['model']:12s} {row['mode']:8s} {row['dtype']:5s} B{row['batch']} T{row['T']}: "
+            f"transformers {row['peer_tok_s']:8.0f} tok/s, eager {row['ours_tok_s']:8.0f} "
+            f"x{row['ours_ratio']['median']:.2f}")
+    if "compiled_tok_s" in row:
+        text += (f", compiled {row['compiled_tok_s']:8.0f} x{row['compiled_ratio']['median']:.2f} "
+                 f"({row['compiled_ratio']['min']:.2f}-{row['compiled_ratio']['max']:.2f}; "
+                 f"compile {row['compile_s']:.0f} s)")
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Peak memory of a training step, in a fresh process
+# --------------------------------------------------------------------------------------------
+
+def peak_rss_mib(spec: dict) -> dict:
+    """Peak resident memory (MiB) of `spec['side']`'s training step in a fresh process:
+    {"step_mib": a step after the warm-up, "first_mib": the first step (compiling, for the
+    compiled side), "between_mib": resident between steps}, all above the RSS after the imports."""
+    step, first, between = (float(x) for x in common.run_child("bench.model", "--peak-rss", spec)[-3:])
+    return {"step_mib": step, "first_mib": first, "between_mib": between}
+
+
+def _peak_rss_child(spec: dict) -> int:
+    import torch._inductor.compile_fx  # noqa: F401  (every side pays the compiler's imports)
+    import transformers
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    config = ModelConfig.from_dict(spec["config"])
+    ids = torch.randint(0, config.vocab_size, (spec["B"], spec["T"]), generator=torch.Generator().manual_seed(0))
+    base = common.reset_peak_rss()
+    if spec["side"] == "peer":
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=torch.float32,
+                                                                  attn_implementation=spec["peer_attn"])
+    else:
+        torch.manual_seed(0)
+        model = Transformer(config)
+    step = train_step(spec["side"], model, ids, spec["dtype"] == "bf16", spec["backend"])
+    step()   # warm-up: optimizer state allocated, compiled side compiled
+    first = common.rss_kib("VmHWM")
+    between = common.reset_peak_rss()
+    step()
+    peak = common.rss_kib("VmHWM")
+    for kib in (peak, first, between):
+        print((kib - base) / 1024)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+def _ratio_cell(r: dict) -> str:
+    return f"**{r['median']:.2f}** ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def render(result: dict) -> str:
+    """The docs/benchmarks.md "Model" section for one run's results."""
     m = result["machine"]
-    table = markdown_table(
-        ["model", "step", "dtype", "B x T", "logitlab tok/s", "transformers tok/s", "ratio median (min-max)",
-         "MFU logitlab", "MFU transformers"],
-        [[r["model"], r["mode"], r["dtype"], f"{r['batch']} x {r['T']}", f"{r['ours_tok_s']:,.0f}",
-          f"{r['peer_tok_s']:,.0f}", f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})",
-          f"{r['mfu_ours']:.1%}", f"{r['mfu_peer']:.1%}"] for r in result["rows"]])
+    compiled = "compiled" in result.get("sides", SIDES)
+    headers = ["model", "step", "dtype", "B x T", "transformers tok/s", "logitlab eager tok/s", "eager ratio"]
+    if compiled:
+        headers += ["logitlab compiled tok/s", "compiled ratio"]
+    headers += ["MFU transformers / eager" + (" / compiled" if compiled else "")]
+    if compiled:
+        headers += ["compile s"]
+    rows = []
+    for r in result["rows"]:
+        row = [r["model"], r["mode"], r["dtype"], f"{r['batch']} x {r['T']}", f"{r['peer_tok_s']:,.0f}",
+               f"{r['ours_tok_s']:,.0f}", _ratio_cell(r["ours_ratio"])]
+        if compiled:
+            row += [f"{r['compiled_tok_s']:,.0f}", _ratio_cell(r["compiled_ratio"])]
+        row += [" / ".join(f"{r[f'{s}_mfu']:.0%}" for s in ("peer", "ours", "compiled") if f"{s}_mfu" in r)]
+        if compiled:
+            row += [f"{r['compile_s']:.0f}"]
+        rows.append(row)
+    table = markdown_table(headers, rows)
+    memory = ""
+    if result.get("memory"):
+        mem_rows = []
+        for r in result["memory"]:
+            row = [r["model"], r["dtype"], f"{r['batch']} x {r['T']}", f"{r['peer']['step_mib']:,.0f}",
+                   f"{r['ours']['step_mib']:,.0f}"]
+            if "compiled" in r:
+                row += [f"{r['compiled']['step_mib']:,.0f}"]
+            mem_rows.append(row)
+        mem_headers = ["model", "dtype", "B x T", "transformers MiB", "logitlab eager MiB"]
+        if compiled:
+            mem_headers += ["logitlab compiled MiB"]
+        memory = f"""
+Peak resident memory of a training step after one warm-up step, each side in a fresh process,
+above its RSS after the imports (torch, transformers and the compiler, the same for every side):
+weights, gradients, AdamW state (allocated at the end of the first step, so the second step is
+the peak), activations, and for the compiled side the compiled graphs.
+
+{markdown_table(mem_headers, mem_rows)}
+"""
     cmd = result["command"].replace(" --no-doc", "")
     load = f", load average {m['load_avg_1m']} at the end" if "load_avg_1m" in m else ""
     rates = ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in result["matmul_flops_per_s"].items())
-    body = f"""Forward (logits, no grad) and training step (forward + fp32 cross-entropy + backward + AdamW)
-tokens/s of logitlab against `transformers` holding the same weights (transformers with
-attn_implementation="{result.get('peer_attn', 'sdpa')}", logitlab with SDPA), run alternately in one
-process. Ratio = logitlab tok/s / transformers tok/s per alternating pair (> 1: logitlab faster);
-tok/s from the best of {result['repeats']} timed runs. MFU against the best 1024³ matmul rate
-measured in the same run, before each point ({rates}).
+    clock_text = ("Times are the process's CPU time (one torch thread: other jobs' time on the shared machine is "
+                  "left out)." if result.get("clock") == "cpu" else "Times are wall-clock times.")
+    return f"""Forward (logits, no grad) and training step tokens/s of logitlab, eager and compiled,
+against `transformers` holding the same weights (attn_implementation="{result.get('peer_attn', 'sdpa')}";
+logitlab with SDPA), run in turn in one process (eager, compiled, transformers, ... after a warm-up).
+A training step is what each library's trainer runs: forward + float32 cross-entropy (the same
+function for both) + backward + clipping to norm 1.0 + fused AdamW (`logitlab train`'s
+optim.build_adamw; transformers.Trainer's default `adamw_torch_fused`). Compiled: the forward is
+`torch.compile(model, fullgraph=True)`; the training step compiles the model and the loss as one
+graph (train.loss_fn, what `logitlab train --compile` runs), the optimizer stays eager. bf16 is
+torch.autocast over fp32 weights. Ratio = transformers time / logitlab time per round (> 1:
+logitlab faster), median (min-max) of {result['repeats']} rounds; tok/s from the best round.
+{clock_text}
+Compile time (wall time of the first call less the best step) is reported apart, excluded from
+the timings; it is short when inductor's on-disk cache holds the graphs from an earlier run (a
+cold compile took 20-70 s here). MFU against the best 1024³ matmul rate measured in the same run
+({rates}).
 
 Command: `{cmd}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
 ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']},
 commit {m['commit']}{load}.
 
 {table}
-
+{memory}
 Reading it: the machine is shared, so single timings swing by up to 2x and the min-max spread of
-the per-pair ratios is wide; the median ratio is the number to read. Both sides spend their time in
-the same kernels: a torch.profiler trace of one step (1 thread) shows matmuls (addmm/mm, ~90% of a
-GPT-2 forward, including the 50257 x 768 LM head), the CPU flash-attention kernel and log-softmax,
-within a few percent of each other in total. logitlab splits GPT-2's fused c_attn into three
-projections and uses SDPA's native GQA (enable_gqa) instead of repeating K/V; neither shows as a cost.
-A point below 1.0 is worth re-measuring alone before believing it:
+the per-round ratios is wide; the median ratio is the number to read. Eager, both sides spend
+their time in the same kernels (a torch.profiler trace of one step: matmuls ~90% of a GPT-2
+forward including the 50257 x 768 LM head, the CPU flash-attention kernel, log-softmax), so eager
+logitlab is at about 1.0x. Compiling removes the rest: the norms, activations, RoPE and residual
+adds fuse into few kernels, and compiling the loss with the model fuses the float32 upcast and
+log-softmax of the (B, T, V) logits and their backward (1.01-1.04x faster than compiling the model
+alone). What is left is mostly matrix products at the same speed as transformers' (a profile of the
+compiled small-Llama step: mm/addmm ~76%, CPU flash attention ~11%, generated kernels ~10%, fused
+AdamW ~1%), so compiling gains 5-15% and stays short of 1.2x. On a heavily loaded machine (load
+average 4-6) the compiled ratios came out larger (small Llama fp32 training 1.20x in CPU time): other
+jobs' memory traffic slows the memory-bound elementwise work that compiling removes, so read the
+ratios of a quiet run (load average about 1 from the benchmark itself). Measured without gain
+(CPU time, 1 thread): mode="max-autotune-no-cudagraphs" for the training step (small Llama bf16
+1.13x vs 1.14x), frozen weights for the forward (inference only; small Llama fp32 1.10x vs 1.09x,
+bf16 1.07x vs 1.06x).
+A point worth doubting is worth re-measuring alone:
 `python3 -m bench.model --models small-llama --threads 1 --no-doc`.
 """
-    update_doc_section("Model", body)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="half-size batches, 2 repeats")
+    parser.add_argument("--quick", action="store_true",
+                        help="the small Llama only (unless --models), half-size batches, 2 repeats, fp32 memory")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="timed pairs per point (default 3; 2 with --quick)")
+                        help="timed rounds per point (default 3; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--peer-attn", default="sdpa", choices=["sdpa", "eager"],
                         help="transformers' attention kernel (default sdpa, its default)")
     parser.add_argument("--models", nargs="*", choices=list(POINTS), default=None,
-                        help="which shapes to run (default: all)")
+                        help="which shapes to run (default: all; --quick: small-llama)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled logitlab side")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--peak-rss", metavar="JSON", help=argparse.SUPPRESS)   # the memory child process
     args = parser.parse_args(argv)
+    if args.peak_rss:
+        return _peak_rss_child(json.loads(args.peak_rss))
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args.quick, args.repeats, args.peer_attn, args.models)
+    result = run(args.quick, args.repeats, args.peer_attn, args.models, compile=not args.no_compile,
+                 memory=not args.no_memory, threads=args.threads)
     path = write_results("model-quick" if args.quick else "model", result)
     print(f"results: {path}")
     if not args.no_doc:
-        write_doc(result)
+        update_doc_section("Model", render(result))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The benchmark harness at tiny sizes: roofline measurements, the scaling run and its writers, the dispatcher."""
+"""The benchmark harness at tiny sizes: roofline measurements, model speed and memory, the scaling run and its
+writers, the dispatcher."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from bench import __main__ as dispatcher
+from bench import model as model_bench
 from bench import roofline, scaling
 from bench.common import cpu_flags
 from logitlab.model import ModelConfig, Transformer
@@ -54,6 +56,55 @@ def test_roofline_run_and_render(monkeypatch):
     assert "| micro | 8 x 16 x 32 |" in text and "read bandwidth" in text
     assert result["machine"]["numpy"] and isinstance(cpu_flags(), list)
 
+
+def test_model_bench_three_sides_and_memory_at_a_tiny_shape():
+    """Eager, compiled (aot_eager traces what inductor would compile) and transformers, forward
+    and training step in fp32 and bf16, then the peak-memory child processes; the section renders."""
+    result = model_bench.run(quick=True, repeats=1, models=["micro"], points={"micro": (MICRO, 2, 16)},
+                             threads=1, backend="aot_eager")   # quick: B and T halved, memory in fp32 only
+    rows = result["rows"]
+    assert [(r["mode"], r["dtype"]) for r in rows] == [("forward", "fp32"), ("train", "fp32"),
+                                                       ("forward", "bf16"), ("train", "bf16")]
+    for r in rows:
+        assert all(r[f"{side}_tok_s"] > 0 and r[f"{side}_mfu"] > 0 for side in model_bench.SIDES)
+        assert r["ours_ratio"]["min"] <= r["ours_ratio"]["median"] <= r["ours_ratio"]["max"]
+        assert r["compiled_ratio"]["median"] > 0 and "compile_s" in r
+    assert [m["dtype"] for m in result["memory"]] == ["fp32"] and result["clock"] == "cpu"
+    for m in result["memory"]:
+        for side in model_bench.SIDES:
+            assert m[side]["step_mib"] >= 0 and m[side]["first_mib"] >= m[side]["between_mib"] - 1
+    text = model_bench.render(result)
+    assert "| micro | train | bf16 | 1 x 8 |" in text and "compiled ratio" in text
+    assert "| micro | fp32 | 1 x 8 |" in text and "logitlab compiled MiB" in text
+
+
+def test_model_bench_training_steps_do_the_same_work(monkeypatch, tmp_path):
+    """From the same weights, two training steps of each side (compiled: train.loss_fn through
+    aot_eager) leave the same decayed matrix: same loss, gradients, clipping and AdamW update."""
+    import copy
+
+    import transformers
+
+    from logitlab import hf
+
+    monkeypatch.setattr(model_bench, "LR", 1e-3)
+    ids = torch.randint(0, MICRO.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ours = Transformer(MICRO)
+    before = ours.blocks[1].mlp.down_proj.weight.detach().clone()
+    hf.save_pretrained(ours, tmp_path)
+    sides = {"ours": ours, "compiled": copy.deepcopy(ours),
+             "peer": transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)}
+    for side, m in sides.items():
+        step = model_bench.train_step(side, m, ids, False, backend="aot_eager")
+        step()
+        step()
+    after = [m.blocks[1].mlp.down_proj.weight for m in (ours, sides["compiled"])]
+    after.append(sides["peer"].model.layers[1].mlp.down_proj.weight)
+    # AdamW moves each weight by about lr per step, so a tenth of it tells a different update apart
+    assert (after[0] - before).abs().mean() > 1e-3
+    for w in after[1:]:
+        torch.testing.assert_close(w, after[0], atol=1e-4, rtol=0)
 
 def test_decode_bytes_counts_weights_once_and_the_cache():
     model = Transformer(MICRO)
