@@ -22,16 +22,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-from bench.common import RESULTS, command_line, machine_info, markdown_table, update_doc_section, write_results
+from bench.common import (
+    RESULTS,
+    command_line,
+    machine_info,
+    markdown_table,
+    reset_peak_rss,
+    rss_kib,
+    run_child,
+    update_doc_section,
+    write_results,
+)
 from bench.roofline import bandwidths
 from logitlab.families import PRESETS
 from logitlab.generate import SampleConfig, generate
@@ -197,11 +204,8 @@ def peak_rss_mib(side: str, directory: str, dtype_name: str, B: int, prompt_len:
     """(load + generate, generate alone): peak resident memory (MiB) of a fresh process that
     loads `directory` as `side` (ours or peer) and generates `new` tokens for B prompts, above
     its RSS after the imports and above its RSS once the model is loaded."""
-    args = [sys.executable, "-m", "bench.generate", "--peak-rss", json.dumps(
-        dict(side=side, directory=directory, dtype=dtype_name, B=B, prompt=prompt_len, new=new,
-             threads=threads))]
-    out = subprocess.run(args, capture_output=True, text=True, check=True, cwd=os.getcwd())
-    gen, total = out.stdout.strip().splitlines()[-2:]
+    gen, total = run_child("bench.generate", "--peak-rss", dict(
+        side=side, directory=directory, dtype=dtype_name, B=B, prompt=prompt_len, new=new, threads=threads))[-2:]
     return float(total), float(gen)
 
 
@@ -234,20 +238,6 @@ def memory_only(args, batches: list[int], new: int) -> int:
     return 0
 
 
-def _rss_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise ValueError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Reset the peak (VmHWM) to the current RSS; -> that RSS (KiB)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss_kib("VmRSS")
-
-
 def _peak_rss_child(spec: dict) -> int:
     """Prints the peak RSS (MiB) of generating above the RSS after loading, then the peak of
     loading and generating above the RSS after the imports."""
@@ -257,14 +247,14 @@ def _peak_rss_child(spec: dict) -> int:
         torch.set_num_threads(spec["threads"])
     dtype = DTYPES[spec["dtype"]]
     g = torch.Generator().manual_seed(1)
-    base = _reset_peak()
+    base = reset_peak_rss()
     with torch.no_grad():
         if spec["side"] == "ours":
             model = load_pretrained(spec["directory"], dtype=dtype).eval()
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=dtype).eval()
-        load_peak = _rss_kib("VmHWM")
-        loaded = _reset_peak()
+        load_peak = rss_kib("VmHWM")
+        loaded = reset_peak_rss()
         prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
         if spec["side"] == "ours":
             generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]))
@@ -272,7 +262,7 @@ def _peak_rss_child(spec: dict) -> int:
             model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                            max_new_tokens=spec["new"], min_new_tokens=spec["new"], pad_token_id=0,
                            eos_token_id=None)
-    gen_peak = _rss_kib("VmHWM")
+    gen_peak = rss_kib("VmHWM")
     print((gen_peak - loaded) / 1024)
     print((max(load_peak, gen_peak) - base) / 1024)
     return 0
