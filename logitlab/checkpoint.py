@@ -156,7 +156,9 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
     """Load a logitlab model directory written by save_model; keys and shapes are checked
     against the config (from the file's header, before any tensor is read) and a mismatch names
     the offending key. Tensors are read one at a time and cast to `dtype` / moved to `device`
-    as they arrive, so the peak is the final model plus one tensor in flight."""
+    as they arrive, so the peak is the final model plus one tensor in flight. A directory written
+    before q/k/v and gate/up became one projection each is read whole and upgraded first
+    (upgrade_legacy_state)."""
     import torch
 
     from logitlab.model import Transformer
@@ -173,43 +175,59 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
         expected.pop("lm_head.weight", None)
     with open_safetensors(weights) as f:
         shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        legacy = None
         if any(_LEGACY_KEY.search(key) for key in shapes):  # written before the fused projections
-            _load_legacy(model, {key: f.get_tensor(key) for key in shapes}, weights, dtype, device)
-        else:
-            missing = sorted(set(expected) - set(shapes))
-            unexpected = sorted(set(shapes) - set(expected))
-            if missing or unexpected:
-                raise ValueError(f"{weights}: keys disagree with {directory / CONFIG_FILE}: "
-                                 f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-            for key, tensor in expected.items():
-                if shapes[key] != tuple(tensor.shape):
-                    raise ValueError(f"{weights}: {key} has shape {shapes[key]}, "
-                                     f"config expects {tuple(tensor.shape)}")
-            state = {}
-            for key in expected:  # each tensor cast as it arrives: only the final model is kept
-                tensor = f.get_tensor(key)
-                state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-                del tensor
-            model.load_state_dict(state, strict=False, assign=True)
+            legacy = upgrade_legacy_state({key: f.get_tensor(key) for key in shapes})
+            shapes = {key: tuple(t.shape) for key, t in legacy.items()}
+        missing = sorted(set(expected) - set(shapes))
+        unexpected = sorted(set(shapes) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{weights}: keys disagree with {directory / CONFIG_FILE}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for key, tensor in expected.items():
+            if shapes[key] != tuple(tensor.shape):
+                raise ValueError(f"{weights}: {key} has shape {shapes[key]}, "
+                                 f"config expects {tuple(tensor.shape)}")
+        state = {}
+        for key in expected:  # each tensor cast as it arrives: only the final model is kept
+            tensor = legacy.pop(key) if legacy is not None else f.get_tensor(key)
+            state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            del tensor
+        model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.tie_weights()
     model.rebuild_buffers()
     return model
 
 
-def _load_legacy(model, state: dict, weights: Path, dtype, device) -> None:
-    """A state dict with separate q/k/v (gate/up) projections: the Attention / SwiGLU load hooks
-    join them; a key or shape that still disagrees is named by load_state_dict."""
-    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in state.items()}
-    tied = model.config.tie_embeddings and "lm_head.weight" not in state
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    except RuntimeError as exc:  # shape mismatches
-        raise ValueError(f"{weights}: {exc}") from None
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{weights}: keys disagree with the config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+def upgrade_legacy_state(state: dict) -> dict:
+    """A logitlab state dict written before q/k/v and gate/up became one projection each, with
+    its separate blocks.{i}.attn.{q,k,v}_proj and blocks.{i}.mlp.{gate,up}_proj tensors joined
+    into the rows of attn.qkv_proj (q, k, v) and mlp.gate_up_proj (gate, up). Called explicitly
+    where such directories are read (load_model); other keys pass through unchanged. A group with
+    a part missing is left as it is, so the key check that follows names it."""
+    import torch
+
+    out = dict(state)
+    for key in list(state):
+        for fused, parts in _LEGACY_GROUPS:
+            module, part, leaf = _legacy_parts(key, parts)
+            if part != parts[0]:
+                continue
+            keys = [f"{module}.{p}.{leaf}" for p in parts]
+            if all(k in out for k in keys):
+                out[f"{module}.{fused}.{leaf}"] = torch.cat([out.pop(k) for k in keys], dim=0)
+    return out
+
+
+def _legacy_parts(key: str, parts: tuple[str, ...]) -> tuple[str, str | None, str]:
+    """'blocks.0.attn.k_proj.weight' -> ('blocks.0.attn', 'k_proj', 'weight') when k_proj is in parts."""
+    module, _, leaf = key.rpartition(".")
+    module, _, part = module.rpartition(".")
+    return module, (part if part in parts else None), leaf
+
+
+_LEGACY_GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 
 
 # Keys of separate q/k/v and gate/up projections (state dicts from before they were fused).
@@ -365,10 +383,17 @@ def load_checkpoint(ckpt: str | os.PathLike, model=None, optimizer=None) -> dict
 
 
 def load_model_state(ckpt: str | os.PathLike) -> dict:
-    """The checkpoint's weights as a state dict (CPU tensors; a tied head stored once)."""
+    """The checkpoint's weights as a state dict (CPU tensors; a tied head stored once), for an
+    exact resume. A checkpoint from before the fused q/k/v and gate/up projections is refused by
+    name: its optimizer state is laid out per separate projection, so it cannot resume exactly."""
     from safetensors.torch import load_file
 
-    return load_file(str(Path(ckpt) / WEIGHTS_FILE), device="cpu")
+    state = load_file(str(Path(ckpt) / WEIGHTS_FILE), device="cpu")
+    if any(_LEGACY_KEY.search(key) for key in state):
+        raise ValueError(f"{ckpt} was written before q/k/v and gate/up became one projection each: "
+                         f"its optimizer state cannot resume this model exactly. Its weights still load "
+                         f"(load_model / logitlab generate --checkpoint, export, or a new run from them).")
+    return state
 
 
 def load_optimizer_state(ckpt: str | os.PathLike) -> dict:

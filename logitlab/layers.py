@@ -43,13 +43,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form, and
-        # for bf16/fp16 x it computes in float32 and rounds once, as x.float() ... .to(x.dtype)
-        # would. In float32 the weight goes in too (same products); otherwise the normalised
-        # value is rounded to x's dtype first and then weighted, as Hugging Face does.
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form on
+        # a float32 input (the weight goes in too: the same products). Other dtypes are normalised
+        # in float32 and rounded to x's dtype before the weight, as Hugging Face does (handing
+        # F.rms_norm a bf16 x directly rounds eps to bf16 on older torch releases).
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -214,10 +214,6 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _fuse_legacy_keys(state_dict, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
                 impl: str = "sdpa", need_weights: bool = False):
         """x (B, T, D) -> (out (B, T, D), weights (B, H, T, S) or None).
@@ -264,15 +260,6 @@ class Attention(nn.Module):
         return self.o_proj(out), (weights if need_weights else None)
 
 
-def _fuse_legacy_keys(state_dict: dict, prefix: str, fused: str, parts: tuple[str, ...]) -> None:
-    """Checkpoints written before the fused projections hold separate `parts` (e.g. q_proj,
-    k_proj, v_proj): join them, in place, into the `fused` Linear's rows, in that order."""
-    for leaf in ("weight", "bias"):
-        keys = [f"{prefix}{p}.{leaf}" for p in parts]
-        if f"{prefix}{fused}.{leaf}" not in state_dict and all(k in state_dict for k in keys):
-            state_dict[f"{prefix}{fused}.{leaf}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
-
-
 # ------------------------------------------------------------------------------------------
 # MLPs
 # ------------------------------------------------------------------------------------------
@@ -300,10 +287,6 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=config.bias)
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _fuse_legacy_keys(state_dict, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # (B, T, F) views each

@@ -29,8 +29,8 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
                                                                when tie_embeddings
 RoPE cos/sin tables are non-persistent buffers (not in the state dict): `rebuild_buffers()`.
 The fused projections (one matrix product for q, k, v and one for gate, up) are split into
-Hugging Face's separate tensors by families.py; checkpoints with separate q_proj / k_proj /
-v_proj / gate_proj / up_proj keys still load (layers._fuse_legacy_keys).
+Hugging Face's separate tensors by families.py; logitlab model directories written with separate
+q_proj / k_proj / v_proj / gate_proj / up_proj keys are joined by checkpoint.upgrade_legacy_state.
 With norm_placement="post" the final norm is kept, so the keys do not depend on placement.
 """
 

@@ -93,6 +93,8 @@ def test_model_dir_with_separate_projection_keys_still_loads(tmp_path):
     ids = torch.randint(0, 257, (1, 8))
     with torch.no_grad():
         assert torch.equal(ck.load_model(tmp_path / "m")(ids), model(ids))
+    with pytest.raises(ValueError, match="before q/k/v and gate/up became one projection"):
+        ck.load_model_state(tmp_path / "m")          # exact resume: the optimizer state cannot follow
     del old["blocks.1.attn.v_proj.weight"]
     save_file(old, str(tmp_path / "m" / ck.WEIGHTS_FILE))
     with pytest.raises(ValueError, match="blocks.1.attn"):
@@ -189,3 +191,21 @@ def test_atomic_save_survives_kill_9(tmp_path):
         model = ck.load_model(c)
         assert all(torch.all(p == step) for p in model.parameters()), c
         ck.load_checkpoint(c, model, build_adamw(model, 1e-3))
+
+
+def test_model_dir_loads_with_a_safetensors_that_has_no_pread_backend(tmp_path, monkeypatch):
+    """open_safetensors falls back to the memory-mapped reader where safe_open has no `backend`."""
+    import safetensors
+
+    model = tiny()
+    ck.save_model(model, tmp_path / "m")
+    original = safetensors.safe_open
+
+    def old_safe_open(path, framework, device="cpu", **kwargs):
+        if kwargs:
+            raise TypeError(f"safe_open() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        return original(path, framework=framework, device=device)
+
+    monkeypatch.setattr(safetensors, "safe_open", old_safe_open)
+    ids = torch.randint(0, 257, (1, 8))
+    assert torch.equal(ck.load_model(tmp_path / "m")(ids), model(ids))

@@ -186,8 +186,11 @@ def test_meta_device_construction_costs_nothing_and_loads_back(tmp_path):
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qknorm", "gpt2"])
 def test_state_dicts_with_separate_projections_still_load(variant):
-    """Checkpoints written before q/k/v and gate/up became one matrix each hold separate
-    q_proj, k_proj, v_proj (and gate_proj, up_proj) keys: they load into the fused rows."""
+    """State dicts written before q/k/v and gate/up became one matrix each hold separate
+    q_proj, k_proj, v_proj (and gate_proj, up_proj) keys: checkpoint.upgrade_legacy_state joins
+    them into the fused rows (and loading them as they are fails, naming the keys)."""
+    from logitlab.checkpoint import upgrade_legacy_state
+
     model = build(**dict(VARIANTS[variant], qkv_bias=True))
     H, Hkv, Dh = model.config.n_heads, model.config.n_kv_heads, model.config.head_dim
     legacy = {}
@@ -202,7 +205,9 @@ def test_state_dicts_with_separate_projections_still_load(variant):
         else:
             legacy[key] = t.clone()
     fresh = Transformer(model.config).eval()
-    fresh.load_state_dict(legacy)                                   # strict: every key accounted for
+    with pytest.raises(RuntimeError, match="q_proj"):
+        fresh.load_state_dict(legacy)                               # no hidden rewriting on load
+    fresh.load_state_dict(upgrade_legacy_state(legacy))             # strict: every key accounted for
     ids = torch.randint(0, 61, (2, 7))
     with torch.no_grad():
         assert torch.equal(fresh(ids), model(ids))
