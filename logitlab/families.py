@@ -353,9 +353,13 @@ def hf_tensors_to_logitlab(items, config: ModelConfig):
         conv1d = layout == "gpt2" and leaf == "weight" and module.rsplit(".", 1)[-1] in _GPT2_CONV1D
         yield name, (tensor.t().contiguous() if conv1d else tensor)
     if pending:
-        name = sorted(pending)[0]
-        raise ValueError(f"checkpoint holds only part of {name!r} (parts {sorted(pending[name])} of "
-                         f"{_LLAMA_FUSED[name.split('.', 2)[2].rsplit('.', 1)[0]]})")
+        name = sorted(pending)[0]                       # blocks.{i}.{fused}.{leaf}
+        _, i, rest = name.split(".", 2)
+        fused, leaf = rest.rsplit(".", 1)
+        lacking = [f"model.layers.{i}.{part}.{leaf}" for j, part in enumerate(_LLAMA_FUSED[fused])
+                   if j not in pending[name]]
+        raise ValueError(f"checkpoint lacks {', '.join(map(repr, lacking))}, needed with the rest of "
+                         f"{name!r}")
 
 
 def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:

@@ -56,10 +56,12 @@ class _WeightFiles:
     .bin) lets names and shapes be checked first, and `tensors(names)` then reads the wanted
     tensors one at a time, file by file, so a loader converts and drops each before the next.
 
-    safetensors are read with pread(2) into fresh CPU tensors (releases without the `backend`
-    option memory-map instead, and the pages go when each file is closed). A .bin is memory-mapped where torch's
-    zip format allows (torch.load(mmap=True, weights_only=True): never unpickles code, and only the
-    pages of tensors read become resident); each file's map is dropped once its tensors are read."""
+    safetensors are read with pread(2) into fresh CPU tensors (safetensors releases without the
+    `backend` option memory-map instead). A .bin is memory-mapped where torch's zip format allows
+    (torch.load(mmap=True, weights_only=True): never unpickles code, and only the pages of tensors
+    read become resident); this reader lets go of each file's map once its tensors are read, but a
+    tensor the loader keeps as it is (no cast, no transpose) still points into the map, which then
+    lives as long as the model."""
 
     def __init__(self, directory: str | os.PathLike):
         d = Path(directory)
@@ -199,18 +201,8 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
     unread = [name for name, p in model.named_parameters() if p.is_meta]
     if unread:  # check_hf_state makes this unreachable; a conversion bug must not pass silently
         raise ValueError(f"{source}: no tensor was loaded into {_name_first(unread)}")
-    model.rebuild_buffers()
-    if dtype is not None or device is not None:  # buffers (RoPE tables) follow, as model.to does
-        model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model.rebuild_buffers()   # RoPE tables: float32, on the parameters' device
     return model
-
-
-def model_from_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> Transformer:
-    """A Transformer holding the (checked, renamed) Hugging Face tensors, no copy beyond the
-    conversions (GPT-2 Conv1D transposes, the fused projections' concatenations)."""
-    shapes = {k: tuple(v.shape) for k, v in hf_state.items()}
-    return _stream_model(shapes, lambda names: ((k, hf_state[n]) for k, n in names.items()),
-                         config, source)
 
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,

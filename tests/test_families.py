@@ -175,7 +175,8 @@ def test_llama_key_map_round_trip_and_names():
     assert all(torch.equal(back[k], state[k]) for k in state)
     assert families.hf_key_to_logitlab("model.layers.0.self_attn.k_proj.weight", "llama") is None
     del out["model.layers.1.self_attn.v_proj.weight"]
-    with pytest.raises(ValueError, match=r"only part of 'blocks.1.attn.qkv_proj.weight'"):
+    with pytest.raises(ValueError, match=r"lacks 'model.layers.1.self_attn.v_proj.weight', needed with the "
+                                         r"rest of 'blocks.1.attn.qkv_proj.weight'"):
         families.state_dict_from_hf(out, cfg)
     assert families.hf_key_to_logitlab("model.layers.3.input_layernorm.weight", "llama") == \
         "blocks.3.attn_norm.weight"
