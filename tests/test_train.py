@@ -312,3 +312,26 @@ def test_fastest_thread_count_keeps_the_faster_setting():
         assert calls == [2, 2, 2, 1, 1, 1]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_loss_fn_compiled_equals_eager_in_loss_and_gradients(fullgraph):
+    """train.loss_fn traces the model and the loss as one graph (aot_eager here: the same graph
+    without inductor); loss and every gradient equal the eager loss_fn's."""
+    from logitlab.train import loss_fn
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)
+    model = Transformer(cfg)
+    ids, targets = torch.randint(0, 61, (2, 12)), torch.randint(0, 61, (2, 12))
+    eager = loss_fn(model)(ids, targets)
+    assert torch.equal(eager, cross_entropy(model(ids), targets))
+    eager.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = loss_fn(model, "aot_eager", fullgraph=fullgraph)(ids, targets)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    compiled.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
