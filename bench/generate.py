@@ -342,7 +342,7 @@ def render(payload: dict) -> str:
             "prepacks them for inductor's own C++ GEMM kernels. A model whose weights fit in the "
             "last-level cache (the small Llama, the tiny preset) can pass 100% of the DRAM bound. At batch 8 "
             "the products have 8 rows and run far below the machine's matmul peak on this CPU (the floor "
-            "grows 2-3x from batch 1), for both sides. The prefill column includes the first token; both "
+            "grows 1.6-2.9x from batch 1), for both sides. The prefill column includes the first token; both "
             "sides compute the LM head for the last prompt position only. In bf16 the sides round "
             "differently (the compiled step fuses elementwise work), so after some steps a near-tie "
             "between two tokens of the random "

@@ -339,12 +339,12 @@ Reading it: the machine is shared, so single timings swing by up to 2x and the m
 the per-round ratios is wide; the median ratio is the number to read. Eager, both sides spend
 their time in the same kernels (a torch.profiler trace of one step: matmuls ~90% of a GPT-2
 forward including the 50257 x 768 LM head, the CPU flash-attention kernel, log-softmax), so eager
-logitlab is at about 1.0x. Compiling removes the rest: the norms, activations, RoPE and residual
+logitlab is at 1.00-1.14x. Compiling removes the rest: the norms, activations, RoPE and residual
 adds fuse into few kernels, and compiling the loss with the model fuses the float32 upcast and
 log-softmax of the (B, T, V) logits and their backward (1.01-1.04x faster than compiling the model
 alone). What is left is mostly matrix products at the same speed as transformers' (a profile of the
 compiled small-Llama step: mm/addmm ~76%, CPU flash attention ~11%, generated kernels ~10%, fused
-AdamW ~1%), so compiling gains 5-15% and stays short of 1.2x. On a heavily loaded machine (load
+AdamW ~1%), so compiling gains 0-4% (GPT-2 small) to 7-9% (small Llama) and stays short of 1.2x. On a heavily loaded machine (load
 average 4-6) the compiled ratios came out larger (small Llama fp32 training 1.20x in CPU time): other
 jobs' memory traffic slows the memory-bound elementwise work that compiling removes, so read the
 ratios of a quiet run (load average about 1 from the benchmark itself). Measured without gain

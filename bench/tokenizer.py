@@ -21,13 +21,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, machine_info, markdown_table, update_doc_section, write_results
+from bench.common import ROOT, machine_info, markdown_table, rss_kib, run_child, update_doc_section, write_results
 
 SHARED = ROOT.parent / "shared" / "data"
 EOT = "<|endoftext|>"
@@ -55,7 +54,7 @@ def _train_child(side: str, list_file: str, vocab_size: int) -> None:
         seconds = time.perf_counter() - start
         size = tok.get_vocab_size()
     # VmHWM starts afresh at exec (ru_maxrss would include the parent's size at fork).
-    own = _vm_hwm_mb()
+    own = rss_kib("VmHWM") / 1024
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     n_workers = (os.cpu_count() or 1) if side == "ours" else 0  # concurrent worker processes
     cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
@@ -64,17 +63,9 @@ def _train_child(side: str, list_file: str, vocab_size: int) -> None:
                       "worker_mb": workers, "cpu_s": cpu, "vocab": size}))
 
 
-def _vm_hwm_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _run_side(side: str, list_file: Path, vocab_size: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.tokenizer", "--child", side, str(list_file), str(vocab_size)],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    spec = dict(side=side, list_file=str(list_file), vocab_size=vocab_size)
+    return json.loads(run_child("bench.tokenizer", "--child", spec)[-1])
 
 
 def utf8_stdlib_files() -> list[Path]:
@@ -215,10 +206,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tinyshakespeare only")
     parser.add_argument("--repeats", type=int, default=2, help="timed pairs per case (default 2)")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)   # one training run, in a child
     args = parser.parse_args(argv)
     if args.child:
-        _train_child(args.child[0], args.child[1], int(args.child[2]))
+        spec = json.loads(args.child)
+        _train_child(spec["side"], spec["list_file"], int(spec["vocab_size"]))
         return 0
     if not SHARED.is_dir():
         print(f"reference data {SHARED} is absent; nothing to benchmark", file=sys.stderr)
