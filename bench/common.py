@@ -98,6 +98,16 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def publish(name: str, title: str, result: dict, render, quick: bool = False, doc: bool = True) -> Path:
+    """A benchmark's ending: results to bench/results/<name>[-quick].json (printed), and unless
+    doc is False its `## title` section of docs/benchmarks.md rewritten from render(result)."""
+    path = write_results(f"{name}-quick" if quick else name, result)
+    print(f"results: {path}")
+    if doc:
+        update_doc_section(title, render(result))
+    return path
+
+
 def update_doc_section(title: str, body: str) -> Path:
     """Replace (or append) the `## title` section of docs/benchmarks.md, leaving the others intact."""
     DOC.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from bench import common
-from bench.common import command_line, machine_info, markdown_table, update_doc_section, write_results
+from bench.common import command_line, machine_info, markdown_table, publish
 from logitlab import accounting, hf
 from logitlab.families import PRESETS
 from logitlab.model import ModelConfig, Transformer
@@ -378,10 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     result = run(args.quick, args.repeats, args.peer_attn, args.models, compile=not args.no_compile,
                  memory=not args.no_memory, threads=args.threads)
-    path = write_results("model-quick" if args.quick else "model", result)
-    print(f"results: {path}")
-    if not args.no_doc:
-        update_doc_section("Model", render(result))
+    publish("model", "Model", result, render, args.quick, not args.no_doc)
     return 0
 
 

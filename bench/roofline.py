@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from bench.common import command_line, cpu_flags, machine_info, markdown_table, update_doc_section, write_results
+from bench.common import command_line, cpu_flags, machine_info, markdown_table, publish
 
 TOKENS = 1024  # M = B*T rows of activations
 SHAPES: dict[str, list[tuple[int, int, int]]] = {
@@ -193,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} thread(s): peak fp32 {result['matmul_peak_gflops'][n]['fp32']:.1f} GFLOP/s, bf16 "
               f"{result['matmul_peak_gflops'][n]['bf16']:.1f} GFLOP/s; read bandwidth "
               f"{result['memory_bandwidth_gbs'][n]:.1f} GB/s")
-    path = write_results("roofline-quick" if args.quick else "roofline", result)
-    print(f"results: {path}")
-    if not args.no_doc:
-        update_doc_section("Roofline", render(result))
+    publish("roofline", "Roofline", result, render, args.quick, not args.no_doc)
     return 0
 
 

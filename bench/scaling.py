@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ROOT, command_line, machine_info, markdown_table, update_doc_section, write_results
+from bench.common import ROOT, command_line, machine_info, markdown_table, publish
 from bench.roofline import SHAPES, matmul_peak, memory_bandwidth
 from logitlab import accounting
 from logitlab.families import PRESETS
@@ -360,11 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(T <= s.new_tokens for T in contexts):
         raise ValueError(f"contexts {contexts} must exceed the {s.new_tokens} decoded tokens")
     result = run({n: n for n in names}, contexts, s)
-    path = write_results("scaling-quick" if args.quick else "scaling", result)
-    print(f"results: {path} ({result['elapsed_s']:.0f} s)")
+    print(f"measured in {result['elapsed_s']:.0f} s")
     if not args.no_doc:
         plot(result, PLOT)
-        update_doc_section("Scaling", render(result))
+    publish("scaling", "Scaling", result, render, args.quick, not args.no_doc)
     return 0
 
 
