@@ -4,7 +4,9 @@ layers.py owns the per-token and per-head arithmetic: RMSNorm, LayerNorm, rotary
 embeddings (RoPE, rotate-half convention as Hugging Face, with Llama-3.1 frequency scaling),
 causal self-attention (MHA / GQA, optional per-head QK-norm, a fused SDPA path and an eager
 reference path that can return the attention weights), the two MLP kinds (GELU, SwiGLU) and
-the Block that joins them with norms and residual adds (pre- or post-norm). How blocks are
+the Block that joins them with norms and residual adds (pre- or post-norm), and the Linear
+layer they all use (nn.Linear whose bf16 products run as float32 GEMMs on CPUs where bf16 GEMMs
+are slower: set_bf16_matmul). How blocks are
 stacked, masks built and the KV cache advanced is model.py's business; this module imports
 nothing of logitlab (the cache is duck-typed: `update(layer, k, v)`).
 
@@ -24,6 +26,123 @@ ATTN_IMPLS = ("sdpa", "eager")
 # SDPA reads grouped K/V heads without copying them since torch 2.5 (enable_gqa); older
 # versions get the K/V heads repeated first.
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+# ------------------------------------------------------------------------------------------
+# Linear layers: bf16 products through float32 GEMMs where the CPU is faster that way
+# ------------------------------------------------------------------------------------------
+
+BF16_MATMUL_MODES = ("auto", "native", "fp32")
+_bf16_matmul = "auto"
+# Without AMX, a CPU's bf16 GEMM (oneDNN, even with AVX512-BF16) runs at about half its float32
+# rate (85 vs 170 GFLOP/s per core here). A float32 GEMM over the bf16-rounded operands computes
+# the same thing: the product of two bf16 numbers is exact in float32, and bf16 kernels
+# accumulate in float32 too; only the summation order differs, as between any two kernels.
+_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+_CPU_HAS_AMX = bool(_amx()) if _amx is not None else False
+# Rows below which converting the weight to float32 costs more than the faster GEMM saves
+# (measured per shape at 1 thread: the crossover is at 32-64 rows for weights that stay in the
+# caches, 128-256 rows for GPT-2's 50257 x 768 LM head, whose conversion streams from DRAM).
+_FP32_GEMM_MIN_ROWS = 128
+_FP32_GEMM_MIN_ROWS_LARGE = 512
+_LARGE_WEIGHT = 1 << 22                                            # elements (16 MiB in fp32)
+
+
+def set_bf16_matmul(mode: str) -> None:
+    """How bf16 matrix products of the model's linear layers run on CPU (under bf16 autocast, or
+    with bf16 weights and activations): "native" = the bf16 kernels; "fp32" = a float32 GEMM
+    over the operands rounded to bf16, the result rounded to bf16 (the same values up to
+    summation order; gradients rounded to bf16 as autocast's are); "auto" (the default) = "fp32"
+    on CPUs without AMX, where it is 1.5-1.8x faster at training shapes, else "native". Products
+    with few rows (a decode step) always run natively. GPUs are never affected."""
+    global _bf16_matmul
+    if mode not in BF16_MATMUL_MODES:
+        raise ValueError(f"bf16 matmul mode must be one of {BF16_MATMUL_MODES}, got {mode!r}")
+    _bf16_matmul = mode
+
+
+def bf16_matmul_mode() -> str:
+    """The current set_bf16_matmul mode."""
+    return _bf16_matmul
+
+
+def _bf16_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when this product should run as a float32 GEMM over bf16-rounded operands."""
+    if x.device.type != "cpu" or _bf16_matmul == "native" or (_bf16_matmul == "auto" and _CPU_HAS_AMX):
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        if torch.get_autocast_dtype("cpu") != torch.bfloat16:
+            return False
+    elif x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    rows = x.numel() // x.shape[-1]
+    large = weight.numel() > _LARGE_WEIGHT
+    return rows >= (_FP32_GEMM_MIN_ROWS_LARGE if large else _FP32_GEMM_MIN_ROWS)
+
+
+@torch.library.custom_op("logitlab::bf16_addmm_via_fp32", mutates_args=())
+def _bf16_addmm_via_fp32(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """a (M, K) bf16 @ b (K, N) bf16 [+ bias (N,)] -> (M, N) bf16, by a float32 GEMM.
+
+    An operator of its own (opaque to torch.compile), so that its bf16 operands are real bf16
+    tensors and its result is rounded to bf16 whether it runs eagerly or compiled: inductor would
+    otherwise fuse a bf16 -> float32 round trip into its neighbours and skip the rounding."""
+    with torch.autocast("cpu", enabled=False):
+        bias32 = None if bias is None else bias.to(torch.bfloat16).float()
+        out = torch.mm(a.float(), b.float()) if bias32 is None else torch.addmm(bias32, a.float(), b.float())
+    return out.to(torch.bfloat16)
+
+
+@_bf16_addmm_via_fp32.register_fake
+def _(a, b, bias):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+
+
+class _Bf16LinearViaFp32(torch.autograd.Function):
+    """y = round_bf16(x_bf16 @ w_bf16^T + b_bf16) through float32 GEMMs, forward and backward.
+
+    Saves the bf16 input (as autocast does) and the weight itself (a Parameter, no copy); each
+    gradient is a bf16 product cast to its input's dtype, as under autocast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        N, K = weight.shape
+        xb = x.to(torch.bfloat16).reshape(-1, K)                   # (M, K)
+        y = torch.ops.logitlab.bf16_addmm_via_fp32(xb, weight.to(torch.bfloat16).t(), bias)
+        ctx.save_for_backward(xb, weight)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], N)                            # (..., N) bf16
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xb, weight = ctx.saved_tensors
+        N, K = weight.shape
+        gy = grad_y.to(torch.bfloat16).reshape(-1, N)              # (M, N)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:                                # (M, N) @ (N, K)
+            grad_x = torch.ops.logitlab.bf16_addmm_via_fp32(gy, weight.to(torch.bfloat16), None)
+            grad_x = grad_x.to(ctx.x_dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:                                # (N, M) @ (M, K)
+            grad_w = torch.ops.logitlab.bf16_addmm_via_fp32(gy.t(), xb, None).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = gy.float().sum(0).to(torch.bfloat16).to(ctx.b_dtype)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with bf16 products on CPU through float32 GEMMs where that is faster (see
+    set_bf16_matmul)."""
+    if _bf16_via_fp32(x, weight):
+        return _Bf16LinearViaFp32.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, state-dict keys, hooks) whose forward is `linear` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 # ------------------------------------------------------------------------------------------
@@ -206,8 +325,8 @@ class Attention(nn.Module):
         super().__init__()
         D, H, Hkv, Dh = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.n_groups = H, Hkv, Dh, H // Hkv
-        self.qkv_proj = nn.Linear(D, (H + 2 * Hkv) * Dh, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(H * Dh, D, bias=config.bias)
+        self.qkv_proj = Linear(D, (H + 2 * Hkv) * Dh, bias=config.qkv_bias)
+        self.o_proj = Linear(H * Dh, D, bias=config.bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(Dh, config.norm_eps)
             self.k_norm = RMSNorm(Dh, config.norm_eps)
@@ -270,8 +389,8 @@ class GeluMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.approximate = config.gelu_approximate
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.up_proj = Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = Linear(config.d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))
@@ -285,8 +404,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=config.bias)
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.gate_up_proj = Linear(config.d_model, 2 * config.d_ff, bias=config.bias)
+        self.down_proj = Linear(config.d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # (B, T, F) views each

@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from logitlab.kv_cache import KVCache
-from logitlab.layers import ATTN_IMPLS, Block, LayerNorm, RMSNorm, RotaryEmbedding, make_norm
+from logitlab.layers import ATTN_IMPLS, Block, LayerNorm, Linear, RMSNorm, RotaryEmbedding, linear, make_norm
 
 
 def _help(text: str):
@@ -226,7 +225,7 @@ class Transformer(nn.Module):
                                      config.rope_scaling) if config.positions == "rope" else None)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.final_norm = make_norm(config.norm, D, config.norm_eps)
-        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head = Linear(D, V, bias=False)
         if config.tie_embeddings:
             self.tie_weights()
         self.init_weights()
@@ -337,7 +336,7 @@ class Transformer(nn.Module):
         weight = self.lm_head.weight                               # (V_padded, D)
         if weight.shape[0] == V:
             return self.lm_head(h)                                 # (B, T, V)
-        return F.linear(h, weight[:V])                             # (B, T, V)
+        return linear(h, weight[:V])                               # (B, T, V)
 
     def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False):
         """Embeddings and blocks: -> (h (B, T, D) before the final norm, hidden list, weights list)."""

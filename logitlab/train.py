@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from logitlab import checkpoint as ckpt_io
 from logitlab import data as data_io
-from logitlab import runtime
+from logitlab import layers, runtime
 from logitlab.model import config_from_dict
 from logitlab.optim import WarmupCosine, build_adamw, clip_grad_norm
 
@@ -74,6 +74,10 @@ class TrainConfig:
     seed: int = _f(1337, "seed of the model init, data order and dropout")
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps")
     precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto = bf16 autocast on capable GPUs, else fp32")
+    bf16_matmul: Literal["auto", "native", "fp32"] = _f(
+        "auto", "bf16 matrix products on CPU: fp32 = float32 GEMMs over the bf16-rounded operands (same "
+        "values up to summation order; 1.5-1.8x faster without AMX), native = bf16 kernels, auto = fp32 "
+        "unless the CPU has AMX")
     compile: bool = _f(False, "torch.compile the model")
     parallel: Literal["none", "ddp", "fsdp"] = _f(
         "ddp", "under torchrun: data parallel (ddp) or fully sharded (fsdp); none = ignore other ranks")
@@ -113,6 +117,8 @@ class TrainConfig:
             raise ValueError(f"parallel must be 'none', 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+        if self.bf16_matmul not in layers.BF16_MATMUL_MODES:
+            raise ValueError(f"bf16_matmul must be one of {layers.BF16_MATMUL_MODES}, got {self.bf16_matmul!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -393,6 +399,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
         emit("checkpoint", {"step": step, "path": str(path)})
         return path
 
+    matmul_mode = layers.bf16_matmul_mode()
+    layers.set_bf16_matmul(config.bf16_matmul)                     # restored when the run ends
     try:  # the metrics file and the TensorBoard writer are closed however the run ends
         emit("start", {"step": step, "steps": config.steps, "tokens_per_step": tokens_per_step,
                        "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir)})
@@ -466,6 +474,7 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                     stopped = "signal" if stop.signum is not None else "time"
                     break
     finally:
+        layers.set_bf16_matmul(matmul_mode)
         if metrics_file is not None:
             metrics_file.close()
         if writer is not None:

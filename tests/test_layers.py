@@ -226,3 +226,137 @@ def test_sdpa_without_enable_gqa_repeats_heads(monkeypatch):
     native, _ = attn(x, None, is_causal=True)
     monkeypatch.setattr(layers, "_SDPA_GQA", False)      # the torch < 2.5 path
     torch.testing.assert_close(attn(x, None, is_causal=True)[0], native, rtol=1e-5, atol=1e-5)
+
+
+# --- bf16 products through float32 GEMMs ---------------------------------------------------
+
+@pytest.fixture
+def bf16_mode():
+    """Yields layers.set_bf16_matmul and restores the mode afterwards."""
+    from logitlab import layers
+    before = layers.bf16_matmul_mode()
+    yield layers.set_bf16_matmul
+    layers.set_bf16_matmul(before)
+
+
+def _round(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _linear_and_grads(x, w, b, grad):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
+    from logitlab.layers import linear
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(x, w, b)
+    y.float().backward(grad)
+    return y, x.grad, w.grad, (None if b is None else b.grad)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_via_fp32_is_the_bf16_product_with_float32_accumulation(bf16_mode, bias):
+    """Under bf16 autocast the fp32-GEMM path computes round(x_bf16 @ w_bf16^T + b_bf16) and the
+    gradients autocast would: each product of bf16 operands, accumulated in float32, rounded."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 80, 48), torch.randn(24, 48)
+    b = torch.randn(24) if bias else None
+    grad = torch.randn(2, 80, 24)
+    bf16_mode("fp32")
+    y, gx, gw, gb = _linear_and_grads(x, w, b, grad)
+    assert y.dtype == torch.bfloat16 and gx.dtype == gw.dtype == torch.float32
+    ref = _round(x) @ _round(w).T + (0 if b is None else _round(b))
+    torch.testing.assert_close(y.float(), _round(ref), rtol=0, atol=0)
+    g = _round(grad).reshape(-1, 24)
+    torch.testing.assert_close(gx, _round(g @ _round(w)).view_as(x), rtol=0, atol=0)
+    torch.testing.assert_close(gw, _round(g.T @ _round(x).reshape(-1, 48)), rtol=0, atol=0)
+    if bias:
+        torch.testing.assert_close(gb, _round(g.sum(0)), rtol=0, atol=0)
+    # the native bf16 kernel agrees up to summation order (an ulp of bf16 here and there)
+    bf16_mode("native")
+    y2, gx2, gw2, _ = _linear_and_grads(x, w, b, grad)
+    torch.testing.assert_close(y.float(), y2.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gw, gw2, rtol=1e-2, atol=2e-2)
+
+
+def test_bf16_linear_via_fp32_is_chosen_by_mode_rows_and_dtype(bf16_mode, monkeypatch):
+    from logitlab import layers
+    calls = []
+    monkeypatch.setattr(layers._Bf16LinearViaFp32, "apply",
+                        lambda *a: calls.append(a[0].shape) or F.linear(*a).to(torch.bfloat16))
+    monkeypatch.setattr(layers, "_CPU_HAS_AMX", False)
+    w = torch.randn(16, 8)
+    bf16_mode("auto")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layers.linear(torch.randn(4, 40, 8), w)                    # 160 rows: fp32 GEMM
+        layers.linear(torch.randn(1, 8), w)                        # a decode step: native
+    layers.linear(torch.randn(200, 8), w)                          # float32: untouched
+    layers.linear(torch.randn(200, 8).bfloat16(), w.bfloat16())    # bf16 weights, many rows
+    assert calls == [(4, 40, 8), (200, 8)]
+    monkeypatch.setattr(layers, "_CPU_HAS_AMX", True)              # AMX: bf16 kernels are fast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layers.linear(torch.randn(200, 8), w)
+    bf16_mode("native")
+    monkeypatch.setattr(layers, "_CPU_HAS_AMX", False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layers.linear(torch.randn(200, 8), w)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="bf16 matmul mode.*'fast'"):
+        bf16_mode("fast")
+
+
+def test_bf16_linear_via_fp32_compiles_to_the_same_values(bf16_mode):
+    """Compiled, the operands are still rounded to bf16 (the product is an operator of its own,
+    so inductor cannot fuse the rounding away): outputs and gradients equal the eager ones."""
+    torch.manual_seed(0)
+    bf16_mode("fp32")
+    x, w, grad = torch.randn(160, 32), torch.randn(40, 32), torch.randn(160, 40)
+    from logitlab.layers import linear
+
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.relu(linear(x * 1.37, w))
+
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    eager = f(xs, ws)
+    eager.float().backward(grad)
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(xc, wc)
+    compiled.float().backward(grad)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    torch.testing.assert_close((xc.grad, wc.grad), (xs.grad, ws.grad), rtol=0, atol=0)
+    # and not the float32 product: the rounding of the operands is visible
+    assert not torch.equal(eager.float(), torch.relu(_round(x * 1.37 @ w.T)))
+
+
+@pytest.mark.slow
+def test_bf16_linear_via_fp32_inductor_keeps_the_rounding(bf16_mode):
+    """The same check through inductor, whose fused kernels would skip a bf16 round trip."""
+    torch.manual_seed(0)
+    bf16_mode("fp32")
+    x, w, grad = torch.randn(160, 32), torch.randn(40, 32), torch.randn(160, 40)
+    from logitlab.layers import linear
+
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.relu(linear(x * 1.37, w))
+
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    eager = f(xs, ws)
+    eager.float().backward(grad)
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    compiled = torch.compile(f, fullgraph=True)(xc, wc)
+    compiled.float().backward(grad)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    torch.testing.assert_close((xc.grad, wc.grad), (xs.grad, ws.grad), rtol=0, atol=0)
+
+
+def test_linear_layers_keep_nn_linear_keys_and_hooks():
+    from logitlab.layers import Linear
+    from logitlab.model import Transformer
+    model = Transformer(tiny())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, Linear) for m in linears)
+    seen = []
+    model.blocks[0].attn.qkv_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model(torch.zeros(1, 5, dtype=torch.long))
+    assert seen == [(1, 5, 3 * 32)]

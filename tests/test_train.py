@@ -235,6 +235,29 @@ def test_bf16_autocast_runs_and_validation_is_a_fixed_pass(corpus, tmp_path):
     assert a == b and model.training  # same tokens, same number; training mode restored
 
 
+def test_bf16_matmul_mode_is_the_runs_and_is_restored(corpus, tmp_path):
+    """TrainConfig.bf16_matmul holds during the run (the linear layers read it) and the mode the
+    caller had is back afterwards, also when the run fails."""
+    from logitlab import layers
+
+    seen = []
+    cfg = _cfg(corpus, tmp_path / "mm", steps=1, warmup_steps=0, precision="bf16", bf16_matmul="native")
+    before = layers.bf16_matmul_mode()
+    train(tiny_model(), cfg, callback=lambda event, record: seen.append((event, layers.bf16_matmul_mode())))
+    assert {mode for event, mode in seen if event != "end"} == {"native"}
+    assert seen[-1] == ("end", before) and layers.bf16_matmul_mode() == before
+
+    def fail(event, record):
+        if event == "step":
+            raise RuntimeError("stop here")
+    with pytest.raises(RuntimeError, match="stop here"):
+        train(tiny_model(), _cfg(corpus, tmp_path / "mm2", steps=1, warmup_steps=0, bf16_matmul="fp32"),
+              callback=fail)
+    assert layers.bf16_matmul_mode() == before
+    with pytest.raises(ValueError, match="bf16_matmul must be one of .*'bf16'"):
+        TrainConfig(bf16_matmul="bf16")
+
+
 def test_every_config_field_has_help():
     import dataclasses
 
