@@ -284,6 +284,98 @@ def test_compiled_step_is_kept_per_model_until_its_weights_change(model):
     assert compiled_decode_step(other, "aot_eager") is not b
 
 
+def test_greedy_decode_step_returns_the_argmax_of_its_logits(model):
+    """decode_step(greedy=True) picks the next ids itself (inside the graph when compiled);
+    they are the argmax of the logits it returns otherwise."""
+    from logitlab.generate import decode_step, prefill
+    from logitlab.kv_cache import KVCache
+
+    ids = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    with torch.inference_mode():
+        caches = [KVCache.for_model(model.config, 2, 16) for _ in range(2)]
+        for cache in caches:
+            prefill(model, ids, cache)
+        for t in range(4):
+            token = torch.tensor([[t], [t + 7]])
+            logits = decode_step(model, token, caches[0])
+            picked = decode_step(model, token, caches[1], greedy=True)
+            assert picked.shape == (2,) and torch.equal(picked, logits.argmax(dim=-1))
+
+
+def _count_step_calls(monkeypatch):
+    """Counts CompiledStep calls with every guard checked and through `trusted`."""
+    import logitlab.generate as gen
+
+    calls = {"guarded": 0, "trusted": 0}
+    guarded, trusted = gen.CompiledStep.__call__, gen.CompiledStep.trusted
+
+    def count(kind, fn):
+        def wrapped(self, *args, **kwargs):
+            calls[kind] += 1
+            return fn(self, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(gen.CompiledStep, "__call__", count("guarded", guarded))
+    monkeypatch.setattr(gen.CompiledStep, "trusted", count("trusted", trusted))
+    return calls
+
+
+def test_compiled_greedy_and_trusted_steps_follow_new_batch_sizes_and_dtypes(model, monkeypatch):
+    """generate(compile=...) skips dynamo's guards from the third decode step on. Each call
+    starts guarded, so a new batch size, padding, a one-token prompt (dynamo specialises a
+    cache length of 1) or sampling after greedy never runs a graph compiled for other inputs:
+    every run gives the eager tokens. A Stream (user code between steps) keeps the guards."""
+    import torch._dynamo
+
+    calls = _count_step_calls(monkeypatch)
+    torch._dynamo.reset()
+    m = Transformer(model.config).eval()
+    m.load_state_dict(model.state_dict())
+    sampled = SampleConfig(temperature=0.8, top_k=10, seed=3, max_new_tokens=8)
+    runs = [([[42]], GREEDY), (PROMPTS, GREEDY), ([PROMPTS[1]], GREEDY), (PROMPTS, sampled),
+            ([[42], [7]], GREEDY), ([[5, 6]], GREEDY)]
+    for prompts, cfg in runs:
+        assert generate(m, prompts, cfg, compile="aot_eager").tokens == generate(m, prompts, cfg).tokens
+    # 11 (greedy) or 7 (sampled) decode steps per run, of which 2 guarded
+    assert calls == {"guarded": 2 * len(runs), "trusted": 5 * 9 + 5}
+    assert list(stream(m, PROMPTS[1], GREEDY, compile="aot_eager")) == generate(m, PROMPTS[1], GREEDY).tokens[0]
+    assert calls["trusted"] == 5 * 9 + 5
+    m64 = m.to(torch.float64)                       # a new dtype: a new compiled step, guarded first
+    assert generate(m64, PROMPTS, GREEDY, compile="aot_eager").tokens == generate(m64, PROMPTS, GREEDY).tokens
+
+
+def test_frozen_compiled_step_traces_the_weights_as_constants(model):
+    """With freezing, CompiledStep turns inductor's global flag on while dynamo traces, so the
+    parameters become graph constants (get_attr) instead of graph inputs, which is what lets
+    inductor prepack them; without it they are inputs. The flag is restored afterwards."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    from logitlab.generate import CompiledStep, decode_step
+    from logitlab.kv_cache import KVCache
+
+    n_params = len(list(model.parameters()))
+
+    def inputs_traced(freezing: bool) -> int:
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        step = CompiledStep(torch.compile(decode_step, backend=capture, dynamic=True, fullgraph=True),
+                            freezing=freezing)
+        with torch.inference_mode():
+            cache = KVCache.for_model(model.config, 1, 16)
+            cache.length = 3
+            step(model, torch.tensor([[1]]), cache, torch.tensor([[3]]), None, greedy=True)
+        assert inductor_config.freezing is False
+        return sum(node.op == "placeholder" for node in graphs[0].graph.nodes)
+
+    assert inputs_traced(False) - inputs_traced(True) >= n_params
+
+
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_same_tokens(model):
     cfg = SampleConfig(temperature=0, max_new_tokens=16)
