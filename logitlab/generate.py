@@ -194,8 +194,9 @@ class CompiledStep:
             inductor_config.freezing = before
 
     def trusted(self, model, token, cache, positions=None, attn_mask=None, greedy=False):
-        """The same step with dynamo's guards skipped (~45 us of a step), except those telling
-        this step's compiled graphs apart (shape, dtype and device of every tensor argument).
+        """The same step with dynamo's guards skipped, except those telling this step's
+        compiled graphs apart (shape, dtype and device of every tensor argument, which are most
+        of the ~45 us a lookup takes): 10-20 us less per step (tiny bf16 B=1: 460 -> 445 us).
 
         Only for a call whose arguments differ from the previous call's, which checked every
         guard, in cache.length (one more) and in tensor values alone: the same model, cache
