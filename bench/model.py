@@ -18,6 +18,15 @@ its best timed step) is reported on its own and excluded from the timings. MFU =
 (accounting.flops_per_token x tokens; x3 for training) over the best 1024³ matmul rate measured in
 the same run and dtype.
 
+Matmul floor: the time of one step's matrix products alone, run as logitlab runs them
+(layers.linear over the model's own Linear and LM-head weights at the step's B*T rows, under the
+step's autocast; for training also their two backward products), best of the same number of
+repetitions with the same clock; attention is not in it. Ceiling = transformers' best step time /
+that floor: the largest ratio an implementation calling the same matrix-product kernels could
+reach. bf16 rows also report the floor with layers.set_bf16_matmul("native") (the bf16 kernels
+transformers calls under autocast) beside logitlab's choice ("auto": float32 GEMMs over bf16-rounded
+operands on CPUs without AMX).
+
 Memory: the peak resident memory of a training step of each side, each in a fresh process (VmHWM
 above the RSS after the imports, the compiler's included, so that both sides pay the same), after
 one warm-up step (the compiled side compiles in it; its peak is reported too).
@@ -32,14 +41,15 @@ import json
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from bench import common
 from bench.common import command_line, machine_info, markdown_table, publish
-from logitlab import accounting, hf
+from logitlab import accounting, hf, layers
 from logitlab.families import PRESETS
 from logitlab.model import ModelConfig, Transformer
 from logitlab.optim import build_adamw, clip_grad_norm
@@ -191,6 +201,13 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                         row[f"{side}_ratio"] = _ratios(times, side)
                     if compile:
                         row["compile_s"] = first["compiled"] - min(times["compiled"])
+                    # the products alone, and the largest ratio any side on the same kernels could reach
+                    row["floor_s"] = matmul_floor_s(ours, B, T, mode, dtype == "bf16", repeats, timer)
+                    row["ceiling"] = min(times["peer"]) / row["floor_s"]
+                    if dtype == "bf16":   # also the bf16 kernels themselves (transformers' under autocast)
+                        row["bf16_matmul"] = layers._bf16_matmul   # the mode the logitlab sides ran
+                        row["floor_native_s"] = matmul_floor_s(ours, B, T, mode, True, repeats, timer, "native")
+                        row["ceiling_native"] = min(times["peer"]) / row["floor_native_s"]
                     rows.append(row)
                     print(_line(row), flush=True)
             del ours, theirs, models_of
@@ -218,7 +235,69 @@ def _line(row: dict) -> str:
         text += (f", compiled {row['compiled_tok_s']:8.0f} x{row['compiled_ratio']['median']:.2f} "
                  f"({row['compiled_ratio']['min']:.2f}-{row['compiled_ratio']['max']:.2f}; "
                  f"compile {row['compile_s']:.0f} s)")
+    text += f"; matmul floor {1e3 * row['floor_s']:.0f} ms (ceiling x{row['ceiling']:.2f})"
+    if "floor_native_s" in row:
+        text += f", native bf16 {1e3 * row['floor_native_s']:.0f} ms (x{row['ceiling_native']:.2f})"
     return text
+
+
+# --------------------------------------------------------------------------------------------
+# Matmul floor: a step's matrix products alone
+# --------------------------------------------------------------------------------------------
+
+@contextmanager
+def bf16_matmul_mode(mode: str | None) -> Iterator[None]:
+    """layers.set_bf16_matmul(mode) inside the block (None: leave it), the previous mode restored after."""
+    before = layers._bf16_matmul   # layers has a setter only; the module global holds the current mode
+    if mode is not None:
+        layers.set_bf16_matmul(mode)
+    try:
+        yield
+    finally:
+        layers.set_bf16_matmul(before)
+
+
+def matmul_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool, repeats: int = 3,
+                   timer: Callable[[], float] = time.perf_counter, bf16_matmul: str | None = None) -> float:
+    """Seconds of one forward ("forward") or training step ("train") spent in its matrix products
+    alone, as logitlab runs them: layers.linear over every Linear weight of `model` (q/k/v, o,
+    MLP; biases in the product as the layers add them) and the LM head's V rows, each on random
+    activations (B, T, K) in the step's compute dtype (bfloat16 under autocast, so rounding float32
+    activations is not counted), under the step's autocast (bf16 when `autocast`) and, for
+    "forward", no_grad. "train" adds the backward products of every one (grad input and grad
+    weight, through torch.autograd.grad: no accumulation into .grad, no bias gradients, which are
+    sums, not products). Attention (SDPA), norms, activations, the loss and the optimizer are
+    left out. bf16_matmul: the layers.set_bf16_matmul mode to time under (None: the current
+    one; restored afterwards either way). -> the best of `repeats` timings (`timer`) after a
+    warm-up call."""
+    if mode not in ("forward", "train"):
+        raise ValueError(f"mode must be 'forward' or 'train', got {mode!r}")
+    V = model.config.vocab_size
+    head = model.lm_head.weight                                    # (V_padded, D)
+    weights = [(m.weight, None if m.bias is None else m.bias.detach()) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    weights.append((head if head.shape[0] == V else head[:V], None))   # as Transformer._head calls it
+    dtype = torch.bfloat16 if autocast else torch.float32
+    train = mode == "train"
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(B, T, w.shape[1], generator=g, dtype=dtype).requires_grad_(train)
+              for w, _ in weights]                                  # (B, T, K) per product
+    grads = [torch.randn(B, T, w.shape[0], generator=g, dtype=dtype) for w, _ in weights] if train else []
+
+    def step() -> None:
+        with torch.set_grad_enabled(train), _autocast(autocast):
+            ys = [layers.linear(x, w, b) for x, (w, b) in zip(inputs, weights)]   # (B, T, N) each
+        if train:   # outside autocast, as the step's backward: grad input and grad weight of each
+            torch.autograd.grad(ys, inputs + [w for w, _ in weights], grads)
+
+    with bf16_matmul_mode(bf16_matmul):
+        step()   # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            start = timer()
+            step()
+            best = min(best, timer() - start)
+    return best
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,6 +346,24 @@ def _ratio_cell(r: dict) -> str:
     return f"**{r['median']:.2f}** ({r['min']:.2f}-{r['max']:.2f})"
 
 
+def _floor_text(result: dict) -> str:
+    """The paragraph on the matmul floor and ceiling columns."""
+    modes = " / ".join(sorted({f'"{r["bf16_matmul"]}"' for r in result["rows"] if "bf16_matmul" in r}))
+    return f"""
+
+Matmul floor: one step's matrix products alone, run as logitlab runs them: layers.linear over
+the model's own Linear and LM-head weights at the step's B x T rows (activations in the step's
+compute dtype, so rounding float32 activations to bf16 is not counted), under the step's autocast,
+and for training also the two backward products of each (grad input, grad weight); attention,
+norms, activations, the loss and the optimizer are not in it. Best of {result['repeats']} after a warm-up,
+timed with the same clock as the steps. Ceiling = transformers' best step time / that floor: the
+largest ratio an implementation calling the same matrix-product kernels could reach. In bf16 the
+floor runs in the mode logitlab's sides ran (layers.set_bf16_matmul {modes or "-"}; "auto" is float32
+GEMMs over bf16-rounded operands on a CPU without AMX, the bf16 kernels with AMX); the last column
+is the floor with the bf16 kernels themselves ("native", what transformers calls under autocast)
+and transformers' step over it."""
+
+
 def render(result: dict) -> str:
     """The docs/benchmarks.md "Model" section for one run's results."""
     m = result["machine"]
@@ -277,6 +374,9 @@ def render(result: dict) -> str:
     headers += ["MFU transformers / eager" + (" / compiled" if compiled else "")]
     if compiled:
         headers += ["compile s"]
+    floors = any("floor_s" in r for r in result["rows"])
+    if floors:
+        headers += ["matmul floor ms", "ceiling (transformers step / floor)", "bf16 native floor ms (ceiling)"]
     rows = []
     for r in result["rows"]:
         row = [r["model"], r["mode"], r["dtype"], f"{r['batch']} x {r['T']}", f"{r['peer_tok_s']:,.0f}",
@@ -286,6 +386,10 @@ def render(result: dict) -> str:
         row += [" / ".join(f"{r[f'{s}_mfu']:.0%}" for s in ("peer", "ours", "compiled") if f"{s}_mfu" in r)]
         if compiled:
             row += [f"{r['compile_s']:.0f}"]
+        if floors:
+            row += [f"{1e3 * r['floor_s']:,.0f}" if "floor_s" in r else "-",
+                    f"{r['ceiling']:.2f}x" if "ceiling" in r else "-",
+                    f"{1e3 * r['floor_native_s']:,.0f} ({r['ceiling_native']:.2f}x)" if "floor_native_s" in r else "-"]
         rows.append(row)
     table = markdown_table(headers, rows)
     memory = ""
@@ -327,7 +431,7 @@ logitlab faster), median (min-max) of {result['repeats']} rounds; tok/s from the
 Compile time (wall time of the first call less the best step) is reported apart, excluded from
 the timings; it is short when inductor's on-disk cache holds the graphs from an earlier run (a
 cold compile took 20-70 s here). MFU against the best 1024³ matmul rate measured in the same run
-({rates}).
+({rates}).{_floor_text(result) if floors else ""}
 
 Command: `{cmd}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
 ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']},
@@ -336,7 +440,10 @@ commit {m['commit']}{load}.
 {table}
 {memory}
 Reading it: the machine is shared, so single timings swing by up to 2x and the min-max spread of
-the per-round ratios is wide; the median ratio is the number to read. Eager, both sides spend
+the per-round ratios is wide; the median ratio is the number to read. The ceiling column bounds
+every ratio reachable with the same matrix-product kernels; in bf16 logitlab's float32 GEMMs over
+bf16-rounded operands take less time than the bf16 kernels transformers calls (compare the two floor
+columns), which raises the bf16 ceilings above the fp32 ones. Eager, both sides spend
 their time in the same kernels (a torch.profiler trace of one step: matmuls ~90% of a GPT-2
 forward including the 50257 x 768 LM head, the CPU flash-attention kernel, log-softmax), so eager
 logitlab is at 1.00-1.14x. Compiling removes the rest: the norms, activations, RoPE and residual
