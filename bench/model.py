@@ -16,16 +16,17 @@ bf16 is torch.autocast over fp32 weights. Timed with the process's CPU time when
 thread (see clock()), else the wall time. The compile time (the compiled side's first call less
 its best timed step) is reported on its own and excluded from the timings. MFU = achieved FLOP/s
 (accounting.flops_per_token x tokens; x3 for training) over the best 1024³ matmul rate measured in
-the same run and dtype.
+the same run: fp32's for fp32 rows; for bf16 rows the faster of the bf16 and fp32 rates (a product
+of bf16 operands is computed exactly by either kernel, and logitlab uses the faster).
 
-Matmul floor: the time of one step's matrix products alone, run as logitlab runs them
-(layers.linear over the model's own Linear and LM-head weights at the step's B*T rows, under the
-step's autocast; for training also their two backward products), best of the same number of
-repetitions with the same clock; attention is not in it. Ceiling = transformers' best step time /
-that floor: the largest ratio an implementation calling the same matrix-product kernels could
-reach. bf16 rows also report the floor with layers.set_bf16_matmul("native") (the bf16 kernels
-transformers calls under autocast) beside logitlab's choice ("auto": float32 GEMMs over bf16-rounded
-operands on CPUs without AMX).
+Kernel floor: the time of one step's matrix products and attention alone, run as logitlab runs
+them (layers.linear over the model's own Linear and LM-head weights at the step's B*T rows, and
+SDPA at each layer's shapes, under the step's autocast; for training also their backward), best of
+the same number of repetitions with the same clock. Ceiling = transformers' best step time / that
+floor: the largest ratio an implementation calling the same kernels could reach. bf16 rows also
+report the floor with layers.set_bf16_matmul("native") (the bf16 kernels transformers calls under
+autocast) beside logitlab's choice ("auto": float32 GEMMs over bf16-rounded operands on CPUs
+without AMX).
 
 Memory: the peak resident memory of a training step of each side, each in a fresh process (VmHWM
 above the RSS after the imports, the compiler's included, so that both sides pay the same), after
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from bench import common
 from bench.common import command_line, machine_info, markdown_table, publish
@@ -202,11 +204,11 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                     if compile:
                         row["compile_s"] = first["compiled"] - min(times["compiled"])
                     # the products alone, and the largest ratio any side on the same kernels could reach
-                    row["floor_s"] = matmul_floor_s(ours, B, T, mode, dtype == "bf16", repeats, timer)
+                    row["floor_s"] = kernel_floor_s(ours, B, T, mode, dtype == "bf16", repeats, timer)
                     row["ceiling"] = min(times["peer"]) / row["floor_s"]
                     if dtype == "bf16":   # also the bf16 kernels themselves (transformers' under autocast)
-                        row["bf16_matmul"] = layers._bf16_matmul   # the mode the logitlab sides ran
-                        row["floor_native_s"] = matmul_floor_s(ours, B, T, mode, True, repeats, timer, "native")
+                        row["bf16_matmul"] = layers.bf16_matmul_mode()   # the mode the logitlab sides ran
+                        row["floor_native_s"] = kernel_floor_s(ours, B, T, mode, True, repeats, timer, "native")
                         row["ceiling_native"] = min(times["peer"]) / row["floor_native_s"]
                     rows.append(row)
                     print(_line(row), flush=True)
@@ -219,9 +221,11 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                     mem.append(dict(model=name, dtype=dtype, batch=B, T=T, **got))
                     print(f"{name:12s} train    {dtype:5s} peak RSS above imports (MiB): "
                           + ", ".join(f"{s} {got[s]['step_mib']:.0f}" for s in sides), flush=True)
-    for row in rows:   # MFU against the best matmul rate of the whole run
+    # MFU against the best matmul rate of the whole run: bf16 products against the faster kernel
+    peak = {"fp32": rates["fp32"], "bf16": max(rates["bf16"], rates["fp32"])}
+    for row in rows:
         for side in sides:
-            row[f"{side}_mfu"] = row["flops"] / min(row["times"][side]) / rates[row["dtype"]]
+            row[f"{side}_mfu"] = row["flops"] / min(row["times"][side]) / peak[row["dtype"]]
     return {"command": command_line(), "machine": machine_info(), "matmul_flops_per_s": rates,
             "quick": quick, "repeats": repeats, "clock": clock_name, "peer_attn": peer_attn, "sides": list(sides),
             "rows": rows, "memory": mem}
@@ -235,20 +239,20 @@ def _line(row: dict) -> str:
         text += (f", compiled {row['compiled_tok_s']:8.0f} x{row['compiled_ratio']['median']:.2f} "
                  f"({row['compiled_ratio']['min']:.2f}-{row['compiled_ratio']['max']:.2f}; "
                  f"compile {row['compile_s']:.0f} s)")
-    text += f"; matmul floor {1e3 * row['floor_s']:.0f} ms (ceiling x{row['ceiling']:.2f})"
+    text += f"; kernel floor {1e3 * row['floor_s']:.0f} ms (ceiling x{row['ceiling']:.2f})"
     if "floor_native_s" in row:
         text += f", native bf16 {1e3 * row['floor_native_s']:.0f} ms (x{row['ceiling_native']:.2f})"
     return text
 
 
 # --------------------------------------------------------------------------------------------
-# Matmul floor: a step's matrix products alone
+# Kernel floor: a step's matrix products and attention alone
 # --------------------------------------------------------------------------------------------
 
 @contextmanager
-def bf16_matmul_mode(mode: str | None) -> Iterator[None]:
+def matmul_mode(mode: str | None) -> Iterator[None]:
     """layers.set_bf16_matmul(mode) inside the block (None: leave it), the previous mode restored after."""
-    before = layers._bf16_matmul   # layers has a setter only; the module global holds the current mode
+    before = layers.bf16_matmul_mode()
     if mode is not None:
         layers.set_bf16_matmul(mode)
     try:
@@ -257,17 +261,18 @@ def bf16_matmul_mode(mode: str | None) -> Iterator[None]:
         layers.set_bf16_matmul(before)
 
 
-def matmul_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool, repeats: int = 3,
+def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool, repeats: int = 3,
                    timer: Callable[[], float] = time.perf_counter, bf16_matmul: str | None = None) -> float:
     """Seconds of one forward ("forward") or training step ("train") spent in its matrix products
-    alone, as logitlab runs them: layers.linear over every Linear weight of `model` (q/k/v, o,
-    MLP; biases in the product as the layers add them) and the LM head's V rows, each on random
-    activations (B, T, K) in the step's compute dtype (bfloat16 under autocast, so rounding float32
-    activations is not counted), under the step's autocast (bf16 when `autocast`) and, for
-    "forward", no_grad. "train" adds the backward products of every one (grad input and grad
-    weight, through torch.autograd.grad: no accumulation into .grad, no bias gradients, which are
-    sums, not products). Attention (SDPA), norms, activations, the loss and the optimizer are
-    left out. bf16_matmul: the layers.set_bf16_matmul mode to time under (None: the current
+    and attention alone, as logitlab runs them: layers.linear over every Linear weight of `model`
+    (q/k/v, o, MLP; biases in the product as the layers add them) and the LM head's V rows, each on
+    random activations (B, T, K) in the step's compute dtype (bfloat16 under autocast, so rounding
+    float32 activations is not counted), and per layer the causal SDPA call the model makes (q
+    (B, H, T, Dh), k and v (B, Hkv, T, Dh), GQA in the kernel), under the step's autocast (bf16
+    when `autocast`) and, for "forward", no_grad. "train" adds the backward of every one (grad
+    input and grad weight, through torch.autograd.grad: no accumulation into .grad, no bias
+    gradients, which are sums, not products). Norms, activations, RoPE, the loss and the
+    optimizer are left out. bf16_matmul: the layers.set_bf16_matmul mode to time under (None: the current
     one; restored afterwards either way). -> the best of `repeats` timings (`timer`) after a
     warm-up call."""
     if mode not in ("forward", "train"):
@@ -283,14 +288,22 @@ def matmul_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool
     inputs = [torch.randn(B, T, w.shape[1], generator=g, dtype=dtype).requires_grad_(train)
               for w, _ in weights]                                  # (B, T, K) per product
     grads = [torch.randn(B, T, w.shape[0], generator=g, dtype=dtype) for w, _ in weights] if train else []
+    c = model.config
+    H, Hkv, Dh = c.n_heads, c.n_kv_heads, c.head_dim
+    qkv = [[torch.randn(B, h, T, Dh, generator=g, dtype=dtype).requires_grad_(train) for h in (H, Hkv, Hkv)]
+           for _ in range(c.n_layers)]                          # (B, H|Hkv, T, Dh) per layer
+    attn_grads = [torch.randn(B, H, T, Dh, generator=g, dtype=dtype) for _ in qkv] if train else []
 
     def step() -> None:
         with torch.set_grad_enabled(train), _autocast(autocast):
             ys = [layers.linear(x, w, b) for x, (w, b) in zip(inputs, weights)]   # (B, T, N) each
+            ys += [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+                   for q, k, v in qkv]                                          # (B, H, T, Dh) each
         if train:   # outside autocast, as the step's backward: grad input and grad weight of each
-            torch.autograd.grad(ys, inputs + [w for w, _ in weights], grads)
+            torch.autograd.grad(ys, inputs + [w for w, _ in weights] + [t for group in qkv for t in group],
+                                grads + attn_grads)
 
-    with bf16_matmul_mode(bf16_matmul):
+    with matmul_mode(bf16_matmul):
         step()   # warm-up
         best = float("inf")
         for _ in range(repeats):
@@ -351,13 +364,14 @@ def _floor_text(result: dict) -> str:
     modes = " / ".join(sorted({f'"{r["bf16_matmul"]}"' for r in result["rows"] if "bf16_matmul" in r}))
     return f"""
 
-Matmul floor: one step's matrix products alone, run as logitlab runs them: layers.linear over
-the model's own Linear and LM-head weights at the step's B x T rows (activations in the step's
-compute dtype, so rounding float32 activations to bf16 is not counted), under the step's autocast,
-and for training also the two backward products of each (grad input, grad weight); attention,
-norms, activations, the loss and the optimizer are not in it. Best of {result['repeats']} after a warm-up,
+Kernel floor: one step's matrix products and attention alone, run as logitlab runs them:
+layers.linear over the model's own Linear and LM-head weights at the step's B x T rows
+(activations in the step's compute dtype, so rounding float32 activations to bf16 is not
+counted) and each layer's causal SDPA call, under the step's autocast, and for training also their
+backward (grad input and grad weight of each product); norms, activations, RoPE, the loss and the
+optimizer are not in it. Best of {result['repeats']} after a warm-up,
 timed with the same clock as the steps. Ceiling = transformers' best step time / that floor: the
-largest ratio an implementation calling the same matrix-product kernels could reach. In bf16 the
+largest ratio an implementation calling the same kernels could reach. In bf16 the
 floor runs in the mode logitlab's sides ran (layers.set_bf16_matmul {modes or "-"}; "auto" is float32
 GEMMs over bf16-rounded operands on a CPU without AMX, the bf16 kernels with AMX); the last column
 is the floor with the bf16 kernels themselves ("native", what transformers calls under autocast)
@@ -376,7 +390,7 @@ def render(result: dict) -> str:
         headers += ["compile s"]
     floors = any("floor_s" in r for r in result["rows"])
     if floors:
-        headers += ["matmul floor ms", "ceiling (transformers step / floor)", "bf16 native floor ms (ceiling)"]
+        headers += ["kernel floor ms", "ceiling (transformers step / floor)", "bf16 native floor ms (ceiling)"]
     rows = []
     for r in result["rows"]:
         row = [r["model"], r["mode"], r["dtype"], f"{r['batch']} x {r['T']}", f"{r['peer_tok_s']:,.0f}",
@@ -441,23 +455,25 @@ commit {m['commit']}{load}.
 {memory}
 Reading it: the machine is shared, so single timings swing by up to 2x and the min-max spread of
 the per-round ratios is wide; the median ratio is the number to read. The ceiling column bounds
-every ratio reachable with the same matrix-product kernels; in bf16 logitlab's float32 GEMMs over
-bf16-rounded operands take less time than the bf16 kernels transformers calls (compare the two floor
-columns), which raises the bf16 ceilings above the fp32 ones. Eager, both sides spend
-their time in the same kernels (a torch.profiler trace of one step: matmuls ~90% of a GPT-2
-forward including the 50257 x 768 LM head, the CPU flash-attention kernel, log-softmax), so eager
-logitlab is at 1.00-1.14x. Compiling removes the rest: the norms, activations, RoPE and residual
-adds fuse into few kernels, and compiling the loss with the model fuses the float32 upcast and
-log-softmax of the (B, T, V) logits and their backward (1.01-1.04x faster than compiling the model
-alone). What is left is mostly matrix products at the same speed as transformers' (a profile of the
-compiled small-Llama step: mm/addmm ~76%, CPU flash attention ~11%, generated kernels ~10%, fused
-AdamW ~1%), so compiling gains 0-4% (GPT-2 small) to 7-9% (small Llama) and stays short of 1.2x. On a heavily loaded machine (load
+every ratio reachable with the same kernels. In fp32 both sides call the same kernels for the
+matrix products and attention (MKL/oneDNN GEMMs, the CPU flash-attention kernel), and they take
+most of each step (compare the kernel floor with the step time), so the only room is the
+elementwise work between them: compiling fuses the norms, activations, RoPE and residual adds,
+and compiling the loss with the model fuses the float32 upcast and log-softmax of the (B, T, V)
+logits and their backward (1.01-1.04x faster than compiling the model alone). In bf16 logitlab
+computes each product as a float32 GEMM over the bf16-rounded operands (layers.set_bf16_matmul,
+"auto" on a CPU without AMX): exact products, float32 accumulation, the result rounded to bf16,
+which are the bf16 kernel's values up to summation order, in about 0.6 of its time here (compare
+the two floor columns); that, not the elementwise work, is where the bf16 ratios come from.
+Attention stays on the bf16 SDPA kernel, as transformers'. On a heavily loaded machine (load
 average 4-6) the compiled ratios came out larger (small Llama fp32 training 1.20x in CPU time): other
 jobs' memory traffic slows the memory-bound elementwise work that compiling removes, so read the
 ratios of a quiet run (load average about 1 from the benchmark itself). Measured without gain
 (CPU time, 1 thread): mode="max-autotune-no-cudagraphs" for the training step (small Llama bf16
-1.13x vs 1.14x), frozen weights for the forward (inference only; small Llama fp32 1.10x vs 1.09x,
-bf16 1.07x vs 1.06x).
+1.13x vs 1.14x, before the float32-GEMM path), frozen weights for the forward (inference only;
+small Llama fp32 1.10x vs 1.09x), a softmax(QK^T)V attention written out for inductor instead of
+SDPA's flash kernel (fp32 forward 12.5 vs 8.0 ms, forward + backward 34 vs 25 ms at the small-Llama
+shape).
 A point worth doubting is worth re-measuring alone:
 `python3 -m bench.model --models small-llama --threads 1 --no-doc`.
 """

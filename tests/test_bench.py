@@ -79,30 +79,30 @@ def test_model_bench_three_sides_and_memory_at_a_tiny_shape():
     text = model_bench.render(result)
     assert "| micro | train | bf16 | 1 x 8 |" in text and "compiled ratio" in text
     assert "| micro | fp32 | 1 x 8 |" in text and "logitlab compiled MiB" in text
-    assert "ceiling (transformers step / floor)" in text and "Matmul floor:" in text
+    assert "ceiling (transformers step / floor)" in text and "Kernel floor:" in text
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])
-def test_model_bench_matmul_floor_is_positive_and_keeps_the_bf16_mode(mode):
+def test_model_bench_kernel_floor_is_positive_and_keeps_the_bf16_mode(mode):
     """fp32, bf16 autocast in the current mode and in "native": positive times; the bf16 matmul
     mode is the one set before, also when the timed block raises. 4 x 32 = 128 rows: enough for
     layers.linear's float32-GEMM path in bf16."""
     from logitlab import layers
 
     model = Transformer(MICRO)
-    before = layers._bf16_matmul
+    before = layers.bf16_matmul_mode()
     layers.set_bf16_matmul("fp32")   # a non-default mode, to see that it is restored
     try:
         for autocast, bf16_matmul in ((False, None), (True, None), (True, "native")):
-            assert model_bench.matmul_floor_s(model, 4, 32, mode, autocast, repeats=1,
+            assert model_bench.kernel_floor_s(model, 4, 32, mode, autocast, repeats=1,
                                               bf16_matmul=bf16_matmul) > 0
-            assert layers._bf16_matmul == "fp32"
+            assert layers.bf16_matmul_mode() == "fp32"
         with pytest.raises(ValueError, match="mode"):
-            model_bench.matmul_floor_s(model, 2, 8, "backward", False)
-        with pytest.raises(RuntimeError, match="inside"), model_bench.bf16_matmul_mode("native"):
-            assert layers._bf16_matmul == "native"
+            model_bench.kernel_floor_s(model, 2, 8, "backward", False)
+        with pytest.raises(RuntimeError, match="inside"), model_bench.matmul_mode("native"):
+            assert layers.bf16_matmul_mode() == "native"
             raise RuntimeError("inside")
-        assert layers._bf16_matmul == "fp32"
+        assert layers.bf16_matmul_mode() == "fp32"
         assert all(p.grad is None for p in model.parameters())   # autograd.grad: nothing accumulated
     finally:
         layers.set_bf16_matmul(before)
