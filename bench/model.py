@@ -4,8 +4,9 @@
     python3 -m bench.model --quick        # the small Llama at half size, 2 repeats (a smoke run)
 
 Both sides hold the same weights: logitlab builds the model, save_pretrained writes it, transformers
-loads that directory (its default SDPA attention unless --peer-attn eager). Three sides run in turn
-(logitlab eager, logitlab compiled, transformers; A B C A B C ... after a warm-up):
+loads that directory (its default SDPA attention unless --peer-attn eager). Three sides, each in a
+process of its own (SideProcess: the sides' heaps apart), run in turn (logitlab eager, logitlab
+compiled, transformers; A B C A B C ... after a warm-up), each timing its own steps:
 - forward: logits under no_grad; compiled = `torch.compile(model, fullgraph=True)`;
 - training step, as each library's trainer runs it: forward + float32 cross-entropy (the same
   function on both sides) + backward + clipping to global norm 1.0 + fused AdamW (logitlab:
@@ -36,7 +37,6 @@ one warm-up step (the compiled side compiles in it; its peak is reported too).
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import statistics
@@ -66,17 +66,6 @@ POINTS = {  # name -> (config, batch, T)
 }
 SIDES = ("ours", "compiled", "peer")
 LR, WEIGHT_DECAY, CLIP = 1e-5, 0.1, 1.0
-
-def _pair(config: ModelConfig, tmp: Path, peer_attn: str = "sdpa"):
-    import transformers
-
-    torch.manual_seed(0)
-    ours = Transformer(config)
-    hf.save_pretrained(ours, tmp)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32,
-                                                               attn_implementation=peer_attn)
-    return ours, theirs
-
 
 def _autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
@@ -139,21 +128,107 @@ def clock() -> tuple[str, Callable[[], float]]:
     return "wall", time.perf_counter
 
 
-def rotate(steps: dict[str, Callable], repeats: int, timer: Callable[[], float] = time.perf_counter
-           ) -> tuple[dict, dict]:
+class SideProcess:
+    """One side of the comparison in a process of its own (spawned), holding its model and its
+    step; the parent calls the sides in turn and each times its own step with its own clock.
+
+    Separate processes keep the sides' heaps apart. In one process, each side's allocations and
+    frees changed the page faults the other paid: transformers' GPT-2 small fp32 training step
+    took 0.6-0.8 s of system time alone and 2-7 s interleaved with logitlab's steps (6.9 s of CPU
+    time alone, 10-15 s interleaved), which no choice of malloc settings removed."""
+
+    def __init__(self, side: str, spec: dict):
+        import multiprocessing
+
+        self.side = side
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=_serve, args=(child, side, spec), daemon=True)
+        self._proc.start()
+        child.close()
+        self._ask("ready")
+
+    def _ask(self, *message):
+        self._conn.send(message)
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"benchmark side {self.side!r} failed:\n{value}")
+        return value
+
+    def prepare(self, mode: str, autocast: bool) -> float:
+        """Build the "forward" or "train" step (dropping the previous one) and run it once,
+        untimed: -> wall seconds of that first call (compiling, for the compiled side)."""
+        return self._ask("prepare", mode, autocast)
+
+    def step(self) -> float:
+        """One step, timed in the side's process with its clock (see clock()) -> seconds."""
+        return self._ask("step")
+
+    def call(self, name: str, *args):
+        """A function of this module run in the side's process on its model: name(model, *args)."""
+        return self._ask("call", name, args)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._conn.send(("stop",))
+            self._proc.join(timeout=60)
+        self._conn.close()
+
+
+def _serve(conn, side: str, spec: dict) -> None:
+    """SideProcess's child: build the side's model (logitlab: Transformer(config) from seed 0, the
+    weights the parent saved; transformers: from_pretrained of that directory) and answer
+    requests until "stop"."""
+    import traceback
+
+    import transformers
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    _, timer = clock()
+    config = ModelConfig.from_dict(spec["config"])
+    ids = torch.randint(0, config.vocab_size, (spec["B"], spec["T"]), generator=torch.Generator().manual_seed(0))
+    if side == "peer":
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=torch.float32,
+                                                                  attn_implementation=spec["peer_attn"])
+    else:
+        torch.manual_seed(0)
+        model = Transformer(config)
+    step = None
+    while True:
+        request = conn.recv()
+        try:
+            if request[0] == "stop":
+                return
+            if request[0] == "ready":
+                value = None
+            elif request[0] == "prepare":
+                step = None   # the previous step's optimizer state goes first
+                make = forward_step if request[1] == "forward" else train_step
+                step = make(side, model, ids, request[2], spec["backend"])
+                start = time.perf_counter()
+                step()
+                value = time.perf_counter() - start
+            elif request[0] == "step":
+                start = timer()
+                step()
+                value = timer() - start
+            else:   # "call"
+                value = globals()[request[1]](model, *request[2])
+            conn.send((True, value))
+        except Exception:   # reported by the parent, naming the side
+            conn.send((False, traceback.format_exc()))
+
+
+def rotate(sides: dict[str, SideProcess], mode: str, autocast: bool, repeats: int) -> tuple[dict, dict]:
     """One untimed warm-up call per side, then `repeats` rounds calling every side in turn.
 
-    -> ({side: wall seconds of its first call}, {side: [seconds per round, measured with `timer`]})"""
-    def timed(fn: Callable, timer: Callable[[], float]) -> float:
-        start = timer()
-        fn()
-        return timer() - start
-
-    first = {side: timed(fn, time.perf_counter) for side, fn in steps.items()}   # compile workers included
-    times: dict[str, list[float]] = {side: [] for side in steps}
+    -> ({side: wall seconds of its first call}, {side: [seconds per round, each side's clock]})"""
+    first = {side: proc.prepare(mode, autocast) for side, proc in sides.items()}
+    times: dict[str, list[float]] = {side: [] for side in sides}
     for _ in range(repeats):
-        for side, fn in steps.items():
-            times[side].append(timed(fn, timer))
+        for side, proc in sides.items():
+            times[side].append(proc.step())
     return first, times
 
 
@@ -171,30 +246,29 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
     models = models or (["small-llama"] if quick else list(points))
     sides = SIDES if compile else ("ours", "peer")
     rates = {"fp32": 0.0, "bf16": 0.0}   # best matmul FLOP/s seen; re-measured before every point
-    clock_name, timer = clock()
+    clock_name, _ = clock()
 
     def measure(dtype: str) -> None:
         rates[dtype] = max(rates[dtype], accounting.measure_matmul_flops(dtype, n=1024, seconds=0.5))
 
     rows, mem = [], []
     for name in models:
-        torch._dynamo.reset()   # a fresh compile cache per shape (and its memory back)
         config, B, T = points[name]
         if quick:
             B, T = max(1, B // 2), T // 2
         config = dataclasses.replace(config, dropout=0.0)
-        ids = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
         fwd_flops = accounting.flops_per_token(config, T)["forward"] * B * T
         with tempfile.TemporaryDirectory() as tmp:
             directory = Path(tmp) / "hf"
-            ours, theirs = _pair(config, directory, peer_attn)
-            models_of = {"ours": ours, "compiled": copy.deepcopy(ours), "peer": theirs}
+            torch.manual_seed(0)
+            hf.save_pretrained(Transformer(config), directory)     # the weights every side holds
+            spec = dict(config=config.to_dict(), directory=str(directory), B=B, T=T, threads=threads,
+                        peer_attn=peer_attn, backend=backend)
+            procs = {side: SideProcess(side, spec) for side in sides}
             for dtype in ("fp32", "bf16"):
-                for mode, make in (("forward", forward_step), ("train", train_step)):
+                for mode in ("forward", "train"):
                     measure(dtype)
-                    steps = {side: make(side, models_of[side], ids, dtype == "bf16", backend) for side in sides}
-                    first, times = rotate(steps, repeats, timer)
-                    del steps   # the optimizers' states
+                    first, times = rotate(procs, mode, dtype == "bf16", repeats)
                     row = dict(model=name, mode=mode, dtype=dtype, batch=B, T=T,
                                flops=fwd_flops * (3 if mode == "train" else 1), times=times)
                     for side in sides:
@@ -204,15 +278,17 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                     if compile:
                         row["compile_s"] = first["compiled"] - min(times["compiled"])
                     # the products alone, and the largest ratio any side on the same kernels could reach
-                    row["floor_s"] = kernel_floor_s(ours, B, T, mode, dtype == "bf16", repeats, timer)
+                    ours = procs["ours"]   # the floor in logitlab's process, on its model
+                    row["floor_s"] = ours.call("kernel_floor_s", B, T, mode, dtype == "bf16", repeats)
                     row["ceiling"] = min(times["peer"]) / row["floor_s"]
                     if dtype == "bf16":   # also the bf16 kernels themselves (transformers' under autocast)
-                        row["bf16_matmul"] = layers.bf16_matmul_mode()   # the mode the logitlab sides ran
-                        row["floor_native_s"] = kernel_floor_s(ours, B, T, mode, True, repeats, timer, "native")
+                        row["bf16_matmul"] = ours.call("_current_bf16_matmul")   # the mode the sides ran
+                        row["floor_native_s"] = ours.call("kernel_floor_s", B, T, mode, True, repeats, "native")
                         row["ceiling_native"] = min(times["peer"]) / row["floor_native_s"]
                     rows.append(row)
                     print(_line(row), flush=True)
-            del ours, theirs, models_of
+            for proc in procs.values():
+                proc.close()
             if memory:
                 for dtype in ("fp32",) if quick else ("fp32", "bf16"):
                     spec = dict(config=config.to_dict(), directory=str(directory), dtype=dtype, B=B, T=T,
@@ -261,8 +337,12 @@ def matmul_mode(mode: str | None) -> Iterator[None]:
         layers.set_bf16_matmul(before)
 
 
+def _current_bf16_matmul(model) -> str:
+    return layers.bf16_matmul_mode()
+
+
 def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool, repeats: int = 3,
-                   timer: Callable[[], float] = time.perf_counter, bf16_matmul: str | None = None) -> float:
+                   bf16_matmul: str | None = None, timer: Callable[[], float] | None = None) -> float:
     """Seconds of one forward ("forward") or training step ("train") spent in its matrix products
     and attention alone, as logitlab runs them: layers.linear over every Linear weight of `model`
     (q/k/v, o, MLP; biases in the product as the layers add them) and the LM head's V rows, each on
@@ -273,8 +353,9 @@ def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool
     input and grad weight, through torch.autograd.grad: no accumulation into .grad, no bias
     gradients, which are sums, not products). Norms, activations, RoPE, the loss and the
     optimizer are left out. bf16_matmul: the layers.set_bf16_matmul mode to time under (None: the current
-    one; restored afterwards either way). -> the best of `repeats` timings (`timer`) after a
-    warm-up call."""
+    one; restored afterwards either way). -> the best of `repeats` timings (`timer`, default the
+    clock() the steps use) after a warm-up call."""
+    timer = timer or clock()[1]
     if mode not in ("forward", "train"):
         raise ValueError(f"mode must be 'forward' or 'train', got {mode!r}")
     V = model.config.vocab_size
@@ -433,7 +514,10 @@ the peak), activations, and for the compiled side the compiled graphs.
                   "left out)." if result.get("clock") == "cpu" else "Times are wall-clock times.")
     return f"""Forward (logits, no grad) and training step tokens/s of logitlab, eager and compiled,
 against `transformers` holding the same weights (attn_implementation="{result.get('peer_attn', 'sdpa')}";
-logitlab with SDPA), run in turn in one process (eager, compiled, transformers, ... after a warm-up).
+logitlab with SDPA), each side in a process of its own, called in turn (eager, compiled,
+transformers, ... after a warm-up) and timing its own steps; in one process, each side's memory
+use changed the page faults the other paid (transformers' GPT-2 small fp32 training step 1.5-2x
+slower interleaved with logitlab's than alone).
 A training step is what each library's trainer runs: forward + float32 cross-entropy (the same
 function for both) + backward + clipping to norm 1.0 + fused AdamW (`logitlab train`'s
 optim.build_adamw; transformers.Trainer's default `adamw_torch_fused`). Compiled: the forward is
