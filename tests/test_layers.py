@@ -304,26 +304,34 @@ def test_bf16_linear_via_fp32_is_chosen_by_mode_rows_and_dtype(bf16_mode, monkey
         bf16_mode("fast")
 
 
-def test_bf16_linear_via_fp32_compiles_to_the_same_values(bf16_mode):
-    """Compiled, the operands are still rounded to bf16 (the product is an operator of its own,
-    so inductor cannot fuse the rounding away): outputs and gradients equal the eager ones."""
-    torch.manual_seed(0)
-    bf16_mode("fp32")
-    x, w, grad = torch.randn(160, 32), torch.randn(40, 32), torch.randn(160, 40)
+def _compiled_and_eager_bf16_linear(backend: str):
+    """relu(linear(1.37 x, w)) under bf16 autocast through the float32-GEMM path, compiled with
+    `backend` and eagerly: -> (x, w, eager out, eager grads, compiled out, compiled grads)."""
     from logitlab.layers import linear
+
+    torch.manual_seed(0)
+    x, w, grad = torch.randn(160, 32), torch.randn(40, 32), torch.randn(160, 40)
 
     def f(x, w):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return torch.relu(linear(x * 1.37, w))
 
-    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    eager = f(xs, ws)
-    eager.float().backward(grad)
-    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(xc, wc)
-    compiled.float().backward(grad)
+    runs = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend=backend)):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xs, ws)
+        out.float().backward(grad)
+        runs += [out, (xs.grad, ws.grad)]
+    return (x, w, *runs)
+
+
+def test_bf16_linear_via_fp32_compiles_to_the_same_values(bf16_mode):
+    """Compiled, the operands are still rounded to bf16 (the product is an operator of its own,
+    so the compiler cannot fuse the rounding away): outputs and gradients equal the eager ones."""
+    bf16_mode("fp32")
+    x, w, eager, eager_grads, compiled, compiled_grads = _compiled_and_eager_bf16_linear("aot_eager")
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-    torch.testing.assert_close((xc.grad, wc.grad), (xs.grad, ws.grad), rtol=0, atol=0)
+    torch.testing.assert_close(compiled_grads, eager_grads, rtol=0, atol=0)
     # and not the float32 product: the rounding of the operands is visible
     assert not torch.equal(eager.float(), torch.relu(_round(x * 1.37 @ w.T)))
 
@@ -331,23 +339,10 @@ def test_bf16_linear_via_fp32_compiles_to_the_same_values(bf16_mode):
 @pytest.mark.slow
 def test_bf16_linear_via_fp32_inductor_keeps_the_rounding(bf16_mode):
     """The same check through inductor, whose fused kernels would skip a bf16 round trip."""
-    torch.manual_seed(0)
     bf16_mode("fp32")
-    x, w, grad = torch.randn(160, 32), torch.randn(40, 32), torch.randn(160, 40)
-    from logitlab.layers import linear
-
-    def f(x, w):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return torch.relu(linear(x * 1.37, w))
-
-    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    eager = f(xs, ws)
-    eager.float().backward(grad)
-    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
-    compiled = torch.compile(f, fullgraph=True)(xc, wc)
-    compiled.float().backward(grad)
+    _, _, eager, eager_grads, compiled, compiled_grads = _compiled_and_eager_bf16_linear("inductor")
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-    torch.testing.assert_close((xc.grad, wc.grad), (xs.grad, ws.grad), rtol=0, atol=0)
+    torch.testing.assert_close(compiled_grads, eager_grads, rtol=0, atol=0)
 
 
 def test_linear_layers_keep_nn_linear_keys_and_hooks():
