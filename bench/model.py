@@ -23,8 +23,9 @@ of bf16 operands is computed exactly by either kernel, and logitlab uses the fas
 Kernel floor: the time of one step's matrix products and attention alone, run as logitlab runs
 them (layers.linear over the model's own Linear and LM-head weights at the step's B*T rows, and
 SDPA at each layer's shapes, under the step's autocast; for training also their backward), best of
-the same number of repetitions with the same clock. Ceiling = transformers' best step time / that
-floor: the largest ratio an implementation calling the same kernels could reach. bf16 rows also
+the same number of repetitions in user CPU time (page faults left out). Ceiling = transformers'
+best step time / that floor: the largest ratio an implementation calling the same kernels could
+reach. bf16 rows also
 report the floor with layers.set_bf16_matmul("native") (the bf16 kernels transformers calls under
 autocast) beside logitlab's choice ("auto": float32 GEMMs over bf16-rounded operands on CPUs
 without AMX).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -337,6 +339,10 @@ def matmul_mode(mode: str | None) -> Iterator[None]:
         layers.set_bf16_matmul(before)
 
 
+def _user_time() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+
+
 def _current_bf16_matmul(model) -> str:
     return layers.bf16_matmul_mode()
 
@@ -353,9 +359,12 @@ def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool
     input and grad weight, through torch.autograd.grad: no accumulation into .grad, no bias
     gradients, which are sums, not products). Norms, activations, RoPE, the loss and the
     optimizer are left out. bf16_matmul: the layers.set_bf16_matmul mode to time under (None: the current
-    one; restored afterwards either way). -> the best of `repeats` timings (`timer`, default the
-    clock() the steps use) after a warm-up call."""
-    timer = timer or clock()[1]
+    one; restored afterwards either way). -> the best of `repeats` timings (`timer`; by default
+    the process's user CPU time with one torch thread, else the wall time) after a warm-up call.
+    User time leaves out the system time of page faults on the step's freshly allocated
+    (B, T, N) outputs and gradients (up to a second per GPT-2 small training step here), which
+    is not kernel work: the floor stays a lower bound."""
+    timer = timer or (_user_time if clock()[0] == "cpu" else time.perf_counter)
     if mode not in ("forward", "train"):
         raise ValueError(f"mode must be 'forward' or 'train', got {mode!r}")
     V = model.config.vocab_size
@@ -450,9 +459,10 @@ layers.linear over the model's own Linear and LM-head weights at the step's B x 
 (activations in the step's compute dtype, so rounding float32 activations to bf16 is not
 counted) and each layer's causal SDPA call, under the step's autocast, and for training also their
 backward (grad input and grad weight of each product); norms, activations, RoPE, the loss and the
-optimizer are not in it. Best of {result['repeats']} after a warm-up,
-timed with the same clock as the steps. Ceiling = transformers' best step time / that floor: the
-largest ratio an implementation calling the same kernels could reach. In bf16 the
+optimizer are not in it. Best of {result['repeats']} after a warm-up, timed in user CPU time (one
+thread; the system time of page faults on fresh outputs is not kernel work). Ceiling =
+transformers' best step time / that floor: the largest ratio an implementation calling the same
+kernels could reach. In bf16 the
 floor runs in the mode logitlab's sides ran (layers.set_bf16_matmul {modes or "-"}; "auto" is float32
 GEMMs over bf16-rounded operands on a CPU without AMX, the bf16 kernels with AMX); the last column
 is the floor with the bf16 kernels themselves ("native", what transformers calls under autocast)
