@@ -539,7 +539,9 @@ logitlab faster), median (min-max) of {result['repeats']} rounds; tok/s from the
 Compile time (wall time of the first call less the best step) is reported apart, excluded from
 the timings; it is short when inductor's on-disk cache holds the graphs from an earlier run (a
 cold compile took 20-70 s here). MFU against the best 1024³ matmul rate measured in the same run
-({rates}).{_floor_text(result) if floors else ""}
+({rates}): fp32 rows against fp32's, bf16 rows against the faster of the two (either kernel
+computes a product of bf16 operands exactly, and logitlab's bf16 products run as float32 GEMMs
+on this CPU), the same denominator for every side of a row.{_floor_text(result) if floors else ""}
 
 Command: `{cmd}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
 ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']},
@@ -564,8 +566,7 @@ average 4-6) the compiled ratios came out larger (small Llama fp32 training 1.20
 jobs' memory traffic slows the memory-bound elementwise work that compiling removes, so read the
 ratios of a quiet run (load average about 1 from the benchmark itself). Measured without gain
 (CPU time, 1 thread): mode="max-autotune-no-cudagraphs" for the training step (small Llama bf16
-1.13x vs 1.14x, before the float32-GEMM path), frozen weights for the forward (inference only;
-small Llama fp32 1.10x vs 1.09x), a softmax(QK^T)V attention written out for inductor instead of
+1.13x vs 1.14x, before the float32-GEMM path), a softmax(QK^T)V attention written out for inductor instead of
 SDPA's flash kernel (fp32 forward 12.5 vs 8.0 ms, forward + backward 34 vs 25 ms at the small-Llama
 shape).
 A point worth doubting is worth re-measuring alone:
