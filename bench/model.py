@@ -143,9 +143,9 @@ class SideProcess:
         import multiprocessing
 
         self.side = side
-        self._conn, child = multiprocessing.get_context("spawn").Pipe()
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=_serve, args=(child, side, spec), daemon=True)
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._proc = spawn.Process(target=_serve, args=(child, side, spec), daemon=True)
         self._proc.start()
         child.close()
         self._ask("ready")
