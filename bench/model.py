@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from bench import common
 from bench.common import command_line, machine_info, markdown_table, publish
-from logitlab import accounting, hf, layers
+from logitlab import accounting, hf, layers, runtime
 from logitlab.families import PRESETS
 from logitlab.model import ModelConfig, Transformer
 from logitlab.optim import build_adamw, clip_grad_norm
@@ -121,6 +121,15 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str
     return step
 
 
+def set_allocator(side: str, spec: dict) -> bool:
+    """logitlab's sides run with the allocator setting `logitlab train` applies on a CPU
+    (runtime.keep_freed_memory, TrainConfig.keep_freed_memory); transformers' with glibc's
+    defaults, which its Trainer leaves, unless spec["peer_keep_freed_memory"]. -> applied?"""
+    if side != "peer" or spec.get("peer_keep_freed_memory"):
+        return runtime.keep_freed_memory()
+    return False
+
+
 def clock() -> tuple[str, Callable[[], float]]:
     """The clock the timings use: with one torch thread the process's CPU time ("cpu": user +
     system, equal to the wall time on an idle machine, but without the time other jobs of a
@@ -148,7 +157,7 @@ class SideProcess:
         self._proc = spawn.Process(target=_serve, args=(child, side, spec), daemon=True)
         self._proc.start()
         child.close()
-        self._ask("ready")
+        self.keep_freed_memory = self._ask("ready")   # whether set_allocator applied the setting
 
     def _ask(self, *message):
         self._conn.send(message)
@@ -187,6 +196,7 @@ def _serve(conn, side: str, spec: dict) -> None:
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
+    kept = set_allocator(side, spec)
     _, timer = clock()
     config = ModelConfig.from_dict(spec["config"])
     ids = torch.randint(0, config.vocab_size, (spec["B"], spec["T"]), generator=torch.Generator().manual_seed(0))
@@ -203,7 +213,7 @@ def _serve(conn, side: str, spec: dict) -> None:
             if request[0] == "stop":
                 return
             if request[0] == "ready":
-                value = None
+                value = kept
             elif request[0] == "prepare":
                 step = None   # the previous step's optimizer state goes first
                 make = forward_step if request[1] == "forward" else train_step
@@ -242,7 +252,8 @@ def _ratios(times: dict, side: str) -> dict:
 
 def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa",
         models: list[str] | None = None, compile: bool = True, memory: bool = True,
-        threads: int | None = None, backend: str = "inductor", points: dict | None = None) -> dict:
+        threads: int | None = None, backend: str = "inductor", points: dict | None = None,
+        peer_keep_freed_memory: bool = False) -> dict:
     repeats = repeats or (2 if quick else 3)
     points = points or POINTS
     models = models or (["small-llama"] if quick else list(points))
@@ -253,7 +264,7 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
     def measure(dtype: str) -> None:
         rates[dtype] = max(rates[dtype], accounting.measure_matmul_flops(dtype, n=1024, seconds=0.5))
 
-    rows, mem = [], []
+    rows, mem, kept = [], [], {}
     for name in models:
         config, B, T = points[name]
         if quick:
@@ -265,8 +276,9 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
             torch.manual_seed(0)
             hf.save_pretrained(Transformer(config), directory)     # the weights every side holds
             spec = dict(config=config.to_dict(), directory=str(directory), B=B, T=T, threads=threads,
-                        peer_attn=peer_attn, backend=backend)
+                        peer_attn=peer_attn, backend=backend, peer_keep_freed_memory=peer_keep_freed_memory)
             procs = {side: SideProcess(side, spec) for side in sides}
+            kept = {side: proc.keep_freed_memory for side, proc in procs.items()}
             for dtype in ("fp32", "bf16"):
                 for mode in ("forward", "train"):
                     measure(dtype)
@@ -294,7 +306,8 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
             if memory:
                 for dtype in ("fp32",) if quick else ("fp32", "bf16"):
                     spec = dict(config=config.to_dict(), directory=str(directory), dtype=dtype, B=B, T=T,
-                                threads=threads, peer_attn=peer_attn, backend=backend)
+                                threads=threads, peer_attn=peer_attn, backend=backend,
+                                peer_keep_freed_memory=peer_keep_freed_memory)
                     got = {side: peak_rss_mib(dict(spec, side=side)) for side in sides}
                     mem.append(dict(model=name, dtype=dtype, batch=B, T=T, **got))
                     print(f"{name:12s} train    {dtype:5s} peak RSS above imports (MiB): "
@@ -306,7 +319,23 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
             row[f"{side}_mfu"] = row["flops"] / min(row["times"][side]) / peak[row["dtype"]]
     return {"command": command_line(), "machine": machine_info(), "matmul_flops_per_s": rates,
             "quick": quick, "repeats": repeats, "clock": clock_name, "peer_attn": peer_attn, "sides": list(sides),
+            "keep_freed_memory": kept,
             "rows": rows, "memory": mem}
+
+
+def _allocator_text(result: dict) -> str:
+    kept = result.get("keep_freed_memory", {})
+    if not any(kept.values()):
+        return ""
+    names = {"ours": "logitlab eager", "compiled": "logitlab compiled", "peer": "transformers"}
+    who = " and ".join(names[side] for side, on in kept.items() if on)
+    text = (f"\nAllocator: {who} ran with runtime.keep_freed_memory (glibc malloc keeps freed blocks for "
+            "reuse instead of unmapping them; `logitlab train` applies it on a CPU, TrainConfig.keep_freed_memory)")
+    if not kept.get("peer"):
+        text += (", transformers with glibc's defaults, as its Trainer leaves them: each of its steps "
+                 "page-faults its activations in again (`--peer-keep-freed-memory` gives it the same "
+                 "setting)")
+    return text + "."
 
 
 def _line(row: dict) -> str:
@@ -421,6 +450,7 @@ def _peak_rss_child(spec: dict) -> int:
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
+    set_allocator(spec["side"], spec)
     config = ModelConfig.from_dict(spec["config"])
     ids = torch.randint(0, config.vocab_size, (spec["B"], spec["T"]), generator=torch.Generator().manual_seed(0))
     base = common.reset_peak_rss()
@@ -535,7 +565,7 @@ optim.build_adamw; transformers.Trainer's default `adamw_torch_fused`). Compiled
 graph (train.loss_fn, what `logitlab train --compile` runs), the optimizer stays eager. bf16 is
 torch.autocast over fp32 weights. Ratio = transformers time / logitlab time per round (> 1:
 logitlab faster), median (min-max) of {result['repeats']} rounds; tok/s from the best round.
-{clock_text}
+{clock_text}{_allocator_text(result)}
 Compile time (wall time of the first call less the best step) is reported apart, excluded from
 the timings; it is short when inductor's on-disk cache holds the graphs from an earlier run (a
 cold compile took 20-70 s here). MFU against the best 1024³ matmul rate measured in the same run
@@ -588,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled logitlab side")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--peer-keep-freed-memory", action="store_true",
+                        help="give transformers' process the allocator setting logitlab's trainer applies "
+                             "(runtime.keep_freed_memory), to see how much of a ratio it accounts for")
     parser.add_argument("--peak-rss", metavar="JSON", help=argparse.SUPPRESS)   # the memory child process
     args = parser.parse_args(argv)
     if args.peak_rss:
@@ -595,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run(args.quick, args.repeats, args.peer_attn, args.models, compile=not args.no_compile,
-                 memory=not args.no_memory, threads=args.threads)
+                 memory=not args.no_memory, threads=args.threads,
+                 peer_keep_freed_memory=args.peer_keep_freed_memory)
     publish("model", "Model", result, render, args.quick, not args.no_doc)
     return 0
 

@@ -78,6 +78,9 @@ class TrainConfig:
         "auto", "bf16 matrix products on CPU: fp32 = float32 GEMMs over the bf16-rounded operands (same "
         "values up to summation order; 1.5-1.8x faster without AMX), native = bf16 kernels, auto = fp32 "
         "unless the CPU has AMX")
+    keep_freed_memory: bool = _f(
+        True, "CPU: let malloc keep freed tensor memory for reuse rather than page-faulting it in again "
+        "every step (glibc; process-wide, see runtime.keep_freed_memory)")
     compile: bool = _f(False, "torch.compile the model")
     parallel: Literal["none", "ddp", "fsdp"] = _f(
         "ddp", "under torchrun: data parallel (ddp) or fully sharded (fsdp); none = ignore other ranks")
@@ -399,6 +402,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
         emit("checkpoint", {"step": step, "path": str(path)})
         return path
 
+    if device.type == "cpu" and config.keep_freed_memory:
+        runtime.keep_freed_memory()                                # process-wide, not undone
     matmul_mode = layers.bf16_matmul_mode()
     layers.set_bf16_matmul(config.bf16_matmul)                     # restored when the run ends
     try:  # the metrics file and the TensorBoard writer are closed however the run ends
