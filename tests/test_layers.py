@@ -152,6 +152,28 @@ def test_gelu_mlp_tanh_matches_formula():
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_compiled_form_matches_f_gelu(dtype, monkeypatch):
+    """The form a compiled graph traces (x * sigmoid(2u)), forward and gradient, against F.gelu:
+    once through torch.compile and once by making the eager call take the compiled branch."""
+    from logitlab import layers
+
+    torch.manual_seed(0)
+    x = (torch.randn(64, 96) * 4).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -30.0, 30.0, 1e-3])       # zero, both saturated ends, small
+    for approximate in ("tanh", "none"):
+        expected = F.gelu(x.float(), approximate=approximate).to(dtype)
+        compiled = torch.compile(lambda t: layers.gelu(t, approximate), backend="aot_eager", fullgraph=True)
+        tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+        torch.testing.assert_close(compiled(x), expected, **tol)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    a = x.float().requires_grad_()
+    b = x.float().requires_grad_()
+    layers.gelu(a, "tanh").sum().backward()
+    F.gelu(b, approximate="tanh").sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=2e-6, atol=4e-6)
+
+
 # --- attention -----------------------------------------------------------------------------
 
 def test_repeat_kv_query_head_reads_kv_head_h_div_g():
