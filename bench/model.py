@@ -122,10 +122,11 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str
 
 
 def set_allocator(side: str, spec: dict) -> bool:
-    """logitlab's sides run with the allocator setting `logitlab train` applies on a CPU
-    (runtime.keep_freed_memory, TrainConfig.keep_freed_memory); transformers' with glibc's
-    defaults, which its Trainer leaves, unless spec["peer_keep_freed_memory"]. -> applied?"""
-    if side != "peer" or spec.get("peer_keep_freed_memory"):
+    """Each side runs with the allocator setting its trainer leaves: logitlab's compiled side with
+    runtime.keep_freed_memory (what `logitlab train --compile` applies on a CPU,
+    TrainConfig.keep_freed_memory "auto"), its eager side and transformers' with glibc's
+    defaults; spec["peer_keep_freed_memory"] gives transformers the setting too. -> applied?"""
+    if side == "compiled" or (side == "peer" and spec.get("peer_keep_freed_memory")):
         return runtime.keep_freed_memory()
     return False
 
@@ -330,11 +331,14 @@ def _allocator_text(result: dict) -> str:
     names = {"ours": "logitlab eager", "compiled": "logitlab compiled", "peer": "transformers"}
     who = " and ".join(names[side] for side, on in kept.items() if on)
     text = (f"\nAllocator: {who} ran with runtime.keep_freed_memory (glibc malloc keeps freed blocks for "
-            "reuse instead of unmapping them; `logitlab train` applies it on a CPU, TrainConfig.keep_freed_memory)")
-    if not kept.get("peer"):
-        text += (", transformers with glibc's defaults, as its Trainer leaves them: each of its steps "
-                 "page-faults its activations in again (`--peer-keep-freed-memory` gives it the same "
-                 "setting)")
+            "reuse instead of unmapping them; `logitlab train --compile` applies it on a CPU, "
+            "TrainConfig.keep_freed_memory)")
+    others = [names[side] for side, on in kept.items() if not on]
+    if others:
+        text += (f", {' and '.join(others)} with glibc's defaults, as their trainers leave them, under which "
+                 "each step page-faults its large activations in again")
+        if not kept.get("peer"):
+            text += " (`--peer-keep-freed-memory` gives transformers the setting too)"
     return text + "."
 
 

@@ -148,8 +148,9 @@ def _compile_options(model) -> dict:
     max_autotune lets inductor pick, per matrix shape, its own C++ GEMM template over prepacked
     weights or aten's product, whichever it times faster (the tables it prints are switched
     off): aten's bf16 matrix-vector product reads its weights more slowly per byte than the
-    fp32 one here. fp32 compiles without them (frozen fp32 steps measured 1.03-1.06x faster at
-    B=1, 1.3x at B=8, but compile 2.5-8x longer: GPT-2 small 13 -> 106 s). Frozen weights are why
+    fp32 one here. fp32 compiles without them: frozen fp32 small-Llama steps took 1.09x (B=1)
+    and 1.16x (B=8) the unfrozen step's time, 1.05x / 1.00x with max_autotune, and compile
+    2.5-8x longer (GPT-2 small 13 -> 106 s). Frozen weights are why
     compiled steps are kept per model and rebuilt when a parameter changes
     (`compiled_decode_step`). Guards on the model's modules are skipped (a decode step checks
     ~10 per parameter): the per-model key stands in for them."""

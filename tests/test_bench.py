@@ -83,18 +83,19 @@ def test_model_bench_three_sides_and_memory_at_a_tiny_shape():
     assert "| micro | fp32 | 1 x 8 |" in text and "logitlab compiled MiB" in text
     assert "ceiling (transformers step / floor)" in text and "Kernel floor:" in text
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert result["keep_freed_memory"] == {"ours": glibc, "compiled": glibc, "peer": False}
-    assert ("transformers with glibc's defaults" in text) == glibc
+    assert result["keep_freed_memory"] == {"ours": False, "compiled": glibc, "peer": False}
+    assert ("logitlab eager and transformers with glibc's defaults" in text) == glibc
 
 
-def test_model_bench_allocator_setting_is_logitlabs_unless_asked(monkeypatch):
+def test_model_bench_allocator_setting_is_the_trainers(monkeypatch):
     calls = []
     monkeypatch.setattr(model_bench.runtime, "keep_freed_memory", lambda: calls.append(1) or True)
-    assert model_bench.set_allocator("ours", {}) and model_bench.set_allocator("compiled", {}) and calls == [1, 1]
-    assert not model_bench.set_allocator("peer", {"peer_keep_freed_memory": False}) and calls == [1, 1]
-    assert model_bench.set_allocator("peer", {"peer_keep_freed_memory": True}) and calls == [1, 1, 1]
-    text = model_bench._allocator_text({"keep_freed_memory": {"ours": True, "compiled": True, "peer": True}})
-    assert "logitlab eager and logitlab compiled and transformers ran with" in text and "defaults" not in text
+    assert not model_bench.set_allocator("ours", {}) and model_bench.set_allocator("compiled", {})
+    assert not model_bench.set_allocator("peer", {"peer_keep_freed_memory": False}) and calls == [1]
+    assert model_bench.set_allocator("peer", {"peer_keep_freed_memory": True}) and calls == [1, 1]
+    text = model_bench._allocator_text({"keep_freed_memory": {"ours": False, "compiled": True, "peer": True}})
+    assert "logitlab compiled and transformers ran with" in text and "logitlab eager with glibc's" in text
+    assert "--peer-keep-freed-memory" not in text
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])

@@ -327,16 +327,19 @@ def test_keep_freed_memory_stops_the_page_faults_of_reallocation(monkeypatch):
     assert faults("default")[1] > 5 * 8000        # 5 x 64 MiB in 4 KiB pages is 82 thousand
 
 
-def test_train_keeps_freed_memory_on_cpu_unless_told_not_to(corpus, tmp_path, monkeypatch):
+def test_train_keeps_freed_memory_when_compiling_or_told_to(corpus, tmp_path, monkeypatch):
     import logitlab.runtime as runtime_mod
 
     calls = []
     monkeypatch.setattr(runtime_mod, "keep_freed_memory", lambda: calls.append(1) or True)
-    train(tiny_model(), _cfg(corpus, tmp_path / "k1", steps=1, warmup_steps=0, eval_every=0))
-    assert calls == [1]
-    train(tiny_model(), _cfg(corpus, tmp_path / "k2", steps=1, warmup_steps=0, eval_every=0,
-                             keep_freed_memory=False))
-    assert calls == [1]
+    for k, (keep, compiled, expected) in enumerate([("auto", False, 0), ("auto", True, 1), ("on", False, 1),
+                                                    ("off", True, 0)]):
+        calls.clear()
+        train(tiny_model(), _cfg(corpus, tmp_path / f"k{k}", steps=1, warmup_steps=0, eval_every=0,
+                                 keep_freed_memory=keep, compile=compiled))
+        assert len(calls) == expected, (keep, compiled)
+    with pytest.raises(ValueError, match="keep_freed_memory must be 'auto', 'on' or 'off', got True"):
+        TrainConfig(keep_freed_memory=True)
 
 
 def test_tensorboard_writer_gets_the_scalars(corpus, tmp_path, monkeypatch):
