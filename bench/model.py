@@ -43,6 +43,7 @@ import json
 import resource
 import statistics
 import tempfile
+import textwrap
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -339,7 +340,7 @@ def _allocator_text(result: dict) -> str:
                  "each step page-faults its large activations in again")
         if not kept.get("peer"):
             text += " (`--peer-keep-freed-memory` gives transformers the setting too)"
-    return text + "."
+    return "\n" + textwrap.fill(text.strip() + ".", 100, break_on_hyphens=False)
 
 
 def _line(row: dict) -> str:
@@ -587,10 +588,14 @@ Reading it: the machine is shared, so single timings swing by up to 2x and the m
 the per-round ratios is wide; the median ratio is the number to read. The ceiling column bounds
 every ratio reachable with the same kernels. In fp32 both sides call the same kernels for the
 matrix products and attention (MKL/oneDNN GEMMs, the CPU flash-attention kernel), and they take
-most of each step (compare the kernel floor with the step time), so the only room is the
-elementwise work between them: compiling fuses the norms, activations, RoPE and residual adds,
-and compiling the loss with the model fuses the float32 upcast and log-softmax of the (B, T, V)
-logits and their backward (1.01-1.04x faster than compiling the model alone). In bf16 logitlab
+most of each step (compare the kernel floor with the step time), so the room is the
+elementwise work between them and the system's time: compiling fuses the norms, activations
+(GELU's tanh form as x * sigmoid(2u), which inductor's CPU code evaluates 2x faster), RoPE and
+residual adds, and compiling the loss with the model fuses the float32 upcast and log-softmax of
+the (B, T, V) logits and their backward (1.01-1.04x faster than compiling the model alone); the
+compiled side also keeps freed memory (above), which spares it the page faults of reallocating
+each step's activations (0.1-0.4 s of system time per step alone, more when other processes run
+between the steps, as here: transformers' steps pay it, and eager logitlab's). In bf16 logitlab
 computes each product as a float32 GEMM over the bf16-rounded operands (layers.set_bf16_matmul,
 "auto" on a CPU without AMX): exact products, float32 accumulation, the result rounded to bf16,
 which are the bf16 kernel's values up to summation order, in about 0.6 of its time here (compare

@@ -327,6 +327,15 @@ def test_keep_freed_memory_stops_the_page_faults_of_reallocation(monkeypatch):
     assert faults("default")[1] > 5 * 8000        # 5 x 64 MiB in 4 KiB pages is 82 thousand
 
 
+def test_keep_freed_memory_leaves_the_users_own_malloc_settings(monkeypatch):
+    from logitlab import runtime
+
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.setenv(name, "65536")
+        assert runtime.keep_freed_memory() is False
+        monkeypatch.delenv(name)
+
+
 def test_train_keeps_freed_memory_when_compiling_or_told_to(corpus, tmp_path, monkeypatch):
     import logitlab.runtime as runtime_mod
 
