@@ -137,7 +137,7 @@ def keep_freed_memory() -> bool:
     (12%) less with this. The cost is memory held rather than returned: freed blocks stay with the
     process, and torch's 64-byte-aligned allocations can leave a few freed blocks of a size unused
     until the allocator's small-chunk cache fills (a loop allocating one 64 MiB tensor grew by
-    eight such blocks before it reused them). GPT-2 small's compiled training step peaked 0-7%
+    eight such blocks before it reused them). GPT-2 small's compiled training step peaked 0-11%
     higher with it, the eager step 12% (fp32) and 29% (bf16 autocast, whose casts of every size
     fragment the heap), which is why `train` applies it by default only when compiling.
 
