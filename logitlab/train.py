@@ -405,8 +405,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
         return path
 
     # auto: with compile only. A compiled step reuses a few planned buffers, so keeping freed
-    # memory costs it little peak (GPT-2 small: fp32 +2%, bf16 +0%), while an eager bf16 step's
-    # many casts of every size fragment the kept heap (+29%, above transformers' peak).
+    # memory costs it little peak (GPT-2 small: 0-11%), while an eager bf16 step's many casts of
+    # every size fragment the kept heap (+29%, above transformers' peak).
     keep = config.keep_freed_memory == "on" or (config.keep_freed_memory == "auto" and config.compile)
     if device.type == "cpu" and keep:
         runtime.keep_freed_memory()                                # process-wide, not undone
