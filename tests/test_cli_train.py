@@ -26,7 +26,8 @@ def test_demo_quick_writes_a_run_with_plot_and_falling_loss(demo_run):
     summary = json.loads((demo_run / "demo.json").read_text())["result"]
     assert summary["val_loss"] < summary["ln_V"] - 0.5  # clearly below a uniform guess
     assert (demo_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert latest_checkpoint(demo_run) is not None
+    state = json.loads((latest_checkpoint(demo_run) / "state.json").read_text())
+    assert state["train_config"]["keep_freed_memory"] == "on"   # a timed run: steps as fast as they go
     # running it again replaces the demo directory; a non-demo directory is refused
     assert cli.main(["demo", "--out", str(demo_run.parent)]) == 2
 
