@@ -279,8 +279,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (a swap, two products, a sum) rather than their five or a half-by-half form's seven.
     The result is in the promoted dtype of x and the tables; the model passes the tables in the
     residual stream's dtype, as Hugging Face does: bf16 weights rotate in bf16, bf16 autocast
-    over float32 weights rotates in float32."""
+    over float32 weights rotates in float32.
+
+    Compiled, the same products and sums are written half by half into one concatenation,
+    [x1*c + x2*(-s), x2*c + x1*s]: inductor then writes each half of the result in place instead
+    of materialising the swapped copy of x first (small-Llama fp32 training step, the rotation's
+    fused kernels forward + backward 24 -> 16 ms)."""
     x1, x2 = x.chunk(2, dim=-1)                                   # (B, T, heads, Dh/2) each
+    if torch.compiler.is_compiling():
+        (c, _), (s_neg, s) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
+        return torch.cat((x1 * c + x2 * s_neg, x2 * c + x1 * s), dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin             # (B, T, heads, Dh)
 
 

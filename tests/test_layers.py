@@ -95,7 +95,10 @@ def test_rope_equals_the_half_by_half_rotation_bit_for_bit(dtype):
     assert cos.shape == sin.shape == (1, T, 1, Dh)
     c, s = rope.cos[:T, None].to(dtype), rope.sin[:T, None].to(dtype)          # (T, 1, Dh/2)
     x1, x2 = x[..., :Dh // 2], x[..., Dh // 2:]
-    assert torch.equal(apply_rope(x, cos, sin), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+    expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    assert torch.equal(apply_rope(x, cos, sin), expected)
+    compiled = torch.compile(apply_rope, backend="aot_eager", fullgraph=True)     # the half-by-half form
+    assert torch.equal(compiled(x, cos, sin), expected)
 
 def test_rope_dot_product_depends_only_on_relative_position():
     Dh = 16

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from logitlab import data
 from logitlab.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
@@ -68,6 +69,34 @@ def test_cross_entropy_matches_reference():
     targets = torch.randint(0, 11, (2, 5))
     assert float(cross_entropy(logits, targets)) == pytest.approx(float(cross_entropy_reference(logits, targets)),
                                                                   rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cross_entropy_matches_f_cross_entropy(dtype):
+    """The form a compiled graph runs (_CrossEntropy), value and gradient, against F.cross_entropy
+    on float32 logits; IGNORE_INDEX targets are left out of the mean, out-of-range ones fail."""
+    from logitlab.train import IGNORE_INDEX
+
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 7, 50) * 3).to(dtype)
+    targets = torch.randint(0, 50, (3, 7))
+    targets[0, :3] = IGNORE_INDEX
+    compiled = torch.compile(cross_entropy, backend="aot_eager", fullgraph=True)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = compiled(a, targets)
+    expected = F.cross_entropy(b.float().flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    (got * 2.5).backward()
+    (expected * 2.5).backward()
+    assert a.grad.dtype == dtype
+    assert torch.all(a.grad[0, :3] == 0)                        # ignored positions get no gradient
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(a.grad, b.grad, **tol)
+    assert float(cross_entropy(logits, targets)) == pytest.approx(float(expected.detach()), rel=1e-6)  # eager agrees
+    bad = targets.clone()
+    bad[1, 2] = 50
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        compiled(logits, bad)
 
 
 def test_tiny_model_overfits_short_text(tmp_path):
