@@ -123,11 +123,12 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str
 
 
 def set_allocator(side: str, spec: dict) -> bool:
-    """Each side runs with the allocator setting its trainer leaves: logitlab's compiled side with
-    runtime.keep_freed_memory (what `logitlab train --compile` applies on a CPU,
-    TrainConfig.keep_freed_memory "auto"), its eager side and transformers' with glibc's
+    """Each side runs with the allocator setting its trainer leaves: logitlab's compiled side in
+    fp32 with runtime.keep_freed_memory (what `logitlab train --compile` applies on a CPU in fp32,
+    TrainConfig.keep_freed_memory "auto"), its bf16 and eager sides and transformers' with glibc's
     defaults; spec["peer_keep_freed_memory"] gives transformers the setting too. -> applied?"""
-    if side == "compiled" or (side == "peer" and spec.get("peer_keep_freed_memory")):
+    if ((side == "compiled" and spec.get("dtype", "fp32") == "fp32")
+            or (side == "peer" and spec.get("peer_keep_freed_memory"))):
         return runtime.keep_freed_memory()
     return False
 
@@ -277,11 +278,11 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
             directory = Path(tmp) / "hf"
             torch.manual_seed(0)
             hf.save_pretrained(Transformer(config), directory)     # the weights every side holds
-            spec = dict(config=config.to_dict(), directory=str(directory), B=B, T=T, threads=threads,
-                        peer_attn=peer_attn, backend=backend, peer_keep_freed_memory=peer_keep_freed_memory)
-            procs = {side: SideProcess(side, spec) for side in sides}
-            kept = {side: proc.keep_freed_memory for side, proc in procs.items()}
-            for dtype in ("fp32", "bf16"):
+            for dtype in ("fp32", "bf16"):   # processes per dtype: the allocator setting is process-wide
+                spec = dict(config=config.to_dict(), directory=str(directory), B=B, T=T, threads=threads, dtype=dtype,
+                            peer_attn=peer_attn, backend=backend, peer_keep_freed_memory=peer_keep_freed_memory)
+                procs = {side: SideProcess(side, spec) for side in sides}
+                kept[dtype] = {side: proc.keep_freed_memory for side, proc in procs.items()}
                 for mode in ("forward", "train"):
                     measure(dtype)
                     first, times = rotate(procs, mode, dtype == "bf16", repeats)
@@ -303,8 +304,8 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                         row["ceiling_native"] = min(times["peer"]) / row["floor_native_s"]
                     rows.append(row)
                     print(_line(row), flush=True)
-            for proc in procs.values():
-                proc.close()
+                for proc in procs.values():
+                    proc.close()
             if memory:
                 for dtype in ("fp32",) if quick else ("fp32", "bf16"):
                     spec = dict(config=config.to_dict(), directory=str(directory), dtype=dtype, B=B, T=T,
@@ -326,19 +327,31 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
 
 
 def _allocator_text(result: dict) -> str:
-    kept = result.get("keep_freed_memory", {})
-    if not any(kept.values()):
-        return ""
+    """The paragraph on each side's allocator setting; keep_freed_memory is {dtype: {side: bool}}."""
     names = {"ours": "logitlab eager", "compiled": "logitlab compiled", "peer": "transformers"}
-    who = " and ".join(names[side] for side, on in kept.items() if on)
-    text = (f"\nAllocator: {who} ran with runtime.keep_freed_memory (glibc malloc keeps freed blocks for "
-            "reuse instead of unmapping them; `logitlab train --compile` applies it on a CPU, "
-            "TrainConfig.keep_freed_memory)")
-    others = [names[side] for side, on in kept.items() if not on]
-    if others:
-        text += (f", {' and '.join(others)} with glibc's defaults, as their trainers leave them, under which "
+    kept = {(side, dtype) for dtype, sides in result.get("keep_freed_memory", {}).items()
+            for side, on in sides.items() if on}
+    if not kept:
+        return ""
+    dtypes = list(result["keep_freed_memory"])
+    on, off = [], []
+    for side in names:
+        if not any(side in sides for sides in result["keep_freed_memory"].values()):
+            continue
+        with_it = [d for d in dtypes if (side, d) in kept]
+        if with_it:
+            on.append(names[side] + ("" if len(with_it) == len(dtypes) else " in " + " and ".join(with_it)))
+        if len(with_it) < len(dtypes):
+            without = [d for d in dtypes if (side, d) not in kept]
+            off.append(names[side] + ("" if not with_it else " in " + " and ".join(without)))
+    text = (f"\nAllocator: {' and '.join(on)} ran with runtime.keep_freed_memory (glibc malloc keeps freed "
+            "blocks for reuse instead of unmapping them; `logitlab train --compile` applies it on a CPU in "
+            "fp32, TrainConfig.keep_freed_memory \"auto\")")
+    if off:
+        listed = ", ".join(off[:-1]) + " and " + off[-1] if len(off) > 1 else off[0]
+        text += (f", {listed} with glibc's defaults, as their trainers leave them, under which "
                  "each step page-faults its large activations in again")
-        if not kept.get("peer"):
+        if not any(side == "peer" for side, _ in kept):
             text += " (`--peer-keep-freed-memory` gives transformers the setting too)"
     return "\n" + textwrap.fill(text.strip() + ".", 100, break_on_hyphens=False)
 

@@ -83,19 +83,30 @@ def test_model_bench_three_sides_and_memory_at_a_tiny_shape():
     assert "| micro | fp32 | 1 x 8 |" in text and "logitlab compiled MiB" in text
     assert "ceiling (transformers step / floor)" in text and "Kernel floor:" in text
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert result["keep_freed_memory"] == {"ours": False, "compiled": glibc, "peer": False}
-    assert ("logitlab eager and transformers with glibc's defaults" in text) == glibc
+    assert result["keep_freed_memory"] == {"fp32": {"ours": False, "compiled": glibc, "peer": False},
+                                           "bf16": {"ours": False, "compiled": False, "peer": False}}
+    flat = " ".join(text.split())
+    assert ("logitlab eager, logitlab compiled in bf16 and transformers with glibc's defaults" in flat) == glibc
 
 
 def test_model_bench_allocator_setting_is_the_trainers(monkeypatch):
     calls = []
     monkeypatch.setattr(model_bench.runtime, "keep_freed_memory", lambda: calls.append(1) or True)
-    assert not model_bench.set_allocator("ours", {}) and model_bench.set_allocator("compiled", {})
+    assert not model_bench.set_allocator("ours", {}) and model_bench.set_allocator("compiled", {"dtype": "fp32"})
+    assert not model_bench.set_allocator("compiled", {"dtype": "bf16"})          # as the trainer's "auto"
     assert not model_bench.set_allocator("peer", {"peer_keep_freed_memory": False}) and calls == [1]
     assert model_bench.set_allocator("peer", {"peer_keep_freed_memory": True}) and calls == [1, 1]
-    text = model_bench._allocator_text({"keep_freed_memory": {"ours": False, "compiled": True, "peer": True}})
-    assert "logitlab compiled and transformers ran with" in text and "logitlab eager with glibc's" in text
+    both = {"ours": False, "compiled": True, "peer": True}
+    text = model_bench._allocator_text({"keep_freed_memory": {"fp32": both, "bf16": both}})
+    flat = " ".join(text.split())
+    assert "logitlab compiled and transformers ran with" in flat and "logitlab eager with glibc's" in flat
     assert "--peer-keep-freed-memory" not in text
+    text = model_bench._allocator_text({"keep_freed_memory": {"fp32": {"ours": False, "compiled": True},
+                                                              "bf16": {"ours": False, "compiled": False}}})
+    flat = " ".join(text.split())
+    assert "logitlab compiled in fp32 ran with" in flat
+    assert "logitlab eager and logitlab compiled in bf16 with glibc's" in flat
+    assert model_bench._allocator_text({"keep_freed_memory": {"fp32": {"ours": False}}}) == ""
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])

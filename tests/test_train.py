@@ -370,12 +370,13 @@ def test_train_keeps_freed_memory_when_compiling_or_told_to(corpus, tmp_path, mo
 
     calls = []
     monkeypatch.setattr(runtime_mod, "keep_freed_memory", lambda: calls.append(1) or True)
-    for k, (keep, compiled, expected) in enumerate([("auto", False, 0), ("auto", True, 1), ("on", False, 1),
-                                                    ("off", True, 0)]):
+    for k, (keep, compiled, precision, expected) in enumerate(
+            [("auto", False, "fp32", 0), ("auto", True, "fp32", 1), ("auto", True, "bf16", 0),
+             ("on", False, "fp32", 1), ("on", True, "bf16", 1), ("off", True, "fp32", 0)]):
         calls.clear()
         train(tiny_model(), _cfg(corpus, tmp_path / f"k{k}", steps=1, warmup_steps=0, eval_every=0,
-                                 keep_freed_memory=keep, compile=compiled))
-        assert len(calls) == expected, (keep, compiled)
+                                 keep_freed_memory=keep, compile=compiled, precision=precision))
+        assert len(calls) == expected, (keep, compiled, precision)
     with pytest.raises(ValueError, match="keep_freed_memory must be 'auto', 'on' or 'off', got True"):
         TrainConfig(keep_freed_memory=True)
 
