@@ -137,9 +137,10 @@ def keep_freed_memory() -> bool:
     (12%) less with this. The cost is memory held rather than returned: freed blocks stay with the
     process, and torch's 64-byte-aligned allocations can leave a few freed blocks of a size unused
     until the allocator's small-chunk cache fills (a loop allocating one 64 MiB tensor grew by
-    eight such blocks before it reused them). GPT-2 small's compiled training step peaked 0-11%
-    higher with it, the eager step 12% (fp32) and 29% (bf16 autocast, whose casts of every size
-    fragment the heap), which is why `train` applies it by default only when compiling.
+    eight such blocks before it reused them). GPT-2 small's compiled float32 training step peaked
+    0-11% higher with it, the eager step 12% (fp32) and 29% (bf16 autocast, whose casts of every
+    size fragment the heap), the compiled bf16 step 27%, which is why `train` applies it by
+    default only to compiled float32 steps.
 
     Process-wide and not undone (glibc can set the thresholds but not report them). Nothing
     happens (False) where the C library is not glibc, or when MALLOC_MMAP_THRESHOLD_ or
