@@ -209,13 +209,21 @@ def peak_rss_mib(side: str, directory: str, dtype_name: str, B: int, prompt_len:
     return float(total), float(gen)
 
 
-def measure_memory(shape: str, dtype_name: str, directory: str, B: int, new: int, threads) -> dict:
-    mib = {side: peak_rss_mib(side, directory, dtype_name, B, 32, new, threads) for side in ("ours", "peer")}
-    out = dict(shape=shape, dtype=dtype_name, batch=B, ours_mib=mib["ours"][0], peer_mib=mib["peer"][0],
-               ours_gen_mib=mib["ours"][1], peer_gen_mib=mib["peer"][1])
-    print(f"{shape:12s} {dtype_name} B={B}: peak RSS load+generate {out['ours_mib']:.0f} vs "
-          f"{out['peer_mib']:.0f} MiB, generate alone {out['ours_gen_mib']:.0f} vs {out['peer_gen_mib']:.0f} MiB",
-          flush=True)
+def measure_memory(shape: str, dtype_name: str, directory: str, B: int, new: int, threads,
+                   compiled: bool = True) -> dict:
+    """Peak RSS of loading + generating and of generating alone for logitlab (eager, and
+    compiled unless compiled=False: the compiler's own memory and the compiled step's packed
+    weights included) and transformers, each in a fresh process."""
+    sides = ("ours", "compiled", "peer") if compiled else ("ours", "peer")
+    mib = {side: peak_rss_mib(side, directory, dtype_name, B, 32, new, threads) for side in sides}
+    out = dict(shape=shape, dtype=dtype_name, batch=B)
+    for side in sides:
+        out[f"{side}_mib"], out[f"{side}_gen_mib"] = mib[side]
+    line = (f"{shape:12s} {dtype_name} B={B}: peak RSS load+generate {out['ours_mib']:.0f} vs "
+            f"{out['peer_mib']:.0f} MiB, generate alone {out['ours_gen_mib']:.0f} vs {out['peer_gen_mib']:.0f} MiB")
+    if compiled:
+        line += f"; compiled {out['compiled_mib']:.0f} / {out['compiled_gen_mib']:.0f} MiB"
+    print(line, flush=True)
     return out
 
 
@@ -229,7 +237,8 @@ def memory_only(args, batches: list[int], new: int) -> int:
             with tempfile.TemporaryDirectory() as d:
                 torch.manual_seed(0)
                 save_pretrained(Transformer(SHAPES[shape]).eval(), d)
-                memory.append(measure_memory(shape, dtype_name, d, max(batches), new, args.threads))
+                memory.append(measure_memory(shape, dtype_name, d, max(batches), new, args.threads,
+                                             compiled=not args.no_compile))
     payload["memory"] = memory
     payload["memory_command"] = command_line()
     write_results("generate", payload)
@@ -249,15 +258,16 @@ def _peak_rss_child(spec: dict) -> int:
     g = torch.Generator().manual_seed(1)
     base = reset_peak_rss()
     with torch.no_grad():
-        if spec["side"] == "ours":
+        if spec["side"] in ("ours", "compiled"):
             model = load_pretrained(spec["directory"], dtype=dtype).eval()
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=dtype).eval()
         load_peak = rss_kib("VmHWM")
         loaded = reset_peak_rss()
         prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
-        if spec["side"] == "ours":
-            generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]))
+        if spec["side"] in ("ours", "compiled"):
+            generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]),
+                     compile=spec["side"] == "compiled")
         else:
             model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                            max_new_tokens=spec["new"], min_new_tokens=spec["new"], pad_token_id=0,
@@ -272,6 +282,18 @@ def _ratio(r: dict, key: str) -> str:
     if key not in r:
         return "-"
     return f"**{r[key]:.2f}x** ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})"
+
+
+def _memory_cells(m: dict, suffix: str) -> list[str]:
+    """eager, compiled, transformers MiB and the two ratios for one memory row ("-" where a
+    side was not measured)."""
+    peer = m.get("peer" + suffix)
+    cells, ratios = [], []
+    for side in ("ours", "compiled"):
+        mib = m.get(side + suffix)
+        cells.append("-" if mib is None else f"{mib:.0f}")
+        ratios.append("-" if mib is None or peer is None else f"{mib / max(peer, 1e-9):.2f}")
+    return [*cells, "-" if peer is None else f"{peer:.0f}", " / ".join(ratios)]
 
 
 def render(payload: dict) -> str:
@@ -304,16 +326,15 @@ def render(payload: dict) -> str:
     mem_table = ""
     if mem:
         mem_table = ("Peak resident memory, each side alone in a fresh process (same imports) loading the "
-                     "saved weights and generating the same tokens (eager): generating alone (peak above "
-                     "the RSS once the model is loaded: KV cache, activations, logits) and loading plus "
-                     "generating (peak above the RSS after the imports; loading is logitlab.hf's and "
-                     "transformers' loaders):\n\n") + markdown_table(
-            ["shape", "dtype", "B", "generate: logitlab MiB", "transformers MiB", "ratio",
-             "load + generate: logitlab MiB", "transformers MiB", "ratio"],
-            [[m["shape"], m["dtype"], m["batch"], *(
-                [f"{m['ours_gen_mib']:.0f}", f"{m['peer_gen_mib']:.0f}",
-                 f"{m['ours_gen_mib'] / max(m['peer_gen_mib'], 1e-9):.2f}"] if "ours_gen_mib" in m else ["-"] * 3),
-              f"{m['ours_mib']:.0f}", f"{m['peer_mib']:.0f}", f"{m['ours_mib'] / m['peer_mib']:.2f}"]
+                     "saved weights and generating the same tokens: generating alone (peak above the RSS "
+                     "once the model is loaded: KV cache, activations, logits, and for logitlab compiled "
+                     "the compiler's own memory and the compiled step's packed copy of the weights) and "
+                     "loading plus generating (peak above the RSS after the imports; loading is "
+                     "logitlab.hf's and transformers' loaders); ratios = logitlab eager / transformers "
+                     "and logitlab compiled / transformers:\n\n") + markdown_table(
+            ["shape", "dtype", "B", "generate: logitlab eager MiB", "compiled MiB", "transformers MiB",
+             "ratios", "load + generate: logitlab eager MiB", "compiled MiB", "transformers MiB", "ratios"],
+            [[m["shape"], m["dtype"], m["batch"], *_memory_cells(m, "_gen_mib"), *_memory_cells(m, "_mib")]
              for m in mem]) + "\n\n"
     return (f"Greedy generation with a KV cache, prompt 32 tokens, {payload['new_tokens']} new tokens per "
             f"row, transformers `generate` (eager) as the peer, same weights via `save_pretrained`. logitlab "
@@ -339,13 +360,15 @@ def render(payload: dict) -> str:
             "in fp32: large matrices, memory-bound), no implementation on those kernels can be much faster. "
             "Eager logitlab saves operations (one q/k/v and one gate/up product, q and k rotated together, "
             "one-call RMSNorm, the loop under torch.inference_mode); the compiled step removes most of "
-            "the rest (one graph, its kernels called from C++, the greedy argmax inside it), and for bf16 "
-            "weights it freezes them into the graph and prepacks them for the product inductor times "
-            "fastest per shape (its C++ GEMM template or oneDNN's), which is how compiled bf16 passes the "
-            "aten ceiling (the frozen graph holds a packed copy of each weight). A model whose weights fit in the "
-            "last-level cache (the small Llama, the tiny preset) can pass 100% of the DRAM bound. At batch 8 "
-            "the products have 8 rows and run far below the machine's matmul peak on this CPU (compare "
-            "the floor at batch 8 and at batch 1), for both sides. The prefill column includes the first token; both "
+            "the rest (one graph, its kernels called from C++, the greedy argmax inside it), and it freezes "
+            "the weights into the graph and prepacks them for the product inductor times fastest per "
+            "shape (its C++ GEMM template, oneDNN's or MKL's packed GEMM, or aten's), which is how a "
+            "compiled step can pass the aten ceiling (the frozen graph holds a packed copy of each "
+            "weight: the compiled memory columns). A model whose weights fit in the last-level cache "
+            "(the small Llama, the tiny preset) can pass 100% of the DRAM bound. At batch 8 aten's "
+            "products over unpacked weights run far below the bandwidth on this CPU (compare the floor "
+            "at batch 8 and at batch 1), for both sides; prepacked, GPT-2 small's take about half the "
+            "time. The prefill column includes the first token; both "
             "sides compute the LM head for the last prompt position only. In bf16 the sides round "
             "differently (the compiled step fuses elementwise work), so after some steps a near-tie "
             "between two tokens of the random "
@@ -393,7 +416,8 @@ def main(argv=None) -> int:
                 results += measure(shape, dtype_name, batches, 32, new, repeats, sides, bandwidth, d)
                 if not args.no_memory:
                     B = max(batches)
-                    memory.append(measure_memory(shape, dtype_name, d, B, new, args.threads))
+                    memory.append(measure_memory(shape, dtype_name, d, B, new, args.threads,
+                                                 compiled=not args.no_compile))
     payload = dict(machine=info, command=command_line(), repeats=repeats, new_tokens=new,
                    bandwidth_gbs=bandwidth, results=results, memory=memory)
     write_results("generate", payload)

@@ -140,27 +140,28 @@ def _guard_options() -> dict:
 
 
 def _compile_options(model) -> dict:
-    """Inductor options for the decode step of `model`, chosen by its device and dtype.
+    """Inductor options for the decode step of `model`, chosen by its device.
 
-    On a CPU a decode step is ~40 small kernels around the matrix-vector products, so
-    cpp_wrapper (the compiled graph calls its kernels from C++ rather than Python) saves
-    per-kernel overhead. With bf16/fp16 weights, freezing turns the weights into constants and
-    max_autotune lets inductor pick, per matrix shape, its own C++ GEMM template over prepacked
-    weights or aten's product, whichever it times faster (the tables it prints are switched
-    off): aten's bf16 matrix-vector product reads its weights more slowly per byte than the
-    fp32 one here. fp32 compiles without them: frozen fp32 small-Llama steps took 1.09x (B=1)
-    and 1.16x (B=8) the unfrozen step's time, 1.05x / 1.00x with max_autotune, and compile
-    2.5-8x longer (GPT-2 small 13 -> 106 s). Frozen weights are why
-    compiled steps are kept per model and rebuilt when a parameter changes
-    (`compiled_decode_step`). Guards on the model's modules are skipped (a decode step checks
-    ~10 per parameter): the per-model key stands in for them."""
-    device, dtype = _device_dtype(model)
+    On a CPU a decode step is ~40 small kernels around the matrix products, so cpp_wrapper (the
+    compiled graph calls its kernels from C++ rather than Python) saves per-kernel overhead, and
+    freezing turns the weights into graph constants, which max_autotune lets inductor prepack for
+    the product it times fastest per matrix shape (its C++ GEMM template, oneDNN's or MKL's
+    packed GEMM, or aten's; the tables it prints are switched off). On unpacked weights aten's
+    products with a few rows run far below the bandwidth (GPT-2 small's 8-row products: 93 ms per
+    step, 48-50 ms prepacked), and its bf16 matrix-vector product reads its weights more slowly
+    per byte than the fp32 one: frozen steps took 0.51x (GPT-2 small
+    fp32, B=8), 0.77x (small Llama fp32, B=8), 0.93x (GPT-2 small fp32, B=1) and 0.93-0.97x (tiny,
+    small Llama fp32, B=1) of the unfrozen step's time, bf16 ones 0.48-0.78x. The cost: a longer
+    first compile (tens of seconds) and a packed copy of each weight held while the compiled
+    step lives. Frozen weights are why compiled steps are kept per model and rebuilt when a
+    parameter changes (`compiled_decode_step`). Guards on the model's modules are skipped (a
+    decode step checks ~10 per parameter): the per-model key stands in for them."""
+    device, _ = _device_dtype(model)
     options = _guard_options()
     if device.type == "cpu":
-        options["cpp_wrapper"] = True
-        if dtype in (torch.bfloat16, torch.float16):
-            options.update(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
-                           autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
+        options.update(cpp_wrapper=True, freezing=True, max_autotune=True,
+                       max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0,
+                       max_autotune_report_choices_stats=False)
     return options
 
 
