@@ -212,3 +212,17 @@ def test_dispatcher_all_lists_every_part(monkeypatch):
     assert dispatcher.main(["all"]) == 0
     assert ran == list(dispatcher.NAMES)
     assert dispatcher.accepts("scaling", "--quick") and not dispatcher.accepts("roofline", "--nonsense")
+
+
+def test_generate_memory_table_has_the_compiled_side_where_measured():
+    from bench import generate as generate_bench
+
+    info = dict(nproc=2, cpu="cpu", torch="t", torch_threads=1, transformers="x", commit="c")
+    row = dict(shape="tiny", dtype="fp32", batch=8, ours_mib=100.0, compiled_mib=300.0, peer_mib=200.0,
+               ours_gen_mib=10.0, compiled_gen_mib=40.0, peer_gen_mib=20.0)
+    old = dict(shape="tiny", dtype="bf16", batch=8, ours_mib=50.0, peer_mib=200.0,
+               ours_gen_mib=5.0, peer_gen_mib=20.0)          # a run without the compiled side
+    text = generate_bench.render(dict(machine=info, command="cmd", repeats=1, new_tokens=4,
+                                      bandwidth_gbs=10.0, results=[], memory=[row, old]))
+    assert "| tiny | fp32 | 8 | 10 | 40 | 20 | 0.50 / 2.00 | 100 | 300 | 200 | 0.50 / 1.50 |" in text
+    assert "| tiny | bf16 | 8 | 5 | - | 20 | 0.25 / - | 50 | - | 200 | 0.25 / - |" in text
