@@ -149,13 +149,13 @@ def _compile_options(model) -> dict:
     packed GEMM, or aten's; the tables it prints are switched off). On unpacked weights aten's
     products with a few rows run far below the bandwidth (GPT-2 small's 8-row products: 93 ms per
     step, 48-50 ms prepacked), and its bf16 matrix-vector product reads its weights more slowly
-    per byte than the fp32 one: frozen steps took 0.51x (GPT-2 small
-    fp32, B=8), 0.77x (small Llama fp32, B=8), 0.93x (GPT-2 small fp32, B=1) and 0.93-0.97x (tiny,
-    small Llama fp32, B=1) of the unfrozen step's time, bf16 ones 0.48-0.78x. The cost: a longer
-    first compile (tens of seconds) and a packed copy of each weight held while the compiled
-    step lives. Frozen weights are why compiled steps are kept per model and rebuilt when a
-    parameter changes (`compiled_decode_step`). Guards on the model's modules are skipped (a
-    decode step checks ~10 per parameter): the per-model key stands in for them."""
+    per byte than the fp32 one: frozen steps took 0.51x (GPT-2 small fp32, B=8), 0.77x (small
+    Llama fp32, B=8), 0.93x (GPT-2 small fp32, B=1) and 0.93-0.97x (tiny, small Llama fp32, B=1)
+    of the unfrozen step's time, bf16 ones 0.48-0.78x. The cost: a longer first compile (tens of
+    seconds) and a packed copy of each weight held while the compiled step lives. Frozen weights
+    are why compiled steps are kept per model and rebuilt when a parameter changes
+    (`compiled_decode_step`). Guards on the model's modules are skipped (a decode step checks ~10
+    per parameter): the per-model key stands in for them."""
     device, _ = _device_dtype(model)
     options = _guard_options()
     if device.type == "cpu":
