@@ -1,76 +1,26 @@
-"""Checkpoint directories on disk: atomic writes, logitlab's own model directory, run checkpoints.
+"""Model and run-checkpoint directories on disk: logitlab's own model directory, the run
+checkpoints of training, loading a model for inference, exporting a run to Hugging Face.
 
-checkpoint.py owns how a directory appears on disk all at once or not at all: everything is
-written into a temporary sibling directory, flushed, then renamed into place, so a kill at any
-instant leaves either the previous checkpoint or the new one, never half of one. It also owns
-the run checkpoints of training (RUN/ckpt-NNNNNN/: model, optimizer, RNG, data position,
-configs, tokenizer, metrics), finding the latest / best one, loading a model for inference from
-any of these directories, and exporting a run to a Hugging Face directory with its tokenizer.
-The Hugging Face weight/config conversion itself lives in hf.py (same atomic rule).
-"""
+checkpoint.py owns the run checkpoints (RUN/ckpt-NNNNNN/: model, optimizer, RNG, data position,
+configs, tokenizer, metrics), finding the latest / best one, pruning old ones (renamed first,
+then deleted, so no loader ever sees half of one), loading a model for inference from any of
+these directories, and exporting a run to a Hugging Face directory with its tokenizer. Every
+directory appears at once or not at all, and only where nothing we did not write is replaced
+(files.atomic_directory). A checkpoint never holds NaN or inf weights (check_finite). The Hugging
+Face weight/config conversion itself lives in hf.py (same rules)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import tempfile
+import time
 from pathlib import Path
-from typing import Iterator
 
+from logitlab.files import DiskFullError, atomic_directory, atomic_write_text, fsync_dir, writing  # noqa: F401
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary directory beside `target`; on success rename it to `target`.
-
-    On any exception the temporary directory is removed and `target` is untouched. When
-    `target` exists and `overwrite` is true, it is moved aside first and deleted only after
-    the new directory is in place."""
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        for root, _dirs, files in os.walk(tmp):
-            for name in files:
-                with open(os.path.join(root, name), "rb+") as f:
-                    os.fsync(f.fileno())
-        old = None
-        if target.exists():
-            # Named after the unique temporary directory, so concurrent writers (threads of one
-            # process included) never move their old copies to the same place.
-            old = target.parent / tmp.name.replace(".tmp-", ".old-", 1)
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(target, old)
-        try:
-            os.replace(tmp, target)
-        except BaseException:
-            if old is not None:  # put the previous directory back: target stays untouched
-                os.replace(old, target)
-            raise
-        _fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+# kept importable from here: atomic_directory moved to files.py with the other file primitives
+_fsync_dir = fsync_dir
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,15 +36,32 @@ TOKENIZER_FILE = "tokenizer.logitlab.json"
 
 
 def is_logitlab_dir(path: str | os.PathLike) -> bool:
-    import json
-
+    """True when path/config.json is a logitlab model config ("format": "logitlab"); False when
+    there is none or it is another's (a Hugging Face config). A config.json that is not a JSON
+    object is a ValueError naming the file (with the line and column of a syntax error)."""
     cfg = Path(path) / CONFIG_FILE
     if not cfg.is_file():
         return False
-    try:
-        return json.loads(cfg.read_text()).get("format") == MODEL_FORMAT
-    except (ValueError, AttributeError):
-        return False
+    return read_json_object(cfg, "config file").get("format") == MODEL_FORMAT
+
+
+def read_json_object(path: str | os.PathLike, what: str = "JSON file") -> dict:
+    """The JSON object in `path` (files.read_json); ValueError naming the file when it is not
+    valid JSON (line and column) or holds something other than an object at the top level."""
+    from logitlab.files import read_json
+
+    value = read_json(path, what)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object {{...}} at the top level, got {_shown(value)}")
+    return value
+
+
+def _shown(value) -> str:
+    """A value read from JSON, as JSON, cut short."""
+    import json
+
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def write_model_files(model, directory: str | os.PathLike, state: dict | None = None) -> None:
@@ -116,40 +83,123 @@ def write_model_files(model, directory: str | os.PathLike, state: dict | None = 
     (directory / CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def save_model(model, directory: str | os.PathLike) -> Path:
-    """Atomically write a logitlab model directory (config.json + model.safetensors)."""
-    with atomic_directory(directory) as tmp:
+MODEL_KIND = "logitlab model"
+_MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.logitlab.json"}
+
+
+def model_dir_entries(directory: str | os.PathLike) -> set[str] | None:
+    """A logitlab model directory from before output markers (config.json with our format and
+    nothing but our files) counts as ours: its entries; otherwise None."""
+    directory = Path(directory)
+    if not directory.is_dir() or not is_logitlab_dir(directory):
+        return None
+    present = set(os.listdir(directory))
+    return present if present <= _MODEL_FILES else None
+
+
+def save_model(model, directory: str | os.PathLike, *, overwrite: bool = False,
+               source: str | os.PathLike | None = None) -> Path:
+    """Atomically write a logitlab model directory (config.json + model.safetensors).
+
+    `directory` must be new or empty, or (with overwrite=True) a model directory logitlab wrote;
+    files there that logitlab did not write are kept (files.atomic_directory)."""
+    with atomic_directory(directory, MODEL_KIND, overwrite=overwrite, source=source,
+                          legacy=model_dir_entries(directory)) as tmp:
         write_model_files(model, tmp)
     return Path(directory)
 
 
 def read_model_config(directory: str | os.PathLike):
-    import json
-
+    """The ModelConfig of a logitlab model directory; anything wrong with its config.json (not
+    JSON, another format, a field of the wrong type or out of range) is a ValueError naming it."""
     from logitlab.model import ModelConfig
 
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}")
-    try:
-        payload = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    payload = read_json_object(path, "config file")
     if payload.get("format") != MODEL_FORMAT or "model" not in payload:
         raise ValueError(f"{path} is not a logitlab model config (expected \"format\": \"{MODEL_FORMAT}\")")
-    return ModelConfig.from_dict(payload["model"])
-
-
-def open_safetensors(path):
-    """safetensors.safe_open for reading tensors one at a time on the CPU: with pread(2) into
-    fresh tensors where safetensors has that backend (no pages of the file stay mapped while
-    others are read), memory-mapped otherwise (unmapped when closed)."""
-    from safetensors import safe_open
-
+    if not isinstance(payload["model"], dict):
+        raise ValueError(f'{path}: "model" must be an object of ModelConfig fields, got {_shown(payload["model"])}')
     try:
-        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
-    except TypeError:
-        return safe_open(str(path), framework="pt", device="cpu")
+        return ModelConfig.from_dict(payload["model"])
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def open_safetensors(path) -> "SafetensorsFile":
+    """A safetensors file open for reading tensors one at a time on the CPU: with pread(2) into
+    fresh tensors where safetensors has that backend (no pages of the file stay mapped while
+    others are read), memory-mapped otherwise (unmapped when closed). A file that is empty,
+    truncated, has bytes past its data or a bad header is a ValueError naming it."""
+    return SafetensorsFile(path)
+
+
+class SafetensorsFile:
+    """safetensors.safe_open (a context manager with keys(), get_slice(key).get_shape(),
+    get_tensor(key), metadata()) whose errors name the file: ValueError "PATH: not a valid
+    safetensors file (reason)" instead of a SafetensorError."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        try:
+            try:
+                self._file = safe_open(str(path), framework="pt", device="cpu", backend="pread")
+            except TypeError:  # a safetensors release without the pread backend: memory-mapped
+                self._file = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise _invalid_safetensors(self.path, exc) from exc
+
+    def __enter__(self) -> "SafetensorsFile":
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self._read(self._file.keys)
+
+    def metadata(self) -> dict | None:
+        return self._read(self._file.metadata)
+
+    def get_slice(self, key: str):
+        return self._read(self._file.get_slice, key)
+
+    def get_tensor(self, key: str):
+        return self._read(self._file.get_tensor, key)
+
+    def _read(self, fn, *args):
+        from safetensors import SafetensorError
+
+        try:
+            return fn(*args)
+        except SafetensorError as exc:
+            raise _invalid_safetensors(self.path, exc) from exc
+
+
+def _invalid_safetensors(path: Path, exc: Exception) -> ValueError:
+    reason = str(exc).removeprefix("Error while deserializing header: ")
+    return ValueError(f"{path}: not a valid safetensors file ({reason}); it may be truncated or corrupt: "
+                      "write or download it again")
+
+
+def require_finite(path: str | os.PathLike, key: str, tensor) -> None:
+    """ValueError naming the file and the key when the floating tensor `key` read from `path`
+    holds NaN or inf: a model loaded with one computes NaN logits. One pass per tensor and no
+    temporary as large as it: min and max propagate NaN, so both are finite exactly when every
+    element is (isfinite(t).all() would allocate a mask per tensor, raising the peak of a load)."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    values = tensor if tensor.dtype.itemsize > 1 else tensor.to(torch.float16)  # fp8 has no aminmax
+    lo, hi = torch.aminmax(values)
+    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        raise ValueError(f"{path}: tensor {key} holds {int((~torch.isfinite(values)).sum())} NaN / inf values")
 
 
 def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
@@ -158,7 +208,7 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
     the offending key. Tensors are read one at a time and cast to `dtype` / moved to `device`
     as they arrive, so the peak is the final model plus one tensor in flight. A directory written
     before q/k/v and gate/up became one projection each is read whole and upgraded first
-    (upgrade_legacy_state)."""
+    (upgrade_legacy_state). A floating tensor that holds NaN or inf is refused, naming its key."""
     import torch
 
     from logitlab.model import Transformer
@@ -191,6 +241,7 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
         state = {}
         for key in expected:  # each tensor cast as it arrives: only the final model is kept
             tensor = legacy.pop(key) if legacy is not None else f.get_tensor(key)
+            require_finite(weights, key, tensor)
             state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
             del tensor
         model.load_state_dict(state, strict=False, assign=True)
@@ -273,18 +324,25 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint with the highest step, or None when the run has none."""
+    """The checkpoint with the highest step, or None when the run has none. Incomplete
+    `ckpt-*` directories (no state.json) are skipped with a warning naming them."""
     ckpts = list_checkpoints(run_dir)
+    newest = ckpts[-1].name if ckpts else ""
+    skipped = [p.name for p in incomplete_checkpoints(run_dir) if p.name > newest]
+    if skipped:
+        import warnings
+
+        warnings.warn(f"{run_dir}: skipped incomplete checkpoint(s) {', '.join(skipped)} (no {STATE_FILE}; "
+                      f"a save or a deletion was interrupted); using {ckpts[-1] if ckpts else 'none'}",
+                      stacklevel=2)
     return ckpts[-1] if ckpts else None
 
 
 def read_state(ckpt: str | os.PathLike) -> dict:
-    import json
-
     path = Path(ckpt) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {STATE_FILE} in {ckpt}: not a run checkpoint")
-    return json.loads(path.read_text())
+    return read_json_object(path, "checkpoint state file")
 
 
 def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -309,36 +367,98 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None
     from several ranks)."""
     import json
 
-    import torch
 
     target = checkpoint_dir(run_dir, step)
-    with atomic_directory(target) as tmp:
-        write_model_files(model, tmp, model_state)
+    weights = model_state if model_state is not None else model.state_dict()
+    check_finite(weights, f"the model at step {step}")   # a checkpoint never holds NaN or inf weights
+    # a directory named ckpt-NNNNNN holding state.json is ours as a whole (a re-save of that step)
+    mine = set(os.listdir(target)) if (target / STATE_FILE).is_file() else None
+    with atomic_directory(target, "checkpoint", overwrite=True, legacy=mine, marker=False) as tmp:
+        with writing(tmp / WEIGHTS_FILE):
+            write_model_files(model, tmp, weights)
         if tokenizer is not None:
-            tokenizer.save(tmp / TOKENIZER_FILE)
+            with writing(tmp / TOKENIZER_FILE):
+                tokenizer.save(tmp / TOKENIZER_FILE)
         if optimizer_state is None and optimizer is not None:
             optimizer_state = optimizer.state_dict()
         if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+            _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
         if rng is not None:
-            torch.save(rng, tmp / RNG_FILE)
-        payload = dict(state or {}, step=int(step))
-        (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+            _torch_save(rng, tmp / RNG_FILE)
         if metrics is not None:
-            (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+            with writing(tmp / METRICS_FILE):
+                (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        payload = dict(state or {}, step=int(step))
+        with writing(tmp / STATE_FILE):  # last: a directory with state.json is complete
+            (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
     if keep_last is not None:
         prune_checkpoints(run_dir, keep_last)
     return target
 
 
+def _torch_save(obj, path: Path) -> None:
+    """torch.save into a file we open and close ourselves: on a write error (a full disk) torch's
+    zip writer leaves the descriptor it opened behind, which would hold the deleted file's space
+    until the process exits."""
+    import torch
+
+    with writing(path), open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def check_finite(state: dict, what: str) -> None:
+    """Raise NonFiniteError naming the first tensors of `state` that hold NaN or inf."""
+    import torch
+
+    bad = []
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad.append(f"{key} ({int((~torch.isfinite(tensor)).sum())} non-finite)")
+    if bad:
+        raise NonFiniteError(f"{what} holds NaN or inf values: {', '.join(bad[:3])}"
+                             f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}; it was not saved")
+
+
+class NonFiniteError(ValueError):
+    """Weights that hold NaN or inf: never written as a checkpoint."""
+
+
+_DELETED = ".del-"
+
+
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete half-written checkpoint directories (`.ckpt-*.tmp-*`, `.ckpt-*.old-*`) that a killed
-    process left behind; call only when no other process writes into run_dir."""
+    """Delete what a killed process left of checkpoint writes and deletions: temporary and
+    moved-aside copies (`.ckpt-*.tmp-*`, `.ckpt-*.old-*`), checkpoints renamed for deletion
+    (`.ckpt-*.del-*`) and `ckpt-*` directories without state.json (incomplete: state.json is
+    written last). Call only while holding the run's lock (files.RunLock)."""
     run_dir = Path(run_dir)
-    stale = [p for p in run_dir.glob(f".{CKPT_PREFIX}*") if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name)]
+    if not run_dir.is_dir():
+        return []
+    stale = [p for p in run_dir.glob(f".{CKPT_PREFIX}*")
+             if p.is_dir() and any(tag in p.name for tag in (".tmp-", ".old-", _DELETED))]
+    stale += incomplete_checkpoints(run_dir)
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
+
+
+def incomplete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """`ckpt-NNNNNN` directories without state.json: never loaded, and removed at a resume."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if p.is_dir() and re.fullmatch(rf"{CKPT_PREFIX}\d+", p.name)
+                  and not (p / STATE_FILE).is_file())
+
+
+def delete_checkpoint(ckpt: str | os.PathLike) -> None:
+    """Remove a checkpoint: renamed first (one atomic step, after which no loader sees it), then
+    deleted; a kill in between leaves a `.ckpt-*.del-*` that the next start removes."""
+    ckpt = Path(ckpt)
+    doomed = ckpt.parent / f".{ckpt.name}{_DELETED}{os.getpid()}-{time.monotonic_ns()}"
+    os.replace(ckpt, doomed)
+    fsync_dir(ckpt.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
@@ -351,7 +471,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
         keep.add(best)
     removed = [p for p in ckpts if p not in keep]
     for p in removed:
-        shutil.rmtree(p, ignore_errors=True)
+        delete_checkpoint(p)
     return removed
 
 
@@ -359,10 +479,6 @@ def load_checkpoint(ckpt: str | os.PathLike, model=None, optimizer=None) -> dict
     """Read a run checkpoint. Loads the weights into `model` in place (exact copies) and the
     optimizer state into `optimizer` when given. Returns {"state", "rng", "metrics", "path"}.
     Nothing is unpickled: safetensors, JSON and torch.load(weights_only=True)."""
-    import json
-
-    import torch
-
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     if model is not None:
@@ -374,21 +490,69 @@ def load_checkpoint(ckpt: str | os.PathLike, model=None, optimizer=None) -> dict
             raise ValueError(f"{ckpt / WEIGHTS_FILE} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     if optimizer is not None:
-        optimizer.load_state_dict(load_optimizer_state(ckpt))
-    rng = torch.load(ckpt / RNG_FILE, weights_only=True) if (ckpt / RNG_FILE).is_file() else None
-    metrics = []
-    if (ckpt / METRICS_FILE).is_file():
-        metrics = [json.loads(line) for line in (ckpt / METRICS_FILE).read_text().splitlines() if line]
+        opt_state = load_optimizer_state(ckpt)
+        try:
+            optimizer.load_state_dict(opt_state)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"{ckpt / OPTIMIZER_FILE} does not match the optimizer: {exc}") from exc
+    rng = load_torch_file(ckpt / RNG_FILE) if (ckpt / RNG_FILE).is_file() else None
+    metrics = _read_jsonl(ckpt / METRICS_FILE) if (ckpt / METRICS_FILE).is_file() else []
     return {"state": state, "rng": rng, "metrics": metrics, "path": ckpt}
+
+
+def _read_jsonl(path: Path) -> list:
+    import json
+
+    records = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {n} is not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    return records
+
+
+def load_torch_file(path: str | os.PathLike, mmap: bool = False):
+    """torch.load(weights_only=True) onto the CPU: tensors and plain containers only, so no code in
+    the file ever runs. A pickle that would call code is refused with a ValueError naming the file
+    (and what it calls); a file that is empty, truncated or not torch's is a ValueError naming it."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found:
+            raise ValueError(f"refusing to unpickle code in {path} (only tensors and plain containers are "
+                             f"loaded; it calls {found.group(1)})") from exc
+        raise ValueError(f"{path}: not a readable torch file ({_torch_reason(exc)})") from exc
+    except (RuntimeError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable torch file ({_torch_reason(exc)}); it may be truncated "
+                         "or corrupt") from exc
+
+
+def _torch_reason(exc: Exception) -> str:
+    """One line of torch.load's many: the unpickler's complaint, or the first sentence."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for here, after in zip(lines, lines[1:]):
+        if here.endswith("WeightsUnpickler error:"):
+            return after
+    return lines[0].split(". ")[0] if lines else f"{type(exc).__name__}: the file ends early"
 
 
 def load_model_state(ckpt: str | os.PathLike) -> dict:
     """The checkpoint's weights as a state dict (CPU tensors; a tied head stored once), for an
     exact resume. A checkpoint from before the fused q/k/v and gate/up projections is refused by
     name: its optimizer state is laid out per separate projection, so it cannot resume exactly."""
-    from safetensors.torch import load_file
-
-    state = load_file(str(Path(ckpt) / WEIGHTS_FILE), device="cpu")
+    path = Path(ckpt) / WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {ckpt}")
+    with open_safetensors(path) as f:
+        state = {key: f.get_tensor(key) for key in f.keys()}
     if any(_LEGACY_KEY.search(key) for key in state):
         raise ValueError(f"{ckpt} was written before q/k/v and gate/up became one projection each: "
                          f"its optimizer state cannot resume this model exactly. Its weights still load "
@@ -397,13 +561,11 @@ def load_model_state(ckpt: str | os.PathLike) -> dict:
 
 
 def load_optimizer_state(ckpt: str | os.PathLike) -> dict:
-    """The checkpoint's optimizer state_dict (torch.load with weights_only=True)."""
-    import torch
-
+    """The checkpoint's optimizer state_dict (load_torch_file: tensors and plain containers only)."""
     path = Path(ckpt) / OPTIMIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {OPTIMIZER_FILE} in {ckpt}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_torch_file(path)
 
 
 def resolve_model_dir(path: str | os.PathLike, which: str = "latest") -> Path:
@@ -440,10 +602,14 @@ def load_for_inference(path: str | os.PathLike, which: str = "latest", device: s
     return model, tokenizer
 
 
-def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str = "latest") -> Path:
+def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str = "latest", *,
+              overwrite: bool = False) -> Path:
     """Model + tokenizer.json, tokenizer_config.json, special_tokens_map.json (hf.save_pretrained),
-    so transformers' AutoModelForCausalLM and AutoTokenizer load the directory."""
+    so transformers' AutoModelForCausalLM and AutoTokenizer load the directory. `out_dir` must be
+    new or empty (it may lie inside the run), or with overwrite=True an export logitlab wrote."""
     from logitlab import hf
+    from logitlab.files import check_output_dir
 
+    check_output_dir(out_dir, hf.HF_KIND, overwrite=overwrite, source=run_dir)  # before loading anything
     model, tokenizer = load_for_inference(run_dir, which)
-    return hf.save_pretrained(model, out_dir, tokenizer)
+    return hf.save_pretrained(model, out_dir, tokenizer, overwrite=overwrite, source=run_dir)

@@ -169,6 +169,21 @@ def build_config(cls: type, args: argparse.Namespace | None = None,
 # main
 # --------------------------------------------------------------------------------------------
 
+def _error_text(exc: BaseException) -> str:
+    """One line for a user: the message, with an OSError's file named ('permission denied: PATH')."""
+    from rich.markup import escape
+
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        text = f"{exc.strerror}: {exc.filename}"          # not "[Errno 13] Permission denied: '...'"
+    elif isinstance(exc, OSError) and exc.strerror:
+        text = str(exc.strerror)
+    elif isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    else:
+        text = str(exc)
+    return escape(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
@@ -192,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         error_console().print("[yellow]interrupted[/yellow]")
         return 130
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:
         if getattr(args, "debug", False):
             raise
-        error_console().print(f"[bold red]error:[/bold red] {exc}")
+        # soft_wrap: one line however long, for a terminal to wrap and for grep to find
+        error_console().print(f"[bold red]error:[/bold red] {_error_text(exc)}", soft_wrap=True)
         return 2
     return int(result or 0)

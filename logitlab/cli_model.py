@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     src.add_argument("--hf", metavar="DIR", help="Hugging Face directory to import")
     src.add_argument("--to-hf", metavar="DIR", help="logitlab directory to export")
     c.add_argument("--out", metavar="DIR", help="directory to write (required with --to-hf)")
+    c.add_argument("--overwrite", action="store_true", help="replace an --out directory that logitlab "
+                   "wrote before (only its own files; anything else there is kept). Without it --out must "
+                   "be new or empty")
     c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
                    "largest difference per layer and of the logits; exit 1 above tolerance")
     add_dtype_flag(c)
@@ -68,15 +71,18 @@ def resolve_config(target: str):
     if not path.is_file():
         raise FileNotFoundError(f"{target!r} is neither a preset ({', '.join(families.PRESETS)}) "
                                 "nor a config file or model directory")
+    data = checkpoint.read_json_object(path, "config file")
     try:
-        data = json.loads(path.read_text())
+        if data.get("format") == checkpoint.MODEL_FORMAT:
+            return checkpoint.read_model_config(path.parent) if path.name == "config.json" else \
+                ModelConfig.from_dict(data.get("model"))
+        if "architectures" in data or "model_type" in data:
+            return families.config_from_hf(data, source=str(path))
+        return ModelConfig.from_dict(data)
     except ValueError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    if data.get("format") == checkpoint.MODEL_FORMAT:
-        return ModelConfig.from_dict(data["model"])
-    if "architectures" in data or "model_type" in data:
-        return families.config_from_hf(data)
-    return ModelConfig.from_dict(data)
+        if str(path) in str(exc):
+            raise
+        raise ValueError(f"{path}: {exc}") from exc
 
 
 def params_report(config, batch: int = 1, context: int | None = None, dtype: str = "bf16",
@@ -207,25 +213,31 @@ def _hf_tokenizer(directory: Path):
 
 
 def _convert(args) -> int:
-    from logitlab import checkpoint, hf
+    from logitlab import checkpoint, files, hf
     from logitlab.cli import console
 
     out = console()
     if args.to_hf:
         if not args.out:
             raise ValueError("--to-hf needs --out DIR (the Hugging Face directory to write)")
+        files.check_output_dir(args.out, hf.HF_KIND, overwrite=args.overwrite, source=args.to_hf)
         model, tokenizer = checkpoint.load_for_inference(args.to_hf,    # model dir, checkpoint or run
                                                          dtype=hf.parse_dtype(args.dtype))
-        hf.save_pretrained(model, args.out, tokenizer=tokenizer)
+        hf.save_pretrained(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, source=args.to_hf)
         arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
         out.print(f"wrote Hugging Face directory {args.out} ({arch}"
                   f"{', tokenizer.json' if tokenizer is not None else ''})")
         reference = args.out
     else:
+        legacy = checkpoint.model_dir_entries(args.out) if args.out else None
+        if args.out:  # refused before the (possibly large) model is read
+            files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=args.hf,
+                                   legacy=legacy)
         model = hf.load_pretrained(args.hf, dtype=args.dtype)
         if args.out:
             tokenizer = _hf_tokenizer(Path(args.hf))
-            with checkpoint.atomic_directory(args.out) as tmp:
+            with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
+                                        source=args.hf, legacy=legacy) as tmp:
                 checkpoint.write_model_files(model, tmp)
                 if tokenizer is not None:
                     tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)

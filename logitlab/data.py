@@ -19,8 +19,10 @@ data.py owns three steps of the path "text -> ids":
    global batch, so the global batch does not depend on the number of ranks. `eval_windows` is
    the sequential pass used for validation: the same tokens every time.
 
-It imports nothing from logitlab; the tokenizer is passed in (anything with encode_ordinary or
-encode, eot_id, vocab_size, fingerprint, save/load).
+It imports nothing from logitlab but the file primitives (files.py); the tokenizer is passed in
+(anything with encode_ordinary or encode, eot_id, vocab_size, fingerprint, save/load). A token
+directory appears whole or not at all, and the token files are checked against the manifest
+(their sizes) before they are read.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+
+from logitlab import files
 
 MANIFEST_FILE = "manifest.json"
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
@@ -215,44 +219,62 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
     if eot is None:
         raise ValueError("the tokenizer has no <|endoftext|> special token; documents need a separator")
     default = not sources
-    files = default_corpus_files() if default else resolve_sources(sources)
+    files_ = default_corpus_files() if default else resolve_sources(sources)
     if default and max_bytes is not None:
-        files = spread_files(files, max_bytes)
+        files_ = spread_files(files_, max_bytes)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_FILE).unlink(missing_ok=True)  # the old manifest must not describe new files
+    # the whole directory appears at once (files.atomic_directory): an earlier token directory of
+    # ours is replaced, anything else there is kept, and a directory we did not write is refused
+    with files.atomic_directory(out, TOKENS_KIND, overwrite=True, legacy=_legacy_token_dir(out)) as tmp:
+        manifest = _write_tokens(files_, default, sources, tokenizer, tmp, val_fraction, workers, text_field,
+                                 column, max_bytes, progress)
+    return manifest
+
+
+TOKENS_KIND = "token data"
+
+
+def _legacy_token_dir(out: Path) -> set[str] | None:
+    """A token directory written before output markers: its manifest says so."""
+    try:
+        manifest = json.loads((out / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != "logitlab-tokens":
+        return None
+    names = {MANIFEST_FILE, "tokenizer.logitlab.json", *SPLIT_FILES.values()}
+    return names & set(os.listdir(out))
+
+
+def _write_tokens(files_list, default, sources, tokenizer, out: Path, val_fraction, workers, text_field, column,
+                  max_bytes, progress) -> dict:
+    eot = tokenizer.eot_id
     tok_path = out / "tokenizer.logitlab.json"
     tokenizer.save(tok_path)
     dtype = token_dtype(tokenizer.vocab_size)
-    docs = iter_documents(files, text_field, column, skip_undecodable=default)
+    docs = iter_documents(files_list, text_field, column, skip_undecodable=default)
     if max_bytes is not None:
         docs = limit_chars(docs, max_bytes)
     tasks = ((chunk, eot, dtype.str) for chunk in _chunks(docs))
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
     counts = {s: {"documents": 0, "tokens": 0} for s in SPLIT_FILES}
-    tmp = {s: out / (SPLIT_FILES[s] + ".tmp") for s in SPLIT_FILES}
-    handles = {s: tmp[s].open("wb") for s in SPLIT_FILES}
+    handles = {s: (out / SPLIT_FILES[s]).open("wb") for s in SPLIT_FILES}  # `out` is still temporary
     k = 0
     try:
         for chunk in _map_chunks(tasks, tokenizer, workers):
             for ids in chunk:
                 split = "val" if is_validation(k, val_fraction) else "train"
-                handles[split].write(ids.tobytes())
+                with files.writing(out / SPLIT_FILES[split]):
+                    handles[split].write(ids.tobytes())
                 counts[split]["documents"] += 1
                 counts[split]["tokens"] += int(ids.size)
                 k += 1
             if progress is not None:
                 progress(k, sum(c["tokens"] for c in counts.values()))
-    except BaseException:
-        for s in SPLIT_FILES:  # an interrupted run leaves no partial token files behind
-            handles[s].close()
-            tmp[s].unlink(missing_ok=True)
-        raise
     finally:
-        for h in handles.values():
-            h.close()
-    for s in SPLIT_FILES:
-        os.replace(tmp[s], out / SPLIT_FILES[s])
+        for s, h in handles.items():
+            with files.writing(out / SPLIT_FILES[s]):
+                h.close()
     if counts["train"]["tokens"] == 0:
         raise ValueError(f"no training tokens: the sources hold {k} document(s)")
     manifest = {
@@ -261,12 +283,10 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
         "vocab_size": int(tokenizer.vocab_size), "eot_id": int(eot), "dtype": dtype.name,
         "val_fraction": val_fraction, "val_rule": "document k is validation iff floor((k+1)*f) > floor(k*f)",
         "sources": ["<python stdlib>"] if default else [str(s) for s in sources],
-        "files": len(files), "documents": k,
+        "files": len(files_list), "documents": k,
         "splits": {s: dict(file=SPLIT_FILES[s], **counts[s]) for s in SPLIT_FILES},
     }
-    tmp_manifest = out / (MANIFEST_FILE + ".tmp")
-    tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp_manifest, out / MANIFEST_FILE)
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -302,10 +322,24 @@ def _map_chunks(tasks, tokenizer, workers: int) -> Iterator[list[np.ndarray]]:
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict:
+    """The token directory's manifest.json, checked for the fields the readers use."""
     path = Path(data_dir) / MANIFEST_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {MANIFEST_FILE} in {data_dir} (run `logitlab prepare` first)")
-    return json.loads(path.read_text())
+    manifest = files.read_json(path, "token manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != "logitlab-tokens":
+        raise ValueError(f"{path} is not a logitlab token manifest (expected \"format\": \"logitlab-tokens\")")
+    splits = manifest.get("splits")
+    try:
+        np.dtype(manifest["dtype"])
+        ok = isinstance(manifest["vocab_size"], int) and isinstance(splits, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("file"), str) and isinstance(v.get("tokens"), int)
+            for v in splits.values())
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path}: malformed manifest (needs dtype, vocab_size and splits with file and tokens)")
+    return manifest
 
 
 def load_tokens(data_dir: str | os.PathLike, split: str) -> np.memmap:
@@ -315,9 +349,18 @@ def load_tokens(data_dir: str | os.PathLike, split: str) -> np.memmap:
         raise ValueError(f"unknown split {split!r}; have {sorted(manifest['splits'])}")
     info = manifest["splits"][split]
     path = Path(data_dir) / info["file"]
+    dtype = np.dtype(manifest["dtype"])
+    expected = int(info["tokens"]) * dtype.itemsize
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing ({Path(data_dir) / MANIFEST_FILE} lists it)")
+    size = path.stat().st_size
+    if size != expected:
+        raise ValueError(f"{path} holds {size:,} bytes, but {Path(data_dir) / MANIFEST_FILE} says "
+                         f"{int(info['tokens']):,} {dtype.name} tokens = {expected:,} bytes: the file is "
+                         f"truncated or was replaced; prepare the data again")
     if info["tokens"] == 0:
-        return np.zeros(0, dtype=manifest["dtype"])  # an empty split cannot be memory-mapped
-    return np.memmap(path, dtype=manifest["dtype"], mode="r", shape=(info["tokens"],))
+        return np.zeros(0, dtype=dtype)  # an empty split cannot be memory-mapped
+    return np.memmap(path, dtype=dtype, mode="r", shape=(info["tokens"],))
 
 
 # --------------------------------------------------------------------------------------------

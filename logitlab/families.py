@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from logitlab.model import ModelConfig, RopeScaling
+from logitlab.model import ModelConfig, RopeScaling, conform
 
 # --------------------------------------------------------------------------------------------
 # Presets (published hyper-parameters; vocabulary never padded so shapes match the checkpoints)
@@ -108,9 +108,9 @@ def _architecture(hf: dict) -> str:
     return arch
 
 
-def _need(hf: dict, key: str):
+def _need(hf: dict, key: str, source: str = "config.json"):
     if key not in hf or hf[key] is None:
-        raise ValueError(f"config.json lacks required field {key!r}")
+        raise ValueError(f"{source} lacks required field {key!r}")
     return hf[key]
 
 
@@ -119,45 +119,97 @@ def _refuse(arch: str, feature: str, value) -> None:
                      "causal attention only)")
 
 
-def _rope_from_hf(arch: str, hf: dict) -> tuple[float, RopeScaling | None]:
-    """rope_theta and Llama-3.1 scaling from either the classic keys (rope_theta, rope_scaling)
-    or the newer nested `rope_parameters`."""
-    params = dict(hf.get("rope_parameters") or {})
+# The JSON type of every key config_from_hf reads; null means absent (the default applies).
+_HF_TYPES = {
+    "architectures": list[str], "model_type": str, "vocab_size": int, "tie_word_embeddings": bool,
+    "eos_token_id": int | list[int], "bos_token_id": int | list[int],
+    "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int, "n_inner": int,
+    "layer_norm_epsilon": float, "activation_function": str, "scale_attn_weights": bool,
+    "scale_attn_by_inverse_layer_idx": bool, "add_cross_attention": bool,
+    "max_position_embeddings": int, "hidden_size": int, "num_hidden_layers": int,
+    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "intermediate_size": int,
+    "rms_norm_eps": float, "hidden_act": str, "rope_theta": float, "rope_scaling": dict,
+    "rope_parameters": dict, "attention_bias": bool, "mlp_bias": bool, "sliding_window": int,
+    "use_sliding_window": bool, "layer_types": list[str],
+}
+# ... and of the rope_scaling / rope_parameters entries it reads
+_ROPE_TYPES = {"rope_type": str, "type": str, "rope_theta": float, "factor": float, "low_freq_factor": float,
+               "high_freq_factor": float, "original_max_position_embeddings": int}
+_LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _checked_hf(hf, source: str) -> dict:
+    """`hf` with every key config_from_hf reads type-checked (_HF_TYPES, _ROPE_TYPES; a mismatch
+    is a ValueError naming the key and `source`) and null-valued keys dropped."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source}: expected a JSON object at the top level, got a {type(hf).__name__}")
+    out = {key: value for key, value in hf.items() if value is not None}
+    for key, value in out.items():
+        if key in _HF_TYPES:
+            conform(value, _HF_TYPES[key], f"{key!r} in {source}")
+    for where in ("rope_scaling", "rope_parameters"):
+        for key, value in out.get(where, {}).items():
+            if key in _ROPE_TYPES and value is not None:
+                conform(value, _ROPE_TYPES[key], f"'{where}.{key}' in {source}")
+    return out
+
+
+def _rope_from_hf(arch: str, hf: dict, source: str) -> tuple[float, dict | None]:
+    """rope_theta and Llama-3.1 scaling (as RopeScaling fields) from either the classic keys
+    (rope_theta, rope_scaling) or the newer nested `rope_parameters`."""
+    params = hf.get("rope_parameters") or {}
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     scaling = hf.get("rope_scaling") or params
-    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
         return theta, None
     if kind != "llama3":
         _refuse(arch, "rope_scaling.rope_type", kind)
-    return theta, RopeScaling(factor=float(scaling["factor"]),
-                              low_freq_factor=float(scaling["low_freq_factor"]),
-                              high_freq_factor=float(scaling["high_freq_factor"]),
-                              original_context_length=int(scaling["original_max_position_embeddings"]))
+    missing = [key for key in _LLAMA3_ROPE if scaling.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: {where} of rope_type 'llama3' lacks {', '.join(missing)}")
+    return theta, dict(factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+                       high_freq_factor=scaling["high_freq_factor"],
+                       original_context_length=scaling["original_max_position_embeddings"])
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def _build(source: str, **fields) -> ModelConfig:
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict (GPT2LMHeadModel, LlamaForCausalLM,
     MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM). Features logitlab cannot run
-    exactly (sliding windows, other RoPE scalings, other activations) are refused by name."""
+    exactly (sliding windows, other RoPE scalings, other activations) are refused by name; a key
+    of the wrong JSON type (a string for an integer, say) is a ValueError naming it and `source`
+    (the file the dict came from), and so is a config that is not a JSON object."""
+    hf = _checked_hf(hf, source)
     arch = _architecture(hf)
-    if arch == "GPT2LMHeadModel":
-        act = hf.get("activation_function", "gelu_new")
-        if act not in _GELU:
-            _refuse(arch, "activation_function", act)
-        for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                        ("add_cross_attention", False)):
-            if hf.get(key, ok) != ok:
-                _refuse(arch, key, hf[key])
-        return ModelConfig(
-            vocab_size=_need(hf, "vocab_size"), context_length=_need(hf, "n_positions"),
-            d_model=_need(hf, "n_embd"), n_layers=_need(hf, "n_layer"), n_heads=_need(hf, "n_head"),
-            d_ff=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm",
-            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), mlp="gelu", gelu_approximate=_GELU[act],
-            positions="learned", bias=True, qkv_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
+    if arch != "GPT2LMHeadModel":
+        return _llama_from_hf(arch, hf, source)
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GELU:
+        _refuse(arch, "activation_function", act)
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("add_cross_attention", False)):
+        if hf.get(key, ok) != ok:
+            _refuse(arch, key, hf[key])
+    return _build(
+        source, vocab_size=_need(hf, "vocab_size", source), context_length=_need(hf, "n_positions", source),
+        d_model=_need(hf, "n_embd", source), n_layers=_need(hf, "n_layer", source),
+        n_heads=_need(hf, "n_head", source), d_ff=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu", gelu_approximate=_GELU[act],
+        positions="learned", bias=True, qkv_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
+
+
+def _llama_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(arch, "hidden_act", hf["hidden_act"])
-    context = _need(hf, "max_position_embeddings")
+    context = _need(hf, "max_position_embeddings", source)
     window = hf.get("sliding_window")
     windowed = hf.get("use_sliding_window", arch == "MistralForCausalLM")  # Mistral has no switch
     if window is not None and windowed and window < context:
@@ -166,8 +218,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if layer_types != {"full_attention"} and hf.get("use_sliding_window", False):
         _refuse(arch, "layer_types", sorted(layer_types))
     family = _LLAMA_LIKE[arch]
-    attention_bias = bool(hf.get("attention_bias", False))
-    mlp_bias = bool(hf.get("mlp_bias", False))
+    attention_bias = hf.get("attention_bias", False)
+    mlp_bias = hf.get("mlp_bias", False)
     if family == "qwen2":  # q, k, v always carry biases; o and the MLP never do
         bias, qkv_bias = False, True
     elif family == "llama" and attention_bias == mlp_bias:  # attention_bias covers q, k, v and o
@@ -176,16 +228,17 @@ def config_from_hf(hf: dict) -> ModelConfig:
         _refuse(arch, "attention_bias/mlp_bias", (attention_bias, mlp_bias))
     else:
         bias = qkv_bias = False
-    theta, scaling = _rope_from_hf(arch, hf)
-    d_model, n_heads = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
-    return ModelConfig(
-        vocab_size=_need(hf, "vocab_size"), context_length=context, d_model=d_model,
-        n_layers=_need(hf, "num_hidden_layers"), n_heads=n_heads,
+    theta, scaling = _rope_from_hf(arch, hf, source)
+    d_model, n_heads = _need(hf, "hidden_size", source), _need(hf, "num_attention_heads", source)
+    return _build(
+        source, vocab_size=_need(hf, "vocab_size", source), context_length=context, d_model=d_model,
+        n_layers=_need(hf, "num_hidden_layers", source), n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or d_model // n_heads, d_ff=_need(hf, "intermediate_size"),
-        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu", positions="rope",
+        head_dim=hf.get("head_dim") or (d_model // n_heads if n_heads > 0 else None),
+        d_ff=_need(hf, "intermediate_size", source),
+        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", positions="rope",
         rope_theta=theta, rope_scaling=scaling, qk_norm=family == "qwen3", bias=bias, qkv_bias=qkv_bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        tie_embeddings=hf.get("tie_word_embeddings", False))
 
 
 def hf_architecture(config: ModelConfig) -> str:

@@ -5,7 +5,8 @@ safetensors (model.safetensors.index.json), or legacy pytorch_model.bin (read wi
 torch.load(weights_only=True): no code is ever unpickled). Loading streams: names and shapes are
 checked before any tensor is read, then each tensor is read, cast, translated by the pure functions
 of families.py and placed in turn. logitlab's own directories are handed to checkpoint.py. Writes are
-atomic (checkpoint.atomic_directory). `transformers` is imported only by verification.
+atomic and never replace what logitlab did not write (files.atomic_directory).
+`transformers` is imported only by verification.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from logitlab import checkpoint, families
+from logitlab import checkpoint, families, files
 from logitlab.model import ModelConfig, Transformer
 
 SAFETENSORS = "model.safetensors"
@@ -41,13 +42,12 @@ def parse_dtype(dtype) -> torch.dtype | None:
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict:
+    """The config.json of a directory as a dict; ValueError naming the file (line and column)
+    when it is not valid JSON or not a JSON object."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {directory}")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    return checkpoint.read_json_object(path, "config file")
 
 
 class _WeightFiles:
@@ -73,9 +73,9 @@ class _WeightFiles:
             return
         for index_name in (SAFETENSORS_INDEX, TORCH_BIN_INDEX):
             if (d / index_name).is_file():
-                weight_map = json.loads((d / index_name).read_text()).get("weight_map")
-                if not isinstance(weight_map, dict):
-                    raise ValueError(f"{d / index_name} has no weight_map")
+                weight_map = checkpoint.read_json_object(d / index_name, "index file").get("weight_map")
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise ValueError(f"{d / index_name} has no weight_map (an object of tensor name -> file name)")
                 for shard in sorted(set(weight_map.values())):
                     if not (d / shard).is_file():
                         raise FileNotFoundError(f"shard {shard} named in {d / index_name} is missing")
@@ -98,15 +98,23 @@ class _WeightFiles:
             import zipfile
 
             # tensors only, no code; a pre-1.6 (non-zip) file cannot be memory-mapped
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            state = checkpoint.load_torch_file(path, mmap=zipfile.is_zipfile(path))
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise ValueError(f"{path}: expected a state dict (tensor name -> tensor), got {type(state).__name__}")
             self._bin[path] = state
             shapes = {k: tuple(v.shape) for k, v in state.items()}
         self.shapes.update(shapes)
         self._file_of.update(dict.fromkeys(shapes, path))
 
-    def tensors(self, names: dict[str, str]):
+    def tensors(self, names: dict[str, str], finite: bool = False):
         """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
-        A .bin file's memory map (and its unread tensors) is released after its last tensor."""
+        A .bin file's memory map (and its unread tensors) is released after its last tensor.
+        finite=True: a floating tensor that holds NaN or inf is a ValueError naming file and name."""
+        def checked(path: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
+            if finite:
+                checkpoint.require_finite(path, name, tensor)
+            return tensor
+
         by_file: dict[Path, list[tuple[str, str]]] = {}
         for key, name in names.items():
             by_file.setdefault(self._file_of[name], []).append((key, name))
@@ -115,12 +123,12 @@ class _WeightFiles:
             if path in self._bin:
                 state = self._bin.pop(path)
                 for key, name in wanted:
-                    yield key, state.pop(name)
+                    yield key, checked(path, name, state.pop(name))
                 del state
             else:
                 with checkpoint.open_safetensors(path) as f:
                     for key, name in wanted:
-                        yield key, f.get_tensor(name)
+                        yield key, checked(path, name, f.get_tensor(name))
 
 
 def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -212,7 +220,8 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     dtype None keeps the stored dtype. A Hugging Face checkpoint is streamed: names and shapes are
     checked from the file headers first, then each tensor is read, cast to `dtype`, moved to
     `device`, converted and placed, so the peak is about the loaded model plus the largest tensors
-    in flight (never the file and a converted copy together). verify=True runs
+    in flight (never the file and a converted copy together). A floating tensor that holds NaN or
+    inf is refused as it is read, naming its file and key. verify=True runs
     `verify_against_transformers` on the directory and raises ValueError when any hidden state or
     the logits differ beyond TOLERANCE."""
     directory = Path(directory)
@@ -220,9 +229,13 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     if checkpoint.is_logitlab_dir(directory):
         model = checkpoint.load_model(directory, device=device, dtype=dtype)
     else:
-        config = families.config_from_hf(read_hf_config(directory))
-        files = _WeightFiles(directory)
-        model = _stream_model(files.shapes, files.tensors, config, str(directory), dtype, device)
+        config = families.config_from_hf(read_hf_config(directory), source=str(directory / "config.json"))
+        weights = _WeightFiles(directory)
+
+        def read(names):  # NaN / inf weights are refused by file and name as they are read
+            return weights.tensors(names, finite=True)
+
+        model = _stream_model(weights.shapes, read, config, str(directory), dtype, device)
     model.eval()
     if verify:
         native = checkpoint.is_logitlab_dir(directory)   # then compare with its own HF export
@@ -269,12 +282,20 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
         (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
-def save_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path:
+HF_KIND = "Hugging Face model"
+
+
+def save_pretrained(model, directory: str | os.PathLike, tokenizer=None, *, overwrite: bool = False,
+                    source: str | os.PathLike | None = None) -> Path:
     """Atomically write config.json + model.safetensors that transformers.AutoModelForCausalLM
     loads as the matching class (families.hf_architecture). A tied head is stored once, as the
     embedding, as Hugging Face expects. A logitlab Tokenizer, when given, goes in as tokenizer.json
-    with the two files AutoTokenizer also reads (write_hf_files)."""
-    with checkpoint.atomic_directory(directory) as tmp:
+    with the two files AutoTokenizer also reads (write_hf_files).
+
+    `directory` must be new or empty, or (overwrite=True) a Hugging Face directory that logitlab
+    wrote: then only logitlab's files are replaced and every other file there is kept. It may not
+    be `source` (the directory the model came from) or contain it."""
+    with files.atomic_directory(directory, HF_KIND, overwrite=overwrite, source=source) as tmp:
         write_hf_files(model, tmp, tokenizer)
     return Path(directory)
 

@@ -105,13 +105,16 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
-    """Inverse of capture_rng_state."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
+    """Inverse of capture_rng_state; a state of another shape is a ValueError saying so."""
+    try:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        n = state["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+        torch.set_rng_state(state["torch"])
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise ValueError(f"not a generator state written by logitlab ({type(exc).__name__}: {exc})") from None
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

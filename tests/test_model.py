@@ -304,6 +304,36 @@ def test_config_validation_names_field_and_value(kwargs, message):
         tiny(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(qk_norm="false"), "qk_norm: expected true or false, got 'false'"),
+    (dict(tie_embeddings=1), "tie_embeddings: expected true or false, got 1"),
+    (dict(qkv_bias="no"), "qkv_bias: expected true or false or null, got 'no'"),
+    (dict(n_kv_heads="1"), "n_kv_heads: expected an integer or null, got '1'"),
+    (dict(n_kv_heads=1.0), "n_kv_heads: expected an integer or null, got 1.0"),
+    (dict(n_layers=True), "n_layers: expected an integer, got True"),
+    (dict(norm_eps="1e-5"), "norm_eps: expected a finite number, got '1e-5'"),
+    (dict(norm_eps=math.nan), "norm_eps: expected a finite number, got nan"),
+    (dict(rope_theta=math.inf), "rope_theta: expected a finite number, got inf"),
+    (dict(dropout=False), "dropout: expected a finite number, got False"),
+    (dict(mlp=None), r"mlp must be one of \('gelu', 'swiglu'\), got None"),
+    (dict(rope_scaling="yes"), "rope_scaling: expected an object .* or null, got 'yes'"),
+    (dict(rope_scaling={"factor": 8.0, "scale": 2}), r"unknown rope_scaling field\(s\) \['scale'\]"),
+    (dict(rope_scaling={"original_context_length": 8.5}), "rope_scaling.original_context_length: expected an integer"),
+])
+def test_config_fields_must_have_their_declared_types(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**kwargs)
+
+
+def test_config_types_normalise_json_values():
+    """An int where a float is declared becomes a float, a rope_scaling dict a RopeScaling."""
+    from logitlab.model import RopeScaling
+
+    cfg = tiny(norm_eps=1, rope_scaling={"factor": 4, "original_context_length": 16})
+    assert type(cfg.norm_eps) is float and cfg.rope_scaling == RopeScaling(4.0, 1.0, 4.0, 16)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
 def test_dropout_only_in_training_and_bf16_runs():
     model = build(dropout=0.5)
     ids = torch.randint(0, 61, (1, 8))
