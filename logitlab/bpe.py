@@ -31,6 +31,7 @@ offset of the first bad byte. Results do not depend on the number of workers.
 from __future__ import annotations
 
 import heapq
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,8 +39,13 @@ from dataclasses import dataclass, field
 from logitlab.bpe_pretokenize import count_pretokens, expand_paths, stdlib_files
 from logitlab.tokenizer import Tokenizer, check_special_tokens, resolve_pattern
 
-__all__ = ["BPEConfig", "train_bpe", "train_tokenizer", "learn_merges", "reference_merges", "count_pretokens",
-           "expand_paths", "stdlib_files"]
+__all__ = ["BPEConfig", "ShortVocabularyWarning", "train_bpe", "train_tokenizer", "learn_merges", "reference_merges",
+           "count_pretokens", "expand_paths", "stdlib_files"]
+
+
+class ShortVocabularyWarning(UserWarning):
+    """Training ended with fewer merges than vocab_size asked for: the corpus ran out of pairs."""
+
 
 SHIFT = 20  # pair key = left << SHIFT | right; ids stay below 2**20
 MASK = (1 << SHIFT) - 1
@@ -229,12 +235,15 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
     """Train byte-level BPE on a file, a directory (files matching `glob`) or a list of them.
 
     Returns (vocab, merges): vocab maps ids 0..vocab_size-1 to bytes (bytes, then merges, then
-    special tokens; fewer ids when the corpus runs out of pairs); merges are (left, right) byte
-    strings in learned order. `stdlib_files()` lists the default corpus."""
+    special tokens); merges are (left, right) byte strings in learned order. When the corpus runs
+    out of pairs first (an empty or tiny corpus), the vocabulary has fewer ids and a
+    ShortVocabularyWarning says how many merges were made of how many asked for.
+    `stdlib_files()` lists the default corpus."""
     config = BPEConfig(vocab_size, tuple(special_tokens), pattern, workers, glob)
     files = expand_paths(input_path, config.glob)
     specials = list(config.special_tokens)
-    with _Progress(progress, sum(f.stat().st_size for f in files), config.n_merges) as bar:
+    total_bytes = sum(f.stat().st_size for f in files)
+    with _Progress(progress, total_bytes, config.n_merges) as bar:
         pretokens = count_pretokens(files, config.pattern, specials, config.workers, bar.read)
         word_counts: Counter = Counter()
         for text, count in pretokens.items():
@@ -249,6 +258,13 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
             vocab[len(vocab)] = a + b
     for s in specials:
         vocab[len(vocab)] = s.encode("utf-8")
+    new_tokens = len(vocab) - 256 - len(specials)  # merges that made a new token
+    if new_tokens < config.n_merges:
+        sizes = f"{len(files)} file(s), {total_bytes} bytes"
+        warnings.warn(f"BPE training learned {new_tokens} of the {config.n_merges} merges that vocab_size "
+                      f"{vocab_size} asks for (256 bytes + {config.n_merges} merges + {len(specials)} special "
+                      f"token(s)): the corpus ({sizes}) has no more pairs to merge, so the tokenizer has "
+                      f"{len(vocab)} ids, not {vocab_size}", ShortVocabularyWarning, stacklevel=2)
     return vocab, merges
 
 

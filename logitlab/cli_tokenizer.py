@@ -7,7 +7,10 @@ tokenizer.json), or from `--gpt2 DIR` (a folder with GPT-2's vocab.json + merges
 from __future__ import annotations
 
 import json
+import re
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -89,18 +92,66 @@ def _encode(tok, args) -> list[int]:
                       fast=False if args.reference else None)
 
 
-def cmd_train(args) -> int:
-    from logitlab.bpe import stdlib_files, train_tokenizer
-    from logitlab.cli import console
+def _check_outputs(args) -> None:
+    """Refuse unusable output paths before training starts (minutes, for a large corpus)."""
+    from logitlab.tokenizer_formats import HF, LISTING, LOGITLAB, TIKTOKEN, check_target
 
-    data = args.data or stdlib_files()
-    tok = train_tokenizer(data, args.vocab_size, args.special_token or [], pattern=args.pattern,
-                          workers=args.workers, progress=not args.no_progress, glob=args.glob)
-    tok.save(args.out)
+    out = Path(args.out)
+    if out.suffix == ".vocab":
+        raise ValueError(f"--out {out}: the readable listing is written beside the tokenizer as <name>.vocab, "
+                         f"so --out needs another suffix (e.g. {out.with_suffix('.json')})")
+    targets = [(out, LOGITLAB, "--out"), (out.with_suffix(".vocab"), LISTING, "--out's listing")]
     if args.export_hf:
-        tok.save_hf(args.export_hf)
+        targets.append((Path(args.export_hf), HF, "--export-hf"))
     if args.export_tiktoken:
-        tok.save_tiktoken(args.export_tiktoken)
+        targets.append((Path(args.export_tiktoken), TIKTOKEN, "--export-tiktoken"))
+    seen: dict[Path, str] = {}
+    for path, kind, flag in targets:
+        key = path.absolute()
+        if key in seen:
+            raise ValueError(f"{flag} and {seen[key]} name the same file {path}")
+        seen[key] = flag
+        with _writing(path):
+            check_target(path, kind)
+
+
+@contextmanager
+def _writing(path):
+    """An OSError while writing `path` becomes one line naming the file (cli.main prints it)."""
+    from logitlab.files import DiskFullError
+
+    try:
+        yield
+    except DiskFullError as exc:
+        raise RuntimeError(exc.strerror or str(exc)) from exc
+    except OSError as exc:
+        raise RuntimeError(f"cannot write {exc.filename or path}: {exc.strerror or exc}") from exc
+
+
+def cmd_train(args) -> int:
+    from rich.markup import escape
+
+    from logitlab.bpe import ShortVocabularyWarning, stdlib_files, train_tokenizer
+    from logitlab.cli import console, error_console
+
+    _check_outputs(args)
+    data = args.data or stdlib_files()
+    with warnings.catch_warnings(record=True) as caught:
+        # Shown once each, as "warning: ..." lines: a short vocabulary, undecodable input bytes.
+        warnings.simplefilter("always", ShortVocabularyWarning)
+        warnings.simplefilter("always", UnicodeWarning)
+        tok = train_tokenizer(data, args.vocab_size, args.special_token or [], pattern=args.pattern,
+                              workers=args.workers, progress=not args.no_progress, glob=args.glob)
+    for w in caught:
+        error_console().print(f"[yellow]warning:[/yellow] {escape(str(w.message))}", soft_wrap=True)
+    with _writing(args.out):
+        tok.save(args.out)
+    if args.export_hf:
+        with _writing(args.export_hf):
+            tok.save_hf(args.export_hf)
+    if args.export_tiktoken:
+        with _writing(args.export_tiktoken):
+            tok.save_tiktoken(args.export_tiktoken)
     out = Path(args.out)
     console().print(f"wrote {out} and {out.with_suffix('.vocab')}: {tok!r}, fingerprint {tok.fingerprint()}, "
                     f"encoder {'tiktoken' if tok.fast_path_ok else 'reference (vocabulary not tiktoken-consistent)'}")
@@ -115,18 +166,40 @@ def cmd_encode(args) -> int:
 
 def cmd_decode(args) -> int:
     tok = load_tokenizer(args)
-    raw = " ".join(args.ids) if args.ids else sys.stdin.read()
-    raw = raw.strip()
-    try:
-        ids = json.loads(raw) if raw.startswith("[") else [int(x) for x in raw.replace(",", " ").split()]
-    except ValueError as exc:
-        raise ValueError(f"ids must be integers (JSON list or whitespace separated): {exc}") from None
-    text = tok.decode(ids)
+    ids = parse_ids(" ".join(args.ids) if args.ids else sys.stdin.read())
+    text = tok.decode(ids)  # an id outside the vocabulary: ValueError naming it and its position
     if args.json:
         print(json.dumps({"text": text}, ensure_ascii=False))
     else:
         sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
     return 0
+
+
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def parse_ids(raw: str) -> list[int]:
+    """Decode input -> ids: a flat JSON list of integers, or integers separated by whitespace or
+    commas. Anything else (a nested list, true/false, 1.0, "7", 1e3) is a ValueError naming the
+    element and its position: an id is never guessed from another type."""
+    raw = raw.strip()
+    if raw.startswith("["):
+        try:
+            items = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"decode input is not a valid JSON list of ids: {exc}") from None
+        for n, x in enumerate(items):
+            if isinstance(x, bool) or not isinstance(x, int):
+                shown = json.dumps(x, ensure_ascii=False)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise ValueError(f"decode input: element {n} is {shown}, not an integer token id")
+        return items
+    items = raw.replace(",", " ").split()
+    for n, x in enumerate(items):
+        if not _INTEGER.fullmatch(x):
+            shown = x if len(x) <= 40 else x[:37] + "..."
+            raise ValueError(f"decode input: element {n} is {shown!r}, not an integer token id")
+    return [int(x) for x in items]
 
 
 def cmd_show(args) -> int:
@@ -161,6 +234,7 @@ def cmd_convert(args) -> int:
     from logitlab.cli import console
 
     tok = load_tokenizer(args)
-    {"logitlab": tok.save, "hf": tok.save_hf, "tiktoken": tok.save_tiktoken}[args.to](args.out)
+    with _writing(args.out):
+        {"logitlab": tok.save, "hf": tok.save_hf, "tiktoken": tok.save_tiktoken}[args.to](args.out)
     console().print(f"wrote {args.out} ({args.to})")
     return 0

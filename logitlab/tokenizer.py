@@ -13,10 +13,16 @@ example, are not in byte order).
 
 Encoding. Text is first cut at special tokens (leftmost match; at one position the longest
 special token wins), then each piece is split by the pre-tokenization regex, and each
-pre-token's UTF-8 bytes are merged by BPE. Two encoders give the same ids:
+pre-token's UTF-8 bytes are merged by BPE. The split pattern's whole matches are the pieces
+(capture groups are ignored) and they must cover the text: a custom pattern that drops
+characters is refused when the Tokenizer is built, and text it would still drop raises
+ValueError naming it (see tokenizer_patterns.py). Two encoders give the same ids:
 
 * the reference path (`encode(..., fast=False)`): replays merges, lowest rank first, exactly as
-  training learned them, with a cache of already-encoded pre-tokens;
+  training learned them (`_bpe`, O(n log n) in a pre-token's length, beside `_bpe_plain`, the
+  same rule written the obvious O(n^2) way), with a cache of already-encoded pre-tokens. Its
+  splitter is the `regex` module, with code points classified as tiktoken's engine classifies
+  them (a newer `regex` release knows letters that tiktoken does not yet);
 * the fast path (default): tiktoken's Rust core built from the same ranks. tiktoken merges the
   adjacent pair whose *concatenation* has the lowest rank, which equals replaying merges only
   when the vocabulary is consistent: merge results are distinct byte strings whose ids grow with
@@ -33,6 +39,8 @@ Special tokens: `encode(text)` turns every special-token string into its id
 from __future__ import annotations
 
 import codecs
+import heapq
+import operator
 from collections.abc import Iterable, Iterator
 
 from logitlab.tokenizer_patterns import (  # noqa: F401  (re-exported: the stage's public names)
@@ -47,6 +55,7 @@ from logitlab.tokenizer_patterns import (  # noqa: F401  (re-exported: the stage
     pretokenizer,
     resolve_pattern,
     special_regex,
+    uncovered_error,
 )
 
 _REFERENCE_CACHE_LIMIT = 100_000  # encoded pre-tokens kept by the reference path
@@ -60,7 +69,8 @@ class Tokenizer:
     tokens' UTF-8 bytes. merges: (left bytes, right bytes) in learned order (rank = index).
     special_tokens: a list of strings (ids looked up in `vocab` by their bytes among entries that
     are neither bytes nor merge results, or else appended after the last id) or a dict str -> id.
-    pattern: "gpt2" (default), "cl100k" or any regex.
+    pattern: "gpt2" (default), "cl100k" or a regex whose whole matches cover any text and are
+    never empty (checked here; ValueError with an example of what it drops otherwise).
     """
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
@@ -111,6 +121,7 @@ class Tokenizer:
         self._cache: dict[str, list[int]] = {}
         self._fast_path_ok: bool | None = None  # computed on first use (about 1 s for 50k tokens)
         self._tiktoken = None
+        self._token_lengths: list[int] | None = None  # bytes per id, for _check_fast_covered
 
     # ---------------------------------------------------------------- construction details
     @staticmethod
@@ -181,13 +192,25 @@ class Tokenizer:
         return {**self._decoder, **self._special_decoder}
 
     def token_bytes(self, token_id: int) -> bytes:
-        try:
-            return self._decoder[token_id]
-        except (KeyError, TypeError):
-            if token_id in self._special_decoder:
-                return self._special_decoder[token_id]
-            raise ValueError(f"token id {token_id!r} is outside the vocabulary "
-                             f"(0..{self.vocab_size - 1})") from None
+        """The bytes of one id. An id is an int (or has __index__, e.g. a NumPy or 0-d torch
+        integer); a bool, a float or a list is a ValueError, as is an id outside the vocabulary."""
+        if type(token_id) is int:
+            found = self._decoder.get(token_id)
+            if found is not None:
+                return found
+        elif isinstance(token_id, bool):
+            raise ValueError(f"token id {token_id!r} is a bool, not an integer")
+        else:
+            try:
+                token_id = operator.index(token_id)
+            except TypeError:
+                raise ValueError(f"token id {token_id!r} is not an integer "
+                                 f"({type(token_id).__name__})") from None
+            if token_id in self._decoder:
+                return self._decoder[token_id]
+        if token_id in self._special_decoder:
+            return self._special_decoder[token_id]
+        raise ValueError(f"token id {token_id!r} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     id_to_token = token_bytes
 
@@ -205,20 +228,66 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- encoding
     def _bpe(self, data: bytes) -> list[int]:
-        """Replay merges on one pre-token's bytes: merge the lowest-rank pair, all occurrences
-        left to right, until no adjacent pair is a merge. Pairs are looked up as one int
-        (left << 20 | right) and the table's value is rank << 20 | merged id, so the smallest
-        value is the lowest rank."""
+        """Replay merges on one pre-token's bytes: the reference encoder, O(n log n) in its length.
+
+        The rule is `_bpe_plain`'s (merge the lowest-rank adjacent pair, all its occurrences left
+        to right, until no adjacent pair is a merge), kept fast for long pre-tokens:
+
+        * the parts form a doubly linked list over byte positions (a part is named by the position
+          of its first byte, so positions order the parts left to right);
+        * a heap holds (rank value, position) for each adjacent pair that is a merge. The rank
+          value is rank << 20 | merged id, so the top is the lowest rank and, among its entries,
+          the leftmost occurrence;
+        * entries are never removed: one whose pair has changed since it was pushed is stale and
+          skipped when it comes up (lazy deletion);
+        * all occurrences of one rank are merged before the pairs that those merges made are
+          pushed, exactly as one left-to-right pass of `_bpe_plain` does.
+
+        Each merge costs O(log n) heap work and at most two pair look-ups."""
+        ids = [self._byte_ids[b] for b in data]
+        n = len(ids)
+        get = self._pair_rank.get
+        nxt = list(range(1, n + 1))  # nxt[i]: position of the part after part i (n: none)
+        prv = list(range(-1, n - 1))  # prv[i]: position of the part before part i (-1: none)
+        heap = []
+        for i in range(n - 1):
+            r = get(ids[i] << 20 | ids[i + 1])
+            if r is not None:
+                heap.append((r, i))
+        heapq.heapify(heap)
+        while heap:
+            value = heap[0][0]
+            a, b = self._merge_ids[value >> 20]
+            new = value & 0xFFFFF
+            merged = []
+            while heap and heap[0][0] == value:  # this pair's occurrences, leftmost first
+                i = heapq.heappop(heap)[1]
+                j = nxt[i]
+                if ids[i] != a or j == n or ids[j] != b:
+                    continue  # stale: part i changed, or was merged into its left neighbour
+                ids[i], ids[j] = new, -1  # part j joins part i and is gone
+                nxt[i] = nxt[j]
+                if nxt[j] < n:
+                    prv[nxt[j]] = i
+                merged.append(i)
+            # The pairs on either side of each new part (a new part is neither `a` nor `b`, so
+            # none of them could have been merged in this pass).
+            for left in sorted({p for i in merged for p in (prv[i], i) if p >= 0}):
+                right = nxt[left]
+                if right < n:
+                    r = get(ids[left] << 20 | ids[right])
+                    if r is not None:
+                        heapq.heappush(heap, (r, left))
+        return [t for t in ids if t >= 0]
+
+    def _bpe_plain(self, data: bytes) -> list[int]:
+        """The same rule written the obvious way, O(n^2) in the pre-token's length: find the
+        lowest-rank adjacent pair, merge all its occurrences left to right, repeat until no
+        adjacent pair is a merge. Kept as the readable definition `_bpe` is tested against."""
         parts = [self._byte_ids[b] for b in data]
         get, none = self._pair_rank.get, _NO_MERGE
         while len(parts) > 1:
-            best = none
-            prev = parts[0]
-            for x in parts[1:]:
-                r = get(prev << 20 | x, none)
-                if r < best:
-                    best = r
-                prev = x
+            best = min((get(x << 20 | y, none) for x, y in zip(parts, parts[1:])), default=none)
             if best == none:
                 break
             a, b = self._merge_ids[best >> 20]
@@ -264,16 +333,33 @@ class Tokenizer:
         allowed = self._allowed(allowed_special)
         use_fast = fast is not False and self.fast_path_ok
         if use_fast and not _prefix_overlap(allowed):
-            return self._fast().encode(text, allowed_special=allowed, disallowed_special=())
-        out: list[int] = []
-        for piece, special in self._split_special(text, allowed):
-            if special is not None:
-                out.append(special)
-            elif use_fast:
-                out.extend(self._fast().encode_ordinary(piece))
-            else:
-                self._encode_plain_reference(piece, out)
+            out = self._fast().encode(text, allowed_special=allowed, disallowed_special=())
+        else:
+            out = []
+            for piece, special in self._split_special(text, allowed):
+                if special is not None:
+                    out.append(special)
+                elif use_fast:
+                    out.extend(self._fast().encode_ordinary(piece))
+                else:
+                    self._encode_plain_reference(piece, out)  # its splitter checks coverage itself
+        if use_fast and self.pattern_name is None:
+            self._check_fast_covered(text, allowed, out)
         return out
+
+    def _check_fast_covered(self, text: str, allowed: set[str], ids: list[int]) -> None:
+        """A custom pattern's pieces must cover the text (see tokenizer_patterns): tiktoken would
+        silently skip what no match takes. The ids' bytes add up to the text's UTF-8 length
+        exactly when nothing was skipped; if not, the reference splitter names what was."""
+        if self._token_lengths is None:
+            self._token_lengths = [len(self.token_bytes(i)) for i in range(self.vocab_size)]
+        lengths = self._token_lengths
+        if sum(lengths[i] for i in ids) == len(_utf8(text)):
+            return
+        for piece, special in self._split_special(text, allowed):
+            if special is None:
+                self._split(piece)  # raises ValueError naming the dropped text
+        raise uncovered_error(self.pattern, text)
 
     def encode_ordinary(self, text: str, fast: bool | None = None) -> list[int]:
         """Encode untrusted text: special-token strings are ordinary text."""
@@ -319,7 +405,15 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- decoding
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        return b"".join(self.token_bytes(i) for i in ids)
+        """Ids -> their bytes joined; a bad id is a ValueError naming it and its position."""
+        return b"".join(self._each_token_bytes(ids))
+
+    def _each_token_bytes(self, ids: Iterable[int]) -> Iterator[bytes]:
+        for n, i in enumerate(ids):
+            try:
+                yield self.token_bytes(i)
+            except ValueError as exc:
+                raise ValueError(f"{exc}, at position {n} of the ids") from None
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> text; invalid UTF-8 becomes U+FFFD."""
@@ -328,8 +422,8 @@ class Tokenizer:
     def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Yield text as soon as it is valid UTF-8; a character split across tokens waits."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for i in ids:
-            piece = decoder.decode(self.token_bytes(i))
+        for token in self._each_token_bytes(ids):
+            piece = decoder.decode(token)
             if piece:
                 yield piece
         tail = decoder.decode(b"", final=True)

@@ -5,6 +5,11 @@ Every reader checks its input and raises ValueError / FileNotFoundError naming t
 bad entry. Ids are kept as the files give them; the writers store our ids unchanged, so a file
 written here and read back (by us, by `tokenizers`, `transformers` or tiktoken) gives the same ids.
 
+Every writer replaces its file atomically (a temporary file beside it, then a rename), and only
+replaces a file of its own kind: `check_target` refuses a directory, a symbolic link, or an
+existing non-empty file whose start is not what that writer writes (an existing logitlab
+tokenizer is replaced; a README or a model file never is).
+
 GPT-2's files and HF tokenizer.json spell bytes with GPT-2's printable alphabet
 (`bytes_to_unicode`): printable Latin-1 bytes stand for themselves and the other 68 bytes
 become the characters U+0100... in byte order, so every token is a printable string.
@@ -15,11 +20,24 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
+from logitlab.files import DiskFullError, atomic_write_bytes
+
 FORMAT = "logitlab-tokenizer"
 VERSION = 1
+
+# What each writer's file starts with; an existing file is replaced only when its start matches.
+LOGITLAB, LISTING, HF, TIKTOKEN = "logitlab tokenizer file", "vocab listing", "tokenizer.json", "tiktoken rank file"
+_STARTS = {
+    LOGITLAB: re.compile(rb'\A\s*\{\s*"format"\s*:\s*"logitlab-tokenizer"'),
+    LISTING: re.compile(rb"\A0\t\["),
+    HF: re.compile(rb'\A\s*\{\s*"version"\s*:'),
+    TIKTOKEN: re.compile(rb"\A[A-Za-z0-9+/]+=* [0-9]+\r?\n"),
+}
 
 
 @lru_cache(maxsize=1)
@@ -74,6 +92,51 @@ def _field(obj: dict, key: str, kind: type, where):
     return obj[key]
 
 
+# ------------------------------------------------------------------------------ writing files
+def check_target(path, kind: str) -> Path:
+    """Raise unless a `kind` file (LOGITLAB, LISTING, HF, TIKTOKEN) can be written at `path`
+    without losing anything: ValueError for a directory, a symbolic link, something that is not
+    a regular file, or an existing non-empty file of another kind; PermissionError when the
+    nearest existing directory above it cannot be written. Returns the path."""
+    path = Path(path)
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link; refusing to replace it with a {kind} (give the real path)")
+    if path.is_dir():
+        raise ValueError(f"cannot write a {kind} to {path}: it is a directory (give a file path, e.g. "
+                         f"{path / ('tokenizer.vocab' if kind == LISTING else 'tokenizer.json')})")
+    if path.exists():
+        if not path.is_file():
+            raise ValueError(f"cannot write a {kind} to {path}: it exists and is not a regular file")
+        with open(path, "rb") as f:
+            head = f.read(256)
+        if head and not _STARTS[kind].match(head):
+            raise ValueError(f"{path} exists and is not a {kind}; refusing to overwrite it (move it away "
+                             f"or choose another path)")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"cannot write {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(13, f"directory {folder} is not writable", str(path))
+    return path
+
+
+def write_file(path, text: str, kind: str) -> None:
+    """`text` (UTF-8) into `path` atomically, after `check_target`; missing folders are made. An
+    OSError names `path` (not the temporary file beside it)."""
+    path = check_target(path, kind)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, text.encode("utf-8"))
+    except DiskFullError:
+        raise
+    except OSError as exc:
+        if exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc  # the subclass follows errno
+
+
 # ------------------------------------------------------------------------------ logitlab JSON
 def fingerprint(tok) -> str:
     """sha256 over pattern, ordinary vocab, merges and special tokens (first 16 hex digits)."""
@@ -106,8 +169,13 @@ def save_logitlab(tok, path) -> None:
         "merges": [[a.hex(), b.hex()] for a, b in tok.merges],
         "fingerprint": tok.fingerprint(),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    listing = path.with_suffix(".vocab")
+    if listing == path:
+        raise ValueError(f"cannot save the tokenizer as {path}: the readable listing goes beside it as "
+                         f"<name>.vocab, so the tokenizer file needs another suffix (e.g. {path.with_suffix('.json')})")
+    check_target(path, LOGITLAB)
+    check_target(listing, LISTING)
+    write_file(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n", LOGITLAB)
     made_by = {a + b: (a, b) for a, b in tok.merges}
     lines = []
     for i in range(tok.vocab_size):
@@ -119,7 +187,7 @@ def save_logitlab(tok, path) -> None:
             a, b = made_by[t]
             line += f"\t<- [{readable_token(a)}] [{readable_token(b)}]"
         lines.append(line)
-    path.with_suffix(".vocab").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_file(listing, "\n".join(lines) + "\n", LISTING)
 
 
 def load_logitlab(cls, path):
@@ -231,8 +299,7 @@ def save_hf(tok, path) -> None:
                   "vocab": {to_printable(t): i for i, t in sorted(tok._decoder.items())},
                   "merges": [[to_printable(a), to_printable(b)] for a, b in tok.merges]},
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    write_file(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n", HF)
 
 
 def _hf_pattern(pre, where) -> str:
@@ -279,5 +346,4 @@ def load_hf(cls, path):
 def save_tiktoken(tok, path) -> None:
     """tiktoken's rank file: `base64(token) rank` per line (special tokens are not part of it)."""
     lines = [f"{base64.b64encode(t).decode()} {i}" for i, t in sorted(tok._decoder.items())]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("\n".join(lines) + "\n", encoding="ascii")
+    write_file(path, "\n".join(lines) + "\n", TIKTOKEN)

@@ -3,6 +3,7 @@ id layout, special tokens, determinism across workers, input handling and errors
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logitlab import bpe_pretokenize
-from logitlab.bpe import learn_merges, reference_merges, train_bpe, train_tokenizer
+from logitlab.bpe import ShortVocabularyWarning, learn_merges, reference_merges, train_bpe, train_tokenizer
 from logitlab.bpe_pretokenize import count_pretokens
 from logitlab.tokenizer import GPT2_PATTERN, Tokenizer
 
@@ -108,9 +109,9 @@ def trained(shared_data) -> Tokenizer:
     return train_tokenizer(shared_data / "tinyshakespeare.txt", 2000, [EOT], workers=1)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(text=st.lists(st.one_of(st.text(max_size=16), st.sampled_from(
-    [EOT, " the", "ing ", "\u0301", "\n\n", "  ", "'ll", "🎉"])), max_size=10).map("".join))
+    [EOT, " the", "ing ", "\u0301", "\n\n", "  ", "'ll", "🎉", "\u088f'll", "x\U000323b0"])), max_size=10).map("".join))
 def test_trained_tokenizer_both_encoders_agree(trained, text):
     ids = trained.encode(text)
     assert ids == trained.encode(text, fast=False)
@@ -142,8 +143,29 @@ def test_non_utf8_training_file_warns_with_file_and_offset(tmp_path):
 def test_bytes_only_corpus_stops_when_no_pairs(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("a b")
-    vocab, merges = train_bpe(path, 300, [EOT], workers=1)
+    with pytest.warns(ShortVocabularyWarning, match=r"learned 1 of the 43 merges .* has 258 ids, not 300"):
+        vocab, merges = train_bpe(path, 300, [EOT], workers=1)
     assert merges == [(b" ", b"b")] and len(vocab) == 258 and vocab[257] == EOT.encode()
+
+
+def test_empty_corpus_warns_how_many_merges_were_possible(tmp_path):
+    path = tmp_path / "empty.txt"
+    path.write_text("")
+    with pytest.warns(ShortVocabularyWarning) as caught:
+        tok = train_tokenizer(path, 300, [EOT], workers=1)
+    assert tok.vocab_size == 257 and len(caught) == 1
+    message = str(caught[0].message)
+    assert "learned 0 of the 43 merges that vocab_size 300 asks for" in message
+    assert "(1 file(s), 0 bytes)" in message and "the tokenizer has 257 ids, not 300" in message
+
+
+def test_full_vocabulary_does_not_warn(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("hello hello world " * 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShortVocabularyWarning)
+        vocab, _ = train_bpe(path, 262, [EOT], workers=1)
+    assert len(vocab) == 262
 
 
 def test_progress_bar_runs(tmp_path, capsys):

@@ -111,10 +111,11 @@ def test_gpt2_file_errors(gpt2_files, tmp_path):
 def test_logitlab_file_errors(trained, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
         Tokenizer.load(tmp_path / "none.json")
-    path = tmp_path / "t.json"
-    path.write_text('{"format": "something-else"}')
+    other = tmp_path / "other.json"
+    other.write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="not a logitlab tokenizer file"):
-        Tokenizer.load(path)
+        Tokenizer.load(other)
+    path = tmp_path / "t.json"
     trained.save(path)
     data = json.loads(path.read_text())
     data["vocab"]["300"] = "6162"  # edit one token
