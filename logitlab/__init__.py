@@ -25,6 +25,7 @@ _EXPORTS = {
     "get_preset": "families",
     "PRESETS": "families",
     "SampleConfig": "sampling",
+    "SamplingError": "sampling",
     "stream": "generate",
     "TrainConfig": "train",
     "save_model": "checkpoint",

@@ -9,8 +9,10 @@ and formats timings and "seeing inside" results as rich tables or, with --json, 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -22,9 +24,13 @@ def register(subparsers) -> None:
     """Add `generate`, `chat` and `inspect` to `subparsers`."""
     g = subparsers.add_parser("generate", help="continue a prompt, streaming the text",
                               description="Continue PROMPT with a model, printing text as it is generated, "
-                              "then the prefill time, decode tokens/s and why generation stopped.")
+                              "then the prefill time, decode tokens/s and why generation stopped. Special-token "
+                              "text in PROMPT such as <|endoftext|> becomes its id; --ordinary keeps it as text.")
     _model_flags(g)
-    g.add_argument("prompt", help="the text to continue (empty: start from the end-of-text token)")
+    g.add_argument("prompt", help="the text to continue (empty: start from the end-of-text token); "
+                   "special-token text in it such as <|endoftext|> becomes its id unless --ordinary is given")
+    g.add_argument("--ordinary", action="store_true", help="encode PROMPT as plain text: special-token text "
+                   "such as <|endoftext|> stays text (default: it becomes the special token's id)")
     _sample_flags(g)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object at the end instead of streaming")
@@ -33,10 +39,16 @@ def register(subparsers) -> None:
     c = subparsers.add_parser("chat", help="interactive prompt loop with history (Ctrl-D leaves)",
                               description="Each turn appends 'User: ...' and 'Assistant:' to a plain-text "
                               "transcript and continues it, stopping at the next 'User:'. The transcript is "
-                              "cut from the left to fit the context. /reset clears it; Ctrl-D leaves.")
+                              "cut from the left to fit the context. /reset clears it; Ctrl-D leaves. What you type is "
+                              "plain text: special-token text such as <|endoftext|> stays text (--no-ordinary "
+                              "turns it into the special token's id).")
     _model_flags(c)
     _sample_flags(c)
     c.add_argument("--system", default="", help="text placed at the top of the transcript")
+    c.add_argument("--ordinary", action=argparse.BooleanOptionalAction, default=True,
+                   help="encode the transcript (your lines, --system, earlier replies) as plain text: "
+                   "special-token text such as <|endoftext|> stays text (the default); --no-ordinary turns "
+                   "it into the special token's id")
     c.set_defaults(func=_chat)
 
     i = subparsers.add_parser("inspect", help="per-token surprisal, next-token table, logit lens, neighbours",
@@ -46,15 +58,22 @@ def register(subparsers) -> None:
                               "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
                               "rows.")
     _model_flags(i)
-    i.add_argument("text", help="the text to look at")
+    i.add_argument("text", help="the text to look at; special-token text in it such as <|endoftext|> becomes "
+                   "its id unless --ordinary is given")
+    i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "
+                   "text (default: it becomes the special token's id)")
     i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
                    "lens (the prediction made after that token; default -1, the last)")
-    i.add_argument("--rows", type=int, default=10, help="how many candidates to list (default 10)")
-    for name, kind, default, text in (("temperature", float, 1.0, "temperature of the 'after' column"),
-                                      ("top-k", int, 0, "top-k of the 'after' column (0 = off)"),
-                                      ("top-p", float, 1.0, "top-p of the 'after' column (1 = off)"),
-                                      ("min-p", float, 0.0, "min-p of the 'after' column (0 = off)")):
-        i.add_argument(f"--{name}", type=kind, default=default, help=f"{text} (default {default})")
+    i.add_argument("--rows", type=_number(int, "an integer >= 1", lambda v: v >= 1), default=10,
+                   help="how many candidates to list (default 10)")
+    for name, kind, default, rule, ok, text in (
+            ("temperature", float, 1.0, "a finite number >= 0", lambda v: v >= 0,
+             "temperature of the 'after' column"),
+            ("top-k", int, 0, "an integer >= 0", lambda v: v >= 0, "top-k of the 'after' column (0 = off)"),
+            ("top-p", float, 1.0, "in (0, 1]", lambda v: 0 < v <= 1, "top-p of the 'after' column (1 = off)"),
+            ("min-p", float, 0.0, "in [0, 1)", lambda v: 0 <= v < 1, "min-p of the 'after' column (0 = off)")):
+        i.add_argument(f"--{name}", type=_number(kind, rule, ok), default=default,
+                       help=f"{text} (default {default})")
     i.add_argument("--lens", action="store_true", help="logit lens: top prediction at every layer")
     i.add_argument("--neighbours", metavar="TOKEN", help="embedding neighbours of TOKEN (a single-token "
                    "string or an integer id)")
@@ -62,6 +81,22 @@ def register(subparsers) -> None:
                    "of TEXT is scored too (GPT-2 style)")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     i.set_defaults(func=_inspect)
+
+
+def _number(kind: type, rule: str, ok):
+    """An argparse type: `kind` (int or float) that is finite and passes `ok`; argparse names the flag in the
+    error ("argument --rows: must be an integer >= 1, got -1")."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _model_flags(p) -> None:
@@ -199,6 +234,24 @@ def stream_text(tokenizer, ids, hidden_ids=(), stops=()):
         yield tail
 
 
+def _write_pieces(pieces, echo: bool) -> str:
+    """Join the text pieces, with echo also writing each to stdout as it comes. A failure mid-line
+    (e.g. a SamplingError) ends the line first, so the error message starts on a line of its own."""
+    out = []
+    try:
+        for piece in pieces:
+            out.append(piece)
+            if echo:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except BaseException:
+        if echo:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+    return "".join(out)
+
+
 def _timings(console, result) -> None:
     r = result
     console.print(f"\n[dim]prefill {r.prefill_seconds * 1e3:.1f} ms · decode {r.decode_tokens} tokens at "
@@ -215,21 +268,16 @@ def _generate(args) -> int:
 
     m = load(args)
     cfg = sample_config(args, m.end_ids[1:])
-    ids = m.tokenizer.encode(args.prompt)
+    ids = m.tokenizer.encode(args.prompt, allowed_special="none" if args.ordinary else "all")
     if not ids and m.eot_id is not None:
         ids = [m.eot_id]  # an empty prompt starts from end-of-text, as GPT-2 samples unconditionally
     s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes, compile=args.compile)
     if not args.json:
         sys.stdout.write(args.prompt)
-    pieces = []
-    for piece in stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes):
-        pieces.append(piece)
-        if not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+    text = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), not args.json)
     r = s.result
     if args.json:
-        print(json.dumps(dict(prompt=args.prompt, prompt_ids=ids, text="".join(pieces), ids=r.tokens[0],
+        print(json.dumps(dict(prompt=args.prompt, prompt_ids=ids, text=text, ids=r.tokens[0],
                               stop_reason=r.stop_reasons[0], prefill_seconds=r.prefill_seconds,
                               decode_tokens=r.decode_tokens, decode_seconds=r.decode_seconds,
                               decode_tokens_per_second=r.decode_tokens_per_second), ensure_ascii=False))
@@ -264,15 +312,11 @@ def _chat(args) -> int:
         if not line.strip():
             continue
         history += f"User: {line}\nAssistant:"
-        ids = m.tokenizer.encode(history, allowed_special="none")[-room:]
+        ids = m.tokenizer.encode(history, allowed_special="none" if args.ordinary else "all")[-room:]
         s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
                    generator=generator, compile=args.compile)
-        reply = []
-        for piece in stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        history += "".join(reply).rstrip() + "\n"
+        reply = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), True)
+        history += reply.rstrip() + "\n"
         _timings(out, s.result)
 
 
@@ -302,7 +346,7 @@ def _inspect(args) -> int:
 
     m = load(args)
     tok = m.tokenizer
-    ids = tok.encode(args.text)
+    ids = tok.encode(args.text, allowed_special="none" if args.ordinary else "all")
     if args.bos:
         if tok.eot_id is None:
             raise ValueError("--bos needs a tokenizer with <|endoftext|>")

@@ -24,16 +24,20 @@ import torch
 
 from logitlab.kv_cache import KVCache
 from logitlab.sampling import (  # noqa: F401  (re-exported: the public API of generation)
+    MODEL_CAUSE,
     SampleConfig,
+    SamplingError,
     _check_id,
     adjust_logits,
     apply_count_penalties,
     apply_repetition_penalty,
     apply_temperature,
     bias_vector,
+    invalid_cause,
     make_generator,
     min_p_filter,
     next_token,
+    pick,
     process_logits,
     sample,
     softmax,
@@ -115,14 +119,19 @@ def prefill(model, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | 
 def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
     """One new token per row (B, 1) through the cached model -> logits (B, V) fp32, or with
-    greedy=True the next ids (B,), their argmax (so a compiled step picks them inside its graph).
+    greedy=True the next ids (B,), their argmax (so a compiled step picks them inside its graph),
+    and -1 for a row whose largest logit is NaN or inf, as it is when any is NaN (the loop raises
+    SamplingError for it).
 
     The caller checked the ids, so the model's own range check (a host sync) is switched off."""
     checking, model.validate_inputs = model.validate_inputs, False
     try:
         logits = model(token, cache=cache, positions=positions, attn_mask=attn_mask)[:, -1]   # (B, V)
         logits = logits if logits.dtype == torch.float32 else logits.float()
-        return logits.argmax(dim=-1) if greedy else logits                                 # (B,) | (B, V)
+        if not greedy:
+            return logits                                                                  # (B, V)
+        top, ids = logits.max(dim=-1)  # one pass, as argmax; top is NaN if any logit is NaN
+        return ids.masked_fill(~torch.isfinite(top), -1)                                   # (B,)
     finally:
         model.validate_inputs = checking
 
@@ -318,7 +327,7 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
 
         t0 = time.perf_counter()
         logits = prefill(model, ids, cache, positions, None if mask is None else mask[:, :S0])
-        token = next_token(logits, config, generator, **state)  # (B,)
+        token = pick(logits, config, generator, **state)  # (B,), -1 where no token can be chosen
         position = positions[:, -1:] + 1  # (B, 1) position of the token fed next
     generated: list[list[int]] = [[] for _ in range(B)]
     active = [True] * B
@@ -338,11 +347,13 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
                     token = fn(model, token[:, None], cache, position, mask, greedy=True)  # (B,)
                 else:
                     logits = fn(model, token[:, None], cache, position, mask)          # (B, V)
-                    token = next_token(logits, config, generator, **state)
+                    token = pick(logits, config, generator, **state)
                 position += 1
             new = token.tolist()
             result.decode_seconds += time.perf_counter() - t0
             result.decode_tokens += sum(active)
+        if min(new) < 0:  # the step's logits, or None where the step picked the ids itself
+            token = _unpicked(new, active, step, None if in_step and step else logits, config, state, token)
         out: list[int | None] = []
         for b in range(B):
             if not active[b]:
@@ -362,6 +373,19 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
         if active[b]:
             hit_context = budget < config.max_new_tokens
             result.stop_reasons[b] = "context_length" if hit_context else "max_new_tokens"
+
+
+def _unpicked(new: list[int], active: list[bool], step: int, logits: torch.Tensor | None,
+              config: SampleConfig, state: dict, token: torch.Tensor) -> torch.Tensor:
+    """A step gave -1 (no distribution) for some rows: raise SamplingError for the first active
+    one. A finished row still runs through the model; its -1 becomes 0 so the next step has an id."""
+    with torch.inference_mode():  # the loop's tensors are inference tensors
+        for b, t in enumerate(new):
+            if t < 0 and active[b]:
+                cause = (invalid_cause(logits, b, config, **state) if logits is not None
+                         else f"the model's logits contain NaN or inf ({MODEL_CAUSE})")
+                raise SamplingError(cause, b, step)
+        return token.clamp_min(0)
 
 
 def _as_batch(prompt_ids) -> list[list[int]]:
@@ -444,7 +468,7 @@ def generate_reference(model, prompt_ids: Sequence[int], config: SampleConfig = 
             seen[0, seq] = True  # every token of the context, prompt included
             counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=device),
                                     minlength=mc.vocab_size).float()[None]  # generated tokens only
-            token = int(next_token(logits, config, generator, bias=bias, seen=seen, counts=counts))
+            token = int(next_token(logits, config, generator, step=step, bias=bias, seen=seen, counts=counts))
         elapsed = time.perf_counter() - t0
         if step == 0:
             result.prefill_seconds = elapsed

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from logitlab.sampling import SampleConfig, bias_vector, process_logits, softmax
+from logitlab.sampling import MODEL_CAUSE, SampleConfig, bias_vector, process_logits, softmax
 
 TokenText = Callable[[int], str] | None
 
@@ -38,9 +38,24 @@ def _ids_tensor(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return ids.to(next(model.parameters()).device)
 
 
+def _check_k(k: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (how many candidates to list) must be an integer >= 1, got {k!r}")
+
+
+def _check_finite(logits: torch.Tensor, what: str = "the model's logits") -> torch.Tensor:
+    """logits (..., T, V) unchanged, or a RuntimeError naming the first position with NaN or inf."""
+    bad = ~torch.isfinite(logits).all(dim=-1)  # (..., T)
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, -1])
+        raise RuntimeError(f"{what} at position {position} contain NaN or inf ({MODEL_CAUSE})")
+    return logits
+
+
 def _position(position: int, T: int) -> int:
     if not -T <= position < T:
-        raise ValueError(f"position {position} is outside the {T} tokens of the text (0..{T - 1})")
+        raise ValueError(f"position {position} is outside the {T} tokens of the text (0..{T - 1}, or -{T}..-1 "
+                         f"counting from the end)")
     return position % T
 
 
@@ -90,7 +105,7 @@ def token_surprisals(model, ids: Sequence[int], token_text: TokenText = None) ->
     if T < 2:
         raise ValueError("need at least two tokens to score (the first one has no prediction)")
     with torch.no_grad():
-        logp = torch.log_softmax(model(x)[0].float(), dim=-1)  # (T, V)
+        logp = torch.log_softmax(_check_finite(model(x)[0].float()), dim=-1)  # (T, V)
     targets = x[0, 1:]  # (T-1,) token t+1 is predicted at position t
     nats = (-logp[:-1].gather(-1, targets[:, None])[:, 0]).tolist()
     ids_list = x[0].tolist()
@@ -130,10 +145,13 @@ def next_token_table(model, ids: Sequence[int], position: int = -1, config: Samp
                      k: int = 10, token_text: TokenText = None) -> NextTokenTable:
     """Top-k of the raw softmax and of process_logits (temperature / top-k / top-p / min-p, plus
     bias and banned ids) at one position: the prediction for the token after ids[position]."""
+    _check_k(k)
     x = _ids_tensor(model, ids)
     pos = _position(position, x.shape[1])
     with torch.no_grad():
         logits = model(x[:, :pos + 1])[:, -1].float()  # (1, V)
+    if not bool(torch.isfinite(logits).all()):
+        raise RuntimeError(f"the model's logits at position {pos} contain NaN or inf ({MODEL_CAUSE})")
     raw = softmax(logits)[0]
     processed = process_logits(logits, config, bias=bias_vector(config, logits.shape[-1]))[0]
 
@@ -162,6 +180,7 @@ def lens_logits(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logits, hidden = model.forward_with_hidden(x)  # hidden: L+1 x (1, T, D)
         layers = [model.unembed(h)[0].float() for h in hidden[:-1]]  # L x (T, V)
+    _check_finite(logits[0].float())
     return torch.stack(layers + [logits[0].float()])
 
 
@@ -179,6 +198,7 @@ def logit_lens(model, ids: Sequence[int], position: int = -1, k: int = 1,
                token_text: TokenText = None) -> list[LensEntry]:
     """Top-k predictions at `position` for every layer; the actual next token's probability too
     when the text continues past `position`."""
+    _check_k(k)
     x = _ids_tensor(model, ids)
     T = x.shape[1]
     pos = _position(position, T)
@@ -206,6 +226,7 @@ class Neighbour:
 def embedding_neighbours(model, token_id: int, k: int = 10, token_text: TokenText = None) -> list[Neighbour]:
     """The k tokens whose rows of the input embedding table (V, D) are most cosine-similar to
     `token_id`'s row (the token itself excluded; padded vocabulary rows never appear)."""
+    _check_k(k)
     V = model.config.vocab_size
     if not 0 <= token_id < V:
         raise ValueError(f"token id {token_id} is outside the vocabulary 0..{V - 1}")

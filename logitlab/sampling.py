@@ -11,7 +11,10 @@ Processing order, applied to float32 logits (B, V) by `process_logits`:
      one multiplied by it;
   3. frequency and presence penalties over the generated tokens (OpenAI's definition):
      logit -= frequency * count + presence * (count > 0);
-  4. temperature: logits / T; T = 0 means greedy (the argmax of steps 1-3, no randomness);
+  4. temperature: logits / T, each row shifted first so that its largest logit is 0 (the same
+     softmax, and no overflow however small T is); T = 0 means greedy (the argmax of steps 1-3, no
+     randomness), and so does any T below GREEDY_BELOW (float32's smallest normal number, about
+     1.2e-38), the limit of sampling as T -> 0;
   5. top-k: keep the k largest logits;
   6. softmax (max subtracted first, so it never overflows);
   7. top-p (nucleus, Holtzman et al. 2019): keep the smallest set of most probable tokens whose
@@ -19,15 +22,47 @@ Processing order, applied to float32 logits (B, V) by `process_logits`:
   8. min-p: drop tokens whose probability is below min_p times the largest one, renormalise.
 Sampling then draws from those probabilities with a torch.Generator passed in.
 
+A row whose probabilities are not a distribution (the model's logits hold NaN or inf, or every
+token is excluded) never yields a token: the public functions raise SamplingError naming the row
+and the cause. In the decode loop the check rides on the choice (the max that greedy takes, the
+probability of the drawn token) and adds no host synchronisation: `pick` marks such a row with
+the id -1, and the loop raises when it reads the ids.
+
 Shapes: B batch, V vocab.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
+
+F32_MAX = float(torch.finfo(torch.float32).max)        # 3.4e38: larger values are inf in float32
+GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: a smaller temperature is greedy
+
+
+def _real(x) -> bool:
+    """A finite number that float32 holds (bools are not numbers here)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and abs(x) <= F32_MAX
+
+
+def _integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+class SamplingError(RuntimeError):
+    """No next token can be chosen for a row: its probabilities are not a distribution.
+
+    `row` is the batch row, `step` the new token's index (0: the first after the prompt; None
+    outside the decode loop) and `cause` says why, e.g. NaN in the model's logits."""
+
+    def __init__(self, cause: str, row: int, step: int | None = None):
+        self.cause, self.row, self.step = cause, row, step
+        where = f"batch row {row}" if step is None else f"step {step} (new token {step + 1}) of batch row {row}"
+        super().__init__(f"cannot choose the next token at {where}: {cause}")
 
 
 def _f(default, text: str):
@@ -39,7 +74,7 @@ class SampleConfig:
     """How to choose each next token and when to stop. Every field has a no-op default."""
 
     max_new_tokens: int = _f(64, "most tokens to generate per prompt")
-    temperature: float = _f(1.0, "divide logits by T before softmax; 0 = greedy (argmax)")
+    temperature: float = _f(1.0, "divide logits by T before softmax; 0 = greedy (argmax), as is any T < 1.2e-38")
     top_k: int = _f(0, "keep only the k most likely tokens (0 = off)")
     top_p: float = _f(1.0, "keep the smallest set of top tokens whose mass reaches P (1 = off)")
     min_p: float = _f(0.0, "drop tokens less likely than min_p x the top token (0 = off)")
@@ -49,7 +84,7 @@ class SampleConfig:
     seed: int | None = _f(None, "seed for the sampler's torch.Generator (None = random)")
     stop_ids: tuple[int, ...] = _f((), "token ids that end generation (besides end-of-text)")
     banned_ids: tuple[int, ...] = _f((), "token ids that are never generated")
-    logit_bias: tuple[tuple[int, float], ...] = _f((), "(id, bias) pairs added to the logits")
+    logit_bias: tuple[tuple[int, float], ...] = _f((), "(id, bias) pairs added to the logits; -inf bans the id")
     stop_sequences: tuple[tuple[int, ...], ...] = _f((), "token-id sequences that end generation")
     stop_bytes: tuple[bytes, ...] = _f((), "byte strings that end generation (needs a token->bytes table)")
 
@@ -64,14 +99,19 @@ class SampleConfig:
         fix("logit_bias", tuple((int(i), float(b)) for i, b in self.logit_bias))
         fix("stop_sequences", tuple(tuple(int(i) for i in s) for s in self.stop_sequences))
         fix("stop_bytes", tuple(s.encode() if isinstance(s, str) else bytes(s) for s in self.stop_bytes))
+        real = {name: _real(getattr(self, name)) for name in (
+            "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")}
         checks = (
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-             "an integer >= 1"),
-            ("temperature", self.temperature >= 0, ">= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
-            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("max_new_tokens", _integer(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("temperature", real["temperature"] and self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", _integer(self.top_k) and self.top_k >= 0, "an integer >= 0"),
+            ("top_p", real["top_p"] and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", real["min_p"] and 0 <= self.min_p < 1, "in [0, 1)"),
+            ("repetition_penalty", real["repetition_penalty"] and self.repetition_penalty > 0, "a finite number > 0"),
+            ("frequency_penalty", real["frequency_penalty"], "a finite number"),
+            ("presence_penalty", real["presence_penalty"], "a finite number"),
+            ("seed", self.seed is None or (_integer(self.seed) and -2**63 <= self.seed < 2**64),
+             "None or an integer in [-2**63, 2**64)"),
             ("stop_ids", all(i >= 0 for i in self.stop_ids), "non-negative token ids"),
             ("banned_ids", all(i >= 0 for i in self.banned_ids), "non-negative token ids"),
             ("stop_sequences", all(self.stop_sequences), "non-empty"),
@@ -79,11 +119,21 @@ class SampleConfig:
         )
         for name, ok, rule in checks:
             if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+                value = getattr(self, name)
+                big = isinstance(value, float) and math.isfinite(value) and abs(value) > F32_MAX
+                raise ValueError(f"{name} must be {rule}{' (float32 holds at most 3.4e38)' if big else ''}, "
+                                 f"got {value!r}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} must be non-negative")
+            if not (_real(bias) or bias == float("-inf")):
+                raise ValueError(f"logit_bias for token {token} must be a finite number, or -inf to ban the "
+                                 f"token, got {bias!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """T = 0, or a T so small (below GREEDY_BELOW) that float32 cannot divide by it: the argmax."""
+        return self.temperature < GREEDY_BELOW
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,8 +149,13 @@ def softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / T for T > 0 (T = 0 is greedy and handled by the caller)."""
-    return logits if temperature == 1.0 else logits / temperature
+    """(logits - row max) / T for T > 0 (T = 0 is greedy and handled by the caller).
+
+    The shift leaves softmax and top-k unchanged and keeps a small T from overflowing: the largest
+    logit becomes 0 / T = 0 and the others go towards -inf, never to inf - inf = NaN."""
+    if temperature == 1.0:
+        return logits
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -163,7 +218,10 @@ def bias_vector(config: SampleConfig, vocab_size: int, device=None) -> torch.Ten
         _check_id(token, vocab_size, "banned_ids")
         bias[token] = float("-inf")
     if torch.isinf(bias).all():
-        raise ValueError("banned_ids ban every token of the vocabulary")
+        raise ValueError("banned_ids and -inf logit_bias values ban every token of the vocabulary")
+    over = torch.isposinf(bias).nonzero()
+    if len(over):
+        raise ValueError(f"logit_bias values for token {int(over[0])} add up to +inf in float32")
     return bias
 
 
@@ -185,16 +243,29 @@ def adjust_logits(logits: torch.Tensor, config: SampleConfig, *, bias: torch.Ten
     return x
 
 
-def process_logits(logits: torch.Tensor, config: SampleConfig, *, bias: torch.Tensor | None = None,
-                   seen: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits (B, V) -> the probabilities (B, V) float32 that sampling draws from (all 8 steps).
-
-    At temperature 0 the result is one-hot at the greedy choice."""
-    x = adjust_logits(logits, config, bias=bias, seen=seen, counts=counts)
+def _probabilities(x: torch.Tensor, config: SampleConfig) -> torch.Tensor:
+    """Steps 4-8 on adjusted logits (B, V), unchecked; one-hot at the argmax when greedy."""
     if config.greedy:
         return torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
     x = top_k_filter(apply_temperature(x, config.temperature), config.top_k)
     return min_p_filter(top_p_filter(softmax(x), config.top_p), config.min_p)
+
+
+def process_logits(logits: torch.Tensor, config: SampleConfig, *, bias: torch.Tensor | None = None,
+                   seen: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, V) -> the probabilities (B, V) float32 that sampling draws from (all 8 steps).
+
+    At temperature 0 the result is one-hot at the greedy choice. Raises SamplingError for a row
+    with no distribution (NaN or +inf in the logits, or every token excluded), as `pick` does."""
+    state = dict(bias=bias, seen=seen, counts=counts)
+    x = adjust_logits(logits, config, **state)
+    _raise_unless(torch.isfinite(x.amax(dim=-1)), logits, config, None, state)  # NaN, +inf or all -inf
+    return _probabilities(x, config)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    e = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / e.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -203,18 +274,77 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i (the
     smallest of independent Exp(p_i) waiting times); unlike torch.multinomial it needs no
     host synchronisation. E is clamped away from 0 (a draw of exactly 0 would turn p / E into
-    inf, or NaN for p = 0, which argmax would pick), so zero-probability tokens can never win."""
-    e = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / e.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+    inf, or NaN for p = 0, which argmax would pick), so zero-probability tokens can never win.
+    A row that is not a distribution (NaN, inf, a negative value, no positive mass) raises
+    SamplingError."""
+    ids = _draw(probs, generator)
+    ok = ((probs >= 0) & (probs < float("inf"))).all(dim=-1) & (probs.gather(-1, ids[:, None])[:, 0] > 0)
+    if not bool(ok.all()):
+        row = int((~ok).nonzero()[0])
+        raise SamplingError("the probabilities are not a distribution (NaN, inf, negative, or no positive mass)",
+                            row)
+    return ids
+
+
+def pick(logits: torch.Tensor, config: SampleConfig, generator: torch.Generator | None = None,
+         **state) -> torch.Tensor:
+    """next_token without its check or host synchronisation: ids (B,), and -1 for a row with no
+    distribution to choose from (see invalid_cause). For a loop that reads the ids anyway.
+
+    The check rides on the choice itself: a NaN or +inf logit, from the model or the settings,
+    reaches the adjusted logits (bias, penalties and where() keep it), whose max is then NaN or
+    inf, and makes the whole softmax NaN; every token at -inf leaves a max of -inf, or no
+    probability. A model's -inf on some tokens (they can never be chosen) passes."""
+    x = adjust_logits(logits, config, **state)
+    if config.greedy:
+        top, ids = x.max(dim=-1)  # one pass, as argmax
+        ok = torch.isfinite(top)
+    else:
+        probs = _probabilities(x, config)
+        ids = _draw(probs, generator)
+        ok = probs.gather(-1, ids[:, None])[:, 0] > 0  # False for NaN
+    return ids.masked_fill(~ok, -1)
 
 
 def next_token(logits: torch.Tensor, config: SampleConfig, generator: torch.Generator | None = None,
-               **state) -> torch.Tensor:
+               *, step: int | None = None, **state) -> torch.Tensor:
     """Logits (B, V) -> next ids (B,): greedy argmax at T = 0, otherwise a draw from
-    process_logits. `state` is bias / seen / counts as in adjust_logits."""
-    if config.greedy:
-        return adjust_logits(logits, config, **state).argmax(dim=-1)
-    return sample(process_logits(logits, config, **state), generator)
+    process_logits. `state` is bias / seen / counts as in adjust_logits. A row with no
+    distribution raises SamplingError (`step`, when given, is named in it)."""
+    ids = pick(logits, config, generator, **state)
+    _raise_unless(ids >= 0, logits, config, step, state)
+    return ids
+
+
+def _raise_unless(ok: torch.Tensor, logits: torch.Tensor, config: SampleConfig, step: int | None,
+                  state: dict) -> None:
+    if not bool(ok.all()):
+        row = int((~ok).nonzero()[0])
+        raise SamplingError(invalid_cause(logits, row, config, **state), row, step)
+
+
+MODEL_CAUSE = "check the weights and the model config, e.g. norm_eps"
+
+
+def invalid_cause(logits: torch.Tensor, row: int, config: SampleConfig, *, bias: torch.Tensor | None = None,
+                  seen: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> str:
+    """Why row `row` of logits (B, V) gives no distribution: the model's logits, the logit bias
+    and penalties, or every token excluded. The slow path, after a check failed."""
+    raw = logits[row:row + 1].float()  # (1, V)
+    nan, inf = int(raw.isnan().sum()), int(raw.isposinf().sum())
+    if nan or inf:
+        found = " and ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "+inf")) if n)
+        return f"the model's logits contain {found} values of {raw.shape[-1]} ({MODEL_CAUSE})"
+    if raw.isneginf().all():
+        return f"the model's logits are all -inf ({MODEL_CAUSE})"
+    x = adjust_logits(raw, config, bias=bias, seen=None if seen is None else seen[row:row + 1],
+                      counts=None if counts is None else counts[row:row + 1])
+    if x.isnan().any() or x.isposinf().any():
+        return ("logit_bias and the repetition/frequency/presence penalties turned a logit into NaN or +inf "
+                "(use smaller values)")
+    if x.isneginf().all():
+        return "every token is excluded by banned_ids, -inf logit_bias values and the penalties"
+    return "temperature/top-k/top-p/min-p left no token with a positive probability"
 
 
 def make_generator(seed: int | None, device=None) -> torch.Generator:

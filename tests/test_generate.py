@@ -616,3 +616,93 @@ def test_cli_hf_dir_with_gpt2_vocab_files(tmp_path, gpt2_files, capsys):
                              "--max-new-tokens", "3", "--json"])
     assert out["prompt_ids"] == [15496, 11, 995]  # GPT-2's own ids for "Hello, world"
     assert len(out["ids"]) <= 3
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--frequency-penalty", "nan"], "frequency_penalty must be a finite number, got nan"),
+    (["--presence-penalty", "inf"], "presence_penalty must be a finite number, got inf"),
+    (["--logit-bias", "5=nan"], "logit_bias for token 5 must be a finite number, or -inf"),
+    (["--logit-bias", "5=inf", "--logit-bias", "6=inf"], "logit_bias for token 5 must be a finite number"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
+    (["--seed", str(2**70)], "seed must be None or an integer"),
+])
+def test_cli_refuses_non_finite_sampling_controls(hf_dir, capsys, flags, named):
+    from logitlab.cli import main
+
+    assert main(["generate", "--hf", str(hf_dir), "Hello", "--json"] + flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"error: {named}" in " ".join(captured.err.split())
+
+
+def test_cli_tiny_temperature_is_greedy(hf_dir, capsys):
+    base = ["generate", "--hf", str(hf_dir), "Hello, world", "--max-new-tokens", "6", "--json", "--temperature"]
+    assert _cli_json(capsys, base + ["1e-40"])["ids"] == _cli_json(capsys, base + ["0"])["ids"]
+
+
+def test_cli_generate_and_chat_stop_with_one_error_line_on_non_finite_logits(tmp_path, capsys, monkeypatch):
+    """A final norm of 3e38 (finite, so the checkpoint loads) overflows the logits to inf / NaN:
+    exit code 2 and one error naming the step and row, on a line of its own."""
+    import io
+
+    from logitlab import checkpoint
+    from logitlab.cli import main
+
+    tok = small_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2,
+                                    n_heads=4))
+    with torch.no_grad():
+        model.final_norm.weight.fill_(3e38)
+    d = tmp_path / "m"
+    checkpoint.save_model(model, d)
+    tok.save(d / checkpoint.TOKENIZER_FILE)
+    for argv in (["Hello"], ["Hello", "--json"], ["Hello", "--temperature", "0"]):
+        assert main(["generate", "--checkpoint", str(d), "--max-new-tokens", "4"] + argv) == 2
+        captured = capsys.readouterr()
+        err = " ".join(captured.err.split())
+        assert captured.out in ("", "Hello\n") and captured.err.count("error:") == 1
+        assert "cannot choose the next token at step 0 (new token 1) of batch row 0: the model's logits" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
+    assert main(["chat", "--checkpoint", str(d), "--max-new-tokens", "4"]) == 2
+    assert "the model's logits contain" in " ".join(capsys.readouterr().err.split())
+
+
+def test_cli_ordinary_keeps_special_token_text_as_text(hf_dir, capsys, monkeypatch):
+    import io
+
+    import logitlab.generate as gen
+    from logitlab.cli import main
+    from logitlab.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf(hf_dir / "tokenizer.json")
+    prompt = "Hello<|endoftext|>world"
+    base = ["generate", "--hf", str(hf_dir), prompt, "--temperature", "0", "--max-new-tokens", "2", "--json"]
+    parsed = _cli_json(capsys, base)["prompt_ids"]
+    assert parsed == tok.encode(prompt) and tok.eot_id in parsed  # the default: special tokens parsed
+    plain = _cli_json(capsys, base + ["--ordinary"])["prompt_ids"]
+    assert plain == tok.encode_ordinary(prompt) and tok.eot_id not in plain
+    # chat: the transcript is plain text by default (and with --ordinary), parsed with --no-ordinary
+    prompts, real = [], gen.stream
+
+    def recording(model, ids, *args, **kwargs):
+        prompts.append(list(ids))
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(gen, "stream", recording)
+    for flags in ([], ["--ordinary"], ["--no-ordinary"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO(prompt + "\n"))
+        assert main(["chat", "--hf", str(hf_dir), "--max-new-tokens", "2", "--seed", "0"] + flags) == 0
+    assert [tok.eot_id in ids for ids in prompts] == [False, False, True]
+
+
+def test_cli_help_says_how_special_token_text_is_read(capsys, monkeypatch):
+    from logitlab.cli import main
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps (and splits at hyphens) to this width
+    for command, says in (("generate", "Special-token text in PROMPT such as <|endoftext|> becomes its id; "
+                                       "--ordinary keeps it as text"),
+                          ("chat", "What you type is plain text: special-token text such as <|endoftext|> "
+                                   "stays text (--no-ordinary turns it into the special token's id)")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert says in capsys.readouterr().out

@@ -137,3 +137,59 @@ def test_cli_inspect_json(tmp_path, capsys):
     assert main(["inspect", "--checkpoint", str(d), "The cat", "--neighbours", "two tokens"]) == 2
     assert main(["inspect", "--checkpoint", str(d), "The cat", "--lens"]) == 0
     assert "logit lens" in capsys.readouterr().out
+
+
+def test_k_must_be_a_positive_integer(model):
+    for call in (lambda: next_token_table(model, TEXT, k=0), lambda: logit_lens(model, TEXT, k=-1),
+                 lambda: embedding_neighbours(model, 3, k=-1)):
+        with pytest.raises(ValueError, match=r"k \(how many candidates to list\) must be an integer >= 1"):
+            call()
+
+
+def test_non_finite_logits_are_refused_naming_the_position(model):
+    bad = copy.deepcopy(model)
+    with torch.no_grad():
+        bad.final_norm.weight[0] = float("nan")  # every position's logits are NaN
+    for call, position in ((lambda: token_surprisals(bad, TEXT), 0), (lambda: lens_logits(bad, TEXT), 0),
+                           (lambda: logit_lens(bad, TEXT), 0), (lambda: next_token_table(bad, TEXT, 4), 4)):
+        with pytest.raises(RuntimeError, match=f"the model's logits at position {position} contain NaN or inf"):
+            call()
+
+
+def _checkpoint(tmp_path):
+    from logitlab import checkpoint
+    from tests.test_generate import small_tokenizer
+
+    tok = small_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2,
+                                    n_heads=4))
+    d = tmp_path / "m"
+    checkpoint.save_model(model, d)
+    tok.save(d / checkpoint.TOKENIZER_FILE)
+    return d, tok
+
+
+@pytest.mark.parametrize("flags", [["--rows", "-1"], ["--rows", "0"], ["--rows", "two"], ["--top-k", "-1"],
+                                   ["--temperature", "nan"], ["--temperature", "-1"], ["--top-p", "0"],
+                                   ["--min-p", "1"]])
+def test_cli_inspect_refuses_bad_numbers_naming_the_flag(flags, capsys):
+    from logitlab.cli import main
+
+    with pytest.raises(SystemExit) as exit:  # argparse: usage and the error, before loading anything
+        main(["inspect", "--checkpoint", "not-loaded", "text"] + flags)
+    assert exit.value.code == 2
+    assert f"argument {flags[0]}: must be " in capsys.readouterr().err
+
+
+def test_cli_inspect_ordinary(tmp_path, capsys):
+    import json
+
+    from logitlab.cli import main
+
+    d, tok = _checkpoint(tmp_path)
+    text = "The<|endoftext|>cat"
+    for flags, ids in (([], tok.encode(text)), (["--ordinary"], tok.encode_ordinary(text))):
+        assert main(["inspect", "--checkpoint", str(d), text, "--json"] + flags) == 0
+        assert json.loads(capsys.readouterr().out)["ids"] == ids
+    assert tok.eot_id in tok.encode(text) and tok.eot_id not in tok.encode_ordinary(text)
