@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from logitlab import cli, runtime
-from logitlab.cli_train import _prepare, _run_training, _train_tokenizer, plot_run
+from logitlab.cli_train import _prepare, _run_training, _train_tokenizer, exit_code, plot_run
 
 # The demo's sizes. The full demo tokenizes 12 MB spread over the default corpus and sets its step
 # count from a short timing of the model, so that training takes about `train_seconds` on the machine at hand.
@@ -32,7 +32,40 @@ _DEMO = {
 DEMO_PROMPT = "def main(argv=None):\n    "
 
 
+# What a demo run directory holds that the demo itself wrote; a rerun removes these and nothing
+# else (a Hugging Face export or a note a user put beside them stays).
+_DEMO_OUTPUTS = ("demo.json", "run.json", "metrics.jsonl", "loss.png", "tokenizer.logitlab.json", "data",
+                 "tensorboard")
+
+
+def _clear_demo_run(out: Path) -> None:
+    """Remove an earlier demo's outputs from `out` (which must be a demo run: demo.json)."""
+    from logitlab import checkpoint
+
+    if not (out / "demo.json").is_file():
+        raise ValueError(f"{out} exists and is not a demo run directory; choose another --out")
+    checkpoint.remove_stale_temporaries(out)
+    for ckpt in checkpoint.list_checkpoints(out):
+        checkpoint.delete_checkpoint(ckpt)
+    for name in _DEMO_OUTPUTS:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
 def cmd_demo(args) -> int:
+    from logitlab.files import RunLock
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / "demo.json").is_file():
+        raise ValueError(f"{out} exists and is not a demo run directory; choose another --out")
+    with RunLock(out):
+        return _demo(args, out)
+
+
+def _demo(args, out: Path) -> int:
     import torch
 
     from logitlab.families import get_preset
@@ -41,12 +74,9 @@ def cmd_demo(args) -> int:
 
     con = cli.console()
     spec = _DEMO["quick" if args.quick else "full"]
-    out = Path(args.out)
-    if out.exists():
-        if not (out / "demo.json").is_file():
-            raise ValueError(f"{out} exists and is not a demo run directory; choose another --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    if (out / "demo.json").is_file():
+        _clear_demo_run(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps({"quick": args.quick, **spec}, indent=2) + "\n")
     t0 = time.perf_counter()
     tok = _train_tokenizer(None, spec["vocab"], spec["tok_bytes"], con)
@@ -74,9 +104,9 @@ def cmd_demo(args) -> int:
     con.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters "
               f"(L={model_cfg.n_layers}, D={model_cfg.d_model}, V={model_cfg.vocab_size}, "
               f"T={model_cfg.context_length})")
-    result = _run_training(model, train_cfg, tok, con, args.progress, False)
+    result = _run_training(model, train_cfg, tok, con, args.progress, False, lock=False)
     if result.stopped == "signal":
-        return 0
+        return exit_code(result)
     png = plot_run(out)
     model.eval()
     _show_sample(model, tok, args.prompt, con, seed=args.seed)

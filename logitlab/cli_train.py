@@ -8,6 +8,7 @@ and hf.py. `logitlab demo` (cli_demo.py) strings these same pieces together.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -122,12 +123,20 @@ class _LiveProgress:
             self.bar = None
 
 
-def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool, parallel=None):
+def exit_code(result) -> int:
+    """0 for a finished run (or one stopped by its time limit); 128 + the signal's number for a
+    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell."""
+    return 128 + (result.signal or 2) if result.stopped == "signal" else 0
+
+
+def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool, parallel=None,
+                  lock: bool = True):
     from logitlab.train import train
 
     live = _LiveProgress(con, progress)
     try:
-        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live, parallel=parallel)
+        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live, parallel=parallel,
+                       lock=lock)
     finally:
         live.close()
     if result.stopped == "time":
@@ -193,7 +202,7 @@ def cmd_train(args) -> int:
     from logitlab import parallel as P
 
     if args.resume and (Path(args.resume) / "run.json").is_file():
-        table = {"train": json.loads((Path(args.resume) / "run.json").read_text())["train"]}
+        table = {"train": _read_run(args.resume)["train"]}
     else:
         table = cli.read_toml(args.config) if args.config else {}
     hooks = parallel_hooks(cli.build_config(TrainConfig, args, table.get("train", {})))
@@ -212,41 +221,116 @@ def _quiet_console():
 
 
 def _train_one(args, con, hooks) -> int:
+    """Validate every setting, then (holding the run directory's lock on the writing process)
+    train or resume."""
+    from logitlab.files import RunLock
+    from logitlab.train import TrainConfig
+
+    main = hooks is None or hooks.main
+    if args.resume:
+        run = _resume_configs(args)
+        out = Path(args.resume)
+    else:
+        table = cli.read_toml(args.config) if args.config else {}
+        # every config error is reported before anything is written (the vocabulary size comes later)
+        train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
+        _model_config(args, table, None)
+        out = Path(train_cfg.out_dir)
+        _check_sources(args, train_cfg)
+    with RunLock(out) if main else contextlib.nullcontext():
+        if args.resume:
+            return _resume(args, run, con, hooks)
+        return _start(args, table, train_cfg, con, hooks)
+
+
+# Settings that may change when a run resumes: how long it runs, how often it evaluates, saves and
+# logs, and how fast (device, compile, matmul and allocator modes). Everything else would make the
+# resumed run a different run, so a flag that changes it is refused. --steps moves the end of the
+# cosine schedule with the run's end.
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "save_every", "keep_last", "log_every",
+                     "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory")
+
+
+def _read_run(run_dir) -> dict:
+    from logitlab.files import read_json
+
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: no run.json there (not a run directory)")
+    run = read_json(path, "run file")
+    if not isinstance(run, dict) or not isinstance(run.get("train"), dict) or not isinstance(run.get("model"), dict):
+        raise ValueError(f"{path}: not a logitlab run file (expected the objects \"train\" and \"model\")")
+    return run
+
+
+def _resume_configs(args) -> dict:
+    """run.json of the run, and the typed flags checked against it: only RESUME_MAY_CHANGE may
+    differ; a model, data or tokenizer flag that conflicts is an error listing them all."""
+    import dataclasses
+
+    from logitlab.model import ModelConfig
+    from logitlab.train import TrainConfig
+
+    run = _read_run(args.resume)
+    conflicts = []
+    for name in (f.name for f in dataclasses.fields(ModelConfig)):
+        if hasattr(args, name) and getattr(args, name) != run["model"].get(name):
+            conflicts.append(f"--{name.replace('_', '-')} {getattr(args, name)} (the run has {run['model'].get(name)})")
+    for name in (f.name for f in dataclasses.fields(TrainConfig)):
+        if name in RESUME_MAY_CHANGE or name == "out_dir" or not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        value = tuple(value) if isinstance(value, list) else value
+        if value != run["train"].get(name):
+            conflicts.append(f"--{name.replace('_', '-')} {value} (the run has {run['train'].get(name)})")
+    for flag in ("config", "preset", "tokenizer", "data"):
+        if getattr(args, flag, None):
+            conflicts.append(f"--{flag} (the run keeps its own)")
+    if conflicts:
+        may = ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE)
+        raise ValueError(f"--resume {args.resume}: these flags conflict with the run: {'; '.join(conflicts)}. "
+                         f"A resumed run may change only {may}")
+    return run
+
+
+def _resume(args, run: dict, con, hooks) -> int:
     import torch
 
-    from logitlab.checkpoint import latest_checkpoint
     from logitlab.model import ModelConfig, Transformer
     from logitlab.tokenizer import Tokenizer
     from logitlab.train import TrainConfig
 
+    train_cfg = cli.build_config(TrainConfig, args, run["train"], out_dir=str(args.resume))
+    model_cfg = ModelConfig.from_dict(run["model"])
+    tok_file = Path(args.resume) / "tokenizer.logitlab.json"
+    tokenizer = Tokenizer.load(tok_file) if tok_file.is_file() else None
+    torch.manual_seed(train_cfg.seed)
+    result = _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True, hooks, lock=False)
+    return exit_code(result)
+
+
+def _check_sources(args, train_cfg) -> None:
+    """Missing data files and a token directory without a manifest are named before anything is written."""
+    from logitlab.data import read_manifest, resolve_sources
+
+    if args.data:
+        resolve_sources(args.data)
+    if train_cfg.data_dir:
+        read_manifest(train_cfg.data_dir)
+
+
+def _start(args, table: dict, train_cfg, con, hooks) -> int:
+    import torch
+
+    from logitlab.model import Transformer
+    from logitlab.tokenizer import Tokenizer
+    from logitlab.train import check_new_run_dir
+
     main = hooks is None or hooks.main
-    table = cli.read_toml(args.config) if args.config else {}
-    if args.resume:  # the run's own configs, with typed flags overriding (e.g. --steps)
-        if not (Path(args.resume) / "run.json").is_file():
-            raise FileNotFoundError(f"--resume {args.resume}: no run.json there (not a run directory)")
-        run = json.loads((Path(args.resume) / "run.json").read_text())
-        train_cfg = cli.build_config(TrainConfig, args, run["train"], out_dir=str(args.resume))
-        model_cfg = ModelConfig.from_dict(run["model"])
-        tok_file = Path(args.resume) / "tokenizer.logitlab.json"
-        tokenizer = Tokenizer.load(tok_file) if tok_file.is_file() else None
-        torch.manual_seed(train_cfg.seed)
-        _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True, hooks)
-        return 0
-    # every config error is reported before any work (the vocabulary size is filled in later)
-    train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
-    _model_config(args, table, None)
     tokenizer_path = args.tokenizer or table.get("tokenizer")
     out = Path(train_cfg.out_dir)
-    if latest_checkpoint(out) is not None:
-        raise ValueError(f"{out} already holds a run; use --resume {out} or another --out-dir")
-    if args.data:
-        from logitlab.data import resolve_sources
-
-        resolve_sources(args.data)  # missing files are named now
+    check_new_run_dir(out)
     if train_cfg.data_dir:
-        from logitlab.data import read_manifest
-
-        read_manifest(train_cfg.data_dir)
         tokenizer_path = tokenizer_path or Path(train_cfg.data_dir) / "tokenizer.logitlab.json"
     prepared = out / "data"
     if main:
@@ -268,8 +352,8 @@ def _train_one(args, con, hooks) -> int:
     n = sum(p.numel() for p in model.parameters())
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
               f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
-    _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks)
-    return 0
+    result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False)
+    return exit_code(result)
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +370,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{path}, line {n}: not a JSON record ({exc}); the file may be truncated") from None
     if not rows:
         raise ValueError(f"{path} holds no records yet")
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
@@ -322,7 +412,7 @@ def cmd_plot(args) -> int:
 def cmd_export(args) -> int:
     from logitlab.checkpoint import export_hf
 
-    out = export_hf(args.run_dir, args.hf, args.which)
+    out = export_hf(args.run_dir, args.hf, args.which, overwrite=args.overwrite)
     cli.console().print(f"wrote {out} (AutoModelForCausalLM / AutoTokenizer)")
     return 0
 
@@ -365,4 +455,7 @@ def register(subparsers) -> None:
     p.add_argument("run_dir", help="run directory or checkpoint directory")
     p.add_argument("--hf", required=True, metavar="OUT_DIR")
     p.add_argument("--which", choices=["latest", "best"], default="latest")
+    p.add_argument("--overwrite", action="store_true", help="replace an OUT_DIR that logitlab exported "
+                   "before (only its own files; anything else there is kept). Without it OUT_DIR must be "
+                   "new or empty; it may lie inside the run directory")
     p.set_defaults(func=cmd_export)

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from logitlab import checkpoint as ckpt_io
 from logitlab import data as data_io
-from logitlab import layers, runtime
-from logitlab.model import config_from_dict
+from logitlab import files, layers, runtime
+from logitlab.model import check_field_types, config_from_dict
 from logitlab.optim import WarmupCosine, build_adamw, clip_grad_norm
 
 
@@ -89,22 +89,31 @@ class TrainConfig:
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "grad_accum", "eval_tokens", "keep_last", "log_every")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise ValueError(f"parallel must be 'none', 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+        if self.keep_freed_memory not in ("auto", "on", "off"):
+            raise ValueError(f"keep_freed_memory must be 'auto', 'on' or 'off', got {self.keep_freed_memory!r}")
+        if self.bf16_matmul not in layers.BF16_MATMUL_MODES:
+            raise ValueError(f"bf16_matmul must be one of {layers.BF16_MATMUL_MODES}, got {self.bf16_matmul!r}")
+        check_field_types(self)  # then types: a string "3e-4" for lr is named, and every float is finite
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
-        for name in ("warmup_steps", "eval_every"):
-            if getattr(self, name) < 0:
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_tokens", "keep_last", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "eval_every", "save_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.time_limit_s is not None and self.time_limit_s <= 0:
-            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
-        if self.save_every is not None and self.save_every < 0:
-            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
-        if self.seq_len is not None and self.seq_len <= 0:
-            raise ValueError(f"seq_len must be positive, got {self.seq_len}")
+        for name in ("time_limit_s", "seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
@@ -116,14 +125,6 @@ class TrainConfig:
         if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
                              f">= 0 and eps ({self.eps}) > 0")
-        if self.parallel not in ("none", "ddp", "fsdp"):
-            raise ValueError(f"parallel must be 'none', 'ddp' or 'fsdp', got {self.parallel!r}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
-        if self.keep_freed_memory not in ("auto", "on", "off"):
-            raise ValueError(f"keep_freed_memory must be 'auto', 'on' or 'off', got {self.keep_freed_memory!r}")
-        if self.bf16_matmul not in layers.BF16_MATMUL_MODES:
-            raise ValueError(f"bf16_matmul must be one of {layers.BF16_MATMUL_MODES}, got {self.bf16_matmul!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -188,7 +189,12 @@ def parallel_hooks(config: TrainConfig) -> ParallelHooks:
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the message names the step and the last good checkpoint."""
+    """The loss or the gradient norm became NaN or infinite (the update is never applied), or the
+    weights did (never saved); the message names the step and the last good checkpoint."""
+
+
+def _last_good(ckpt: Path | None) -> str:
+    return f"the last good checkpoint is {ckpt}" if ckpt else "no checkpoint was written"
 
 
 @dataclass
@@ -199,6 +205,7 @@ class TrainResult:
     val_loss: float | None
     stopped: Literal["done", "signal", "time"]
     checkpoint: Path | None
+    signal: int | None = None      # the signal that stopped the run (SIGINT 2, SIGTERM 15)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,7 +350,8 @@ def _tensorboard_writer(run_dir: Path):
 
 def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = None, tokenizer=None,
           resume: bool = False, callback: Callable[[str, dict], None] | None = None,
-          parallel: ParallelHooks | None = None, extra_state: dict | None = None) -> TrainResult:
+          parallel: ParallelHooks | None = None, extra_state: dict | None = None,
+          lock: bool = True) -> TrainResult:
     """Train `model` (an unwrapped Transformer, already initialised) per `config`.
 
     With resume=True the latest checkpoint of the run directory is loaded (weights, optimizer,
@@ -351,12 +359,19 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     `callback(event, record)` receives "start", "step", "eval", "checkpoint" and "end".
     `extra_state` (JSON) is stored in every checkpoint's state.json. `parallel` (ParallelHooks)
     defaults to parallel_hooks(config) inside a torchrun job or an initialised process group, else
-    to one plain process."""
+    to one plain process. The writing process holds the run directory's lock (files.RunLock) for
+    the whole run, so a second training in the same directory is refused; lock=False when the
+    caller already holds it."""
     run_dir = Path(run_dir or config.out_dir)
     par = parallel if parallel is not None else (
         parallel_hooks(config) if _launched_distributed() else ParallelHooks())
-    rank, world_size, all_reduce, main = par.rank, par.world_size, par.all_reduce, par.main
-    emit = callback or (lambda event, record: None)
+    _check_inputs(model, config, tokenizer, par.world_size)  # every input error before anything is written
+    with files.RunLock(run_dir) if (lock and par.main) else contextlib.nullcontext():
+        return _train(model, config, run_dir, tokenizer, resume, callback, par, extra_state)
+
+
+def _check_inputs(model, config: TrainConfig, tokenizer, world_size: int) -> None:
+    """Errors in the data, the model's fit to it, or the batch split: raised before any write."""
     if config.data_dir is None:
         raise ValueError("TrainConfig.data_dir is not set: prepare a corpus first (logitlab prepare)")
     manifest = data_io.read_manifest(config.data_dir)
@@ -371,6 +386,44 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                          f"(fingerprint {manifest['tokenizer_fingerprint'][:12]} vs {tokenizer.fingerprint()[:12]})")
     if config.batch_size % world_size:
         raise ValueError(f"batch_size ({config.batch_size}) must be divisible by world_size ({world_size})")
+    for split in ("train", "val"):
+        data_io.load_tokens(config.data_dir, split)  # sizes checked against the manifest
+
+
+def check_new_run_dir(run_dir: str | os.PathLike) -> None:
+    """A new run writes run.json, metrics.jsonl and the tokenizer into `run_dir`: refuse a
+    directory whose run.json or metrics.jsonl are not a logitlab run's (nothing of the user's is
+    overwritten), and one that already holds checkpoints (that is a resume)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} exists and is not a directory")
+    if ckpt_io.latest_checkpoint(run_dir) is not None:
+        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
+    run_json, metrics = run_dir / RUN_FILE, run_dir / ckpt_io.METRICS_FILE
+    ours = False
+    if run_json.exists():
+        try:
+            payload = files.read_json(run_json)
+            ours = isinstance(payload, dict) and {"train", "model"} <= set(payload)
+        except ValueError:
+            ours = False
+        if not ours:
+            raise ValueError(f"{run_json} exists and is not a logitlab run's run.json; "
+                             f"nothing is overwritten: choose another --out-dir")
+    if metrics.exists() and not ours:
+        raise ValueError(f"{metrics} exists without a logitlab run.json beside it; "
+                         f"nothing is overwritten: choose another --out-dir")
+
+
+RUN_FILE = "run.json"
+
+
+def _train(model, config: TrainConfig, run_dir: Path, tokenizer, resume: bool, callback, par: ParallelHooks,
+           extra_state: dict | None) -> TrainResult:
+    rank, world_size, all_reduce, main = par.rank, par.world_size, par.all_reduce, par.main
+    emit = callback or (lambda event, record: None)
+    manifest = data_io.read_manifest(config.data_dir)
+    seq_len = config.seq_len or model.config.context_length
     train_tokens = data_io.load_tokens(config.data_dir, "train")
     val_tokens = data_io.load_tokens(config.data_dir, "val")
     has_val = len(val_tokens) > seq_len
@@ -382,18 +435,18 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     model.to(device).train()
     metrics: list[dict] = []
     step, best_val, loaded = 0, None, None
+    if main:  # we hold the lock: what a killed writer left is ours to clear
+        ckpt_io.remove_stale_temporaries(run_dir)
+    if not resume:
+        check_new_run_dir(run_dir)
     latest = ckpt_io.latest_checkpoint(run_dir)
     if resume:
         if latest is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
-        if main:
-            ckpt_io.remove_stale_temporaries(run_dir)
         loaded = ckpt_io.load_checkpoint(latest, None if par.load_state else model)
         state = loaded["state"]
         step, best_val, metrics = state["step"], state.get("best_val_loss"), loaded["metrics"]
         sampler.load_state_dict(state["sampler"])
-    elif latest is not None:
-        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
     else:
         runtime.seed_everything(config.seed)
     # wrap before building the optimizer: FSDP2 replaces the parameters with sharded ones
@@ -407,7 +460,10 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
         else:
             optimizer.load_state_dict(opt_state)
         if loaded["rng"] is not None:
-            runtime.restore_rng_state(loaded["rng"])
+            try:
+                runtime.restore_rng_state(loaded["rng"])
+            except ValueError as exc:
+                raise ValueError(f"{latest / ckpt_io.RNG_FILE}: {exc}") from None
     # compiled: the model and the loss as one graph (a wrapped model may break it)
     compute_loss = loss_fn(wrapped, config.compile, fullgraph=par.wrap is None)
 
@@ -419,12 +475,13 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     metrics_path = run_dir / ckpt_io.METRICS_FILE
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "run.json").write_text(json.dumps(
+        files.atomic_write_text(run_dir / RUN_FILE, json.dumps(
             {"train": config.to_dict(), "model": model.config.to_dict(), "data": manifest}, indent=2) + "\n")
         if tokenizer is not None:
-            tokenizer.save(run_dir / ckpt_io.TOKENIZER_FILE)
+            with files.writing(run_dir / ckpt_io.TOKENIZER_FILE):
+                tokenizer.save(run_dir / ckpt_io.TOKENIZER_FILE)
         # after a resume the file restarts from the checkpoint's copy (drops steps past it)
-        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        files.atomic_write_text(metrics_path, "".join(json.dumps(m) + "\n" for m in metrics))
     metrics_file = metrics_path.open("a") if main else None
 
     def save(val_loss: float | None) -> Path | None:
@@ -437,10 +494,15 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
         state = {"sampler": sampler.state_dict(), "schedule": dataclasses.asdict(schedule),
                  "train_config": config.to_dict(), "val_loss": val_loss, "best_val_loss": best_val,
                  "tokens_seen": step * tokens_per_step, **(extra_state or {})}
-        path = ckpt_io.save_checkpoint(run_dir, step, model, optimizer, state=state,
-                                       rng=runtime.capture_rng_state(), tokenizer=tokenizer,
-                                       metrics=metrics, keep_last=config.keep_last,
-                                       model_state=model_state, optimizer_state=opt_state)
+        try:
+            path = ckpt_io.save_checkpoint(run_dir, step, model, optimizer, state=state,
+                                           rng=runtime.capture_rng_state(), tokenizer=tokenizer,
+                                           metrics=metrics, keep_last=config.keep_last,
+                                           model_state=model_state, optimizer_state=opt_state)
+        except files.DiskFullError as exc:
+            raise files.DiskFullError(exc.errno, f"{exc.strerror}; {_last_good(last_ckpt)}") from exc
+        except ckpt_io.NonFiniteError as exc:
+            raise TrainingDiverged(f"{exc} at step {step}; {_last_good(last_ckpt)}") from exc
         if par.barrier is not None:
             par.barrier()
         emit("checkpoint", {"step": step, "path": str(path)})
@@ -490,11 +552,15 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
                     step_loss = all_reduce(step_loss)
                 if not math.isfinite(step_loss):
                     optimizer.zero_grad(set_to_none=True)
-                    where = f"; last good checkpoint: {last_ckpt}" if last_ckpt else "; no checkpoint was written"
                     raise TrainingDiverged(f"loss is {step_loss} at step {step + 1} (lr {lr:.3g}); "
-                                           f"the run stopped before applying it{where}")
+                                           f"the run stopped before applying it; {_last_good(last_ckpt)}")
                 grad_norm = (par.clip(wrapped, config.grad_clip) if par.clip is not None
                              else clip_grad_norm(model.parameters(), config.grad_clip))
+                if not math.isfinite(grad_norm):  # the loss was finite, its gradient is not
+                    optimizer.zero_grad(set_to_none=True)
+                    raise TrainingDiverged(f"gradient norm is {grad_norm} at step {step + 1} (loss {step_loss:.4g}, "
+                                           f"lr {lr:.3g}); the run stopped before applying it; "
+                                           f"{_last_good(last_ckpt)}")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 runtime.synchronize(device)
@@ -534,7 +600,8 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
             metrics_file.close()
         if writer is not None:
             writer.close()
-    result = TrainResult(run_dir, step, last_loss, val_loss, stopped, last_ckpt)
+    result = TrainResult(run_dir, step, last_loss, val_loss, stopped, last_ckpt,
+                         stop.signum if stopped == "signal" else None)
     emit("end", dataclasses.asdict(result))
     return result
 
