@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
@@ -111,6 +113,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
                              "(use --nproc_per_node <= number of GPUs)")
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
+    # Imported before the group exists: see destroy() for why its import must not come later.
+    import torch.distributed.nn.functional as _defaults_without_a_group  # noqa: F401
+
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=dev if backend == "nccl" else None)
     _STATE["timeout_s"] = timeout_s
@@ -132,9 +137,49 @@ def current_info() -> DistInfo:
 
 
 def destroy() -> None:
-    """Leave the process group (safe to call when none exists)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group and stop its backend's threads (safe to call when none exists).
+
+    Call it on every rank once the wrapped model is gone (a live DDP or FSDP2 module still
+    holds the group, whose threads then run until the process exits). Afterwards the process
+    may exit at any moment: no collective is still finishing on another thread."""
+    if not dist.is_initialized():
+        return
+    # Why more than destroy_process_group: gloo runs every collective on a worker thread of the
+    # group, and that thread drops the finished work -- often the last reference to the
+    # collective's tensors, or to earlier works that a barrier kept -- only after wait() has
+    # returned here. Freeing a tensor whose Python object is already gone takes the GIL. When
+    # the interpreter has begun to finalize by then (the script returned right after its last
+    # collective; on a loaded machine the worker runs late), CPython ends the waiting thread
+    # with pthread_exit inside a noexcept C++ destructor, and the finished job dies with
+    # "terminate called without an active exception" (SIGABRT). Gloo has no shutdown: only the
+    # group's destructor stops and joins its threads, letting a worker take the GIL to finish.
+    # It runs when the last reference goes, but in torch 2.13 two outlive destroy_process_group
+    # and kept the group, and its threads, until exit:
+    # - torch.distributed.nn.functional evaluates `group=group.WORLD` in its functions'
+    #   defaults on import; DDP's constructor imports it (through torch._dynamo) after the group
+    #   exists, so the defaults held the group. init_distributed imports it first (None).
+    # - a DeviceMesh keeps its groups in `_pg_registry`, and DTensor's sharding and
+    #   redistribution caches keep FSDP2's meshes alive. Those meshes are unusable once their
+    #   groups are destroyed; emptying their registries lets the group go.
+    # gc.collect() then frees a wrapped module left in a reference cycle, and with the last
+    # reference the destructor joins the threads here, while the interpreter is fully alive.
+    dist.destroy_process_group()
+    _forget_destroyed_groups()
+    gc.collect()
+
+
+def _forget_destroyed_groups() -> None:
+    """Empty the group registry of every live DeviceMesh (see destroy). A no-op when no mesh
+    was ever built (the module is then not imported) or where a torch version keeps none."""
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    mesh_type = getattr(mesh_module, "DeviceMesh", None)
+    if not isinstance(mesh_type, type):
+        return
+    for obj in gc.get_objects():
+        if issubclass(type(obj), mesh_type):  # type(), not isinstance: no __class__ lookups
+            registry = getattr(obj, "__dict__", {}).get("_pg_registry")
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 def barrier() -> None:

@@ -7,6 +7,11 @@ functions to compute the single-process reference, so both sides run identical c
 
 The data are random tokens from a fixed seed; the global batch of every step is drawn from
 a generator seeded by the step alone, so it is the same for every world size and after a resume.
+
+After parallel.destroy() every rank checks that it is down to its main thread (no process
+group, no Python thread, and on Linux no native one such as gloo's workers) and exits with
+status 3 naming what is left otherwise: a collective still finishing on another thread when
+the interpreter shuts down aborts the process (see parallel.destroy).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -205,7 +211,9 @@ def hang(info) -> None:
 def main(argv: list[str]) -> int:
     out, scenarios = Path(argv[0]), argv[1:]
     torch.set_num_threads(1)
-    timeout = float(os.environ.get("LOGITLAB_TEST_TIMEOUT_S", "60"))
+    # generous: a collective may wait while a peer on a loaded machine catches up (the launcher's
+    # own limit bounds a real hang)
+    timeout = float(os.environ.get("LOGITLAB_TEST_TIMEOUT_S", "300"))
     info = parallel.init_distributed(timeout_s=timeout)
     try:
         for scenario in scenarios:
@@ -223,7 +231,41 @@ def main(argv: list[str]) -> int:
     finally:
         if scenarios[-1] not in ("die", "hang"):
             parallel.destroy()
+    if scenarios[-1] not in ("die", "hang"):
+        left = threads_left()
+        if torch.distributed.is_initialized() or left:
+            print(f"rank {info.rank}: after parallel.destroy() the process group is "
+                  f"{'still' if torch.distributed.is_initialized() else 'not'} initialized and "
+                  f"{len(left)} other threads run: {left}", file=sys.stderr, flush=True)
+            return 3
     return 0
+
+
+def leftover_threads() -> list[str]:
+    """Threads of this process other than the main one: Python threads, and on Linux every
+    native thread by name (gloo's are pt_gloo_runloop and gloo_tcp_loop)."""
+    left = [f"python:{t.name}" for t in threading.enumerate() if t is not threading.main_thread()]
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():  # no /proc: the Python threads only
+        return left
+    for task in sorted(tasks.iterdir()):
+        if int(task.name) == threading.main_thread().native_id:
+            continue
+        try:
+            left.append(f"native:{(task / 'comm').read_text().strip()}")
+        except OSError:  # it ended between the listing and the read
+            pass
+    return left
+
+
+def threads_left(timeout_s: float = 30.0) -> list[str]:
+    """leftover_threads() once the threads that are ending have ended. A joined thread stays
+    listed in /proc for a moment (up to 0.1 s measured on 2 busy cores), so this waits until
+    none is; timeout_s only bounds a thread that never ends."""
+    deadline = time.monotonic() + timeout_s
+    while (left := leftover_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left
 
 
 if __name__ == "__main__":

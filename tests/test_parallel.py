@@ -5,6 +5,12 @@ single-process reference runs in this process with the same code. Scenarios:
 ddp / fsdp: 2 ranks x 4 rows vs 1 process x 8 rows, same loss sequence (fp32, 1e-5);
 *_accum: 2 micro-steps per step with the gradient sync skipped on the first;
 ckpt_*: saved by 2 ranks after 3 steps, resumed here in 1 process; *_resume: the reverse.
+Every rank of that launch also checks, after parallel.destroy(), that only its main thread is
+left (see _dist_worker.main), so a teardown that leaves gloo's threads running fails here.
+
+Nothing here assumes a fast machine: torchrun --standalone picks its own free port, the
+directly launched pairs retry on a port taken in the meantime, and the time limits only bound
+a hang (a timed-out launch is killed with every process it started).
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,10 +51,27 @@ def _env(**extra: str) -> dict:
     return env
 
 
-def _torchrun(out: Path, scenarios, timeout: float = 180) -> None:
+LAUNCH_TIMEOUT_S = 600  # bounds a hang only: the launch below takes 10-30 s on 2 busy cores
+
+
+def _run(cmd: list[str], timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """cmd in the test environment. Past `timeout` its whole session is killed (torchrun and
+    the ranks it started, which subprocess.run's timeout would leave running) and the test fails."""
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[1:4])} ... ran past {timeout} s:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _torchrun(out: Path, scenarios) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc_per_node", "2", str(WORKER), str(out), *scenarios]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = _run(cmd)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
@@ -119,7 +144,9 @@ def test_grad_accumulation_with_skipped_sync_matches(runs, mode):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_checkpoint_saved_by_two_ranks_resumes_in_one(runs, mode):
     ckpt = runs["out"] / f"ckpt_{mode}"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.pt"]
+    # dot files are the writer's own bookkeeping (what it wrote), not checkpoint contents
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == \
+           ["model.safetensors", "optimizer.pt"]
     assert not [p for p in ckpt.parent.iterdir() if ".tmp-" in p.name]  # atomic: nothing left over
     model = worker.tiny_model()
     optimizer = worker.make_optimizer(model)
@@ -191,12 +218,10 @@ def test_torchrun_cli_with_fsdp_matches_one_process(tmp_path):
              "--n-layers", "2", "--n-heads", "4", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "3",
              "--eval-tokens", "512", "--device", "cpu", "--precision", "fp32", "--tensorboard", "false",
              "--progress", "false"]
-    one = subprocess.run([sys.executable, "-m", "logitlab", *flags, "--out-dir", str(tmp_path / "one")],
-                         env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    one = _run([sys.executable, "-m", "logitlab", *flags, "--out-dir", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "logitlab", *flags, "--out-dir", str(tmp_path / "two"), "--parallel", "fsdp"],
-                         env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "logitlab", *flags, "--out-dir", str(tmp_path / "two"), "--parallel", "fsdp"])
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("done: 6 steps") == 1  # only rank 0 prints
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
@@ -210,46 +235,74 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_pair(tmp_path: Path, scenario: str, timeout_s: float) -> list[subprocess.Popen]:
+PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
+def _run_pair(tmp_path: Path, scenario: str, timeout_s: float, deadline_s: float,
+              attempts: int = 3) -> tuple[list[subprocess.Popen], int, str]:
     """Two ranks started directly with torchrun's environment variables (no agent that would
-    tear the survivor down), so the survivor's own reaction is what gets tested."""
-    port = str(_free_port())
-    procs = []
-    for rank in (0, 1):
-        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, LOGITLAB_TEST_TIMEOUT_S=str(timeout_s))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), scenario], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
-    return procs
-
-
-def _survivor(procs, deadline_s: float) -> tuple[int, str, float]:
-    start = time.monotonic()
-    try:
-        _, err = procs[0].communicate(timeout=deadline_s)
-        return procs[0].returncode, err, time.monotonic() - start
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+    tear the survivor down), so the survivor's own reaction is what gets tested. -> (both
+    processes, rank 0's exit status, rank 0's stderr). Rank 0 serves the store on a port that
+    was free a moment before; when another process took it in between, the pair starts again
+    on a new one."""
+    for _ in range(attempts):
+        port, procs = str(_free_port()), []
+        for rank in (0, 1):
+            env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port, LOGITLAB_TEST_TIMEOUT_S=str(timeout_s))
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), scenario], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        try:
+            _, err = procs[0].communicate(timeout=deadline_s)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate()
+        if not (procs[0].returncode != 0 and any(m in err for m in PORT_TAKEN)):
+            return procs, procs[0].returncode, err
+    raise AssertionError(f"rank 0 found its store port taken {attempts} times:\n{err[-2000:]}")
 
 
 def test_killed_rank_stops_the_survivor_with_a_clear_error(tmp_path):
-    procs = _launch_pair(tmp_path, "die", timeout_s=60)
-    code, err, _ = _survivor(procs, deadline_s=50)  # a dead peer is noticed at once, not at the timeout
+    # a collective timeout far beyond the deadline: the survivor must notice the dead peer
+    # itself (a closed connection), not by waiting out the timeout
+    procs, code, err = _run_pair(tmp_path, "die", timeout_s=3600, deadline_s=LAUNCH_TIMEOUT_S)
     assert procs[1].returncode == -9
     assert code != 0
     assert "RankFailureError: rank 0 of 2" in err and "another rank crashed, was killed" in err, err[-2000:]
-    assert "finished without noticing" not in err
+    assert "Timed out" not in err and "finished without noticing" not in err
 
 
 @pytest.mark.slow
 def test_silent_rank_makes_the_survivor_give_up_after_the_timeout(tmp_path):
-    procs = _launch_pair(tmp_path, "hang", timeout_s=10)
-    code, err, elapsed = _survivor(procs, deadline_s=60)
+    procs, code, err = _run_pair(tmp_path, "hang", timeout_s=10, deadline_s=LAUNCH_TIMEOUT_S)
     assert code != 0 and "RankFailureError: rank 0 of 2" in err and "10 s timeout" in err, err[-2000:]
     assert "Timed out" in err
+
+
+def test_teardown_check_sees_threads_left_running():
+    """The workers' own check (run after parallel.destroy() on every rank) names a thread
+    that is still alive, by its Python name and, on Linux, among the native threads."""
+    def native(names: list[str]) -> int:
+        return sum(name.startswith("native:") for name in names)
+
+    before = worker.leftover_threads()
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="left-running")
+    thread.start()
+    try:
+        during = worker.leftover_threads()
+    finally:
+        stop.set()
+        thread.join()
+    assert "python:left-running" in during and "python:left-running" not in worker.leftover_threads()
+    if Path("/proc/self/task").is_dir():
+        assert native(during) == native(before) + 1, (before, during)
+        deadline = time.monotonic() + 30  # a joined thread leaves /proc a moment later
+        while native(worker.leftover_threads()) > native(before) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert native(worker.leftover_threads()) == native(before), (before, worker.leftover_threads())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL + bf16 FSDP2 needs 2 CUDA devices; "
