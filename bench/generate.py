@@ -40,10 +40,10 @@ from bench.common import (
     write_results,
 )
 from bench.roofline import bandwidths
-from logitlab.families import PRESETS
-from logitlab.generate import SampleConfig, generate
-from logitlab.hf import load_pretrained, save_pretrained
-from logitlab.model import ModelConfig, Transformer
+from logitlab.generate.loop import SampleConfig, generate
+from logitlab.io.hf import load_pretrained, save_pretrained
+from logitlab.model.families import PRESETS
+from logitlab.model.transformer import ModelConfig, Transformer
 
 SHAPES = {
     "gpt2-small": ModelConfig(vocab_size=50257, context_length=1024, d_model=768, n_layers=12, n_heads=12),

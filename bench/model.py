@@ -21,7 +21,7 @@ the same run: fp32's for fp32 rows; for bf16 rows the faster of the bf16 and fp3
 of bf16 operands is computed exactly by either kernel, and logitlab uses the faster).
 
 Kernel floor: the time of one step's matrix products and attention alone, run as logitlab runs
-them (layers.linear over the model's own Linear and LM-head weights at the step's B*T rows, and
+them (cpu_bf16.linear over the model's own Linear and LM-head weights at the step's B*T rows, and
 SDPA at each layer's shapes, under the step's autocast; for training also their backward), best of
 the same number of repetitions in user CPU time (page faults left out). Ceiling = transformers'
 best step time / that floor: the largest ratio an implementation calling the same kernels could
@@ -54,11 +54,14 @@ import torch.nn.functional as F
 
 from bench import common
 from bench.common import command_line, machine_info, markdown_table, publish
-from logitlab import accounting, hf, layers, runtime
-from logitlab.families import PRESETS
-from logitlab.model import ModelConfig, Transformer
-from logitlab.optim import build_adamw, clip_grad_norm
-from logitlab.train import cross_entropy, loss_fn
+from logitlab.io import hf
+from logitlab.kernels import cpu_bf16
+from logitlab.model import accounting, layers
+from logitlab.model.families import PRESETS
+from logitlab.model.transformer import ModelConfig, Transformer
+from logitlab.train import runtime
+from logitlab.train.loop import cross_entropy, loss_fn
+from logitlab.train.optim import build_adamw, clip_grad_norm
 
 SMALL_LLAMA = ModelConfig(vocab_size=8192, context_length=256, d_model=384, n_layers=6, n_heads=6,
                           n_kv_heads=2, d_ff=1024, norm="rmsnorm", mlp="swiglu", positions="rope",
@@ -397,7 +400,7 @@ def _current_bf16_matmul(model) -> str:
 def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool, repeats: int = 3,
                    bf16_matmul: str | None = None, timer: Callable[[], float] | None = None) -> float:
     """Seconds of one forward ("forward") or training step ("train") spent in its matrix products
-    and attention alone, as logitlab runs them: layers.linear over every Linear weight of `model`
+    and attention alone, as logitlab runs them: cpu_bf16.linear over every Linear weight of `model`
     (q/k/v, o, MLP; biases in the product as the layers add them) and the LM head's V rows, each on
     random activations (B, T, K) in the step's compute dtype (bfloat16 under autocast, so rounding
     float32 activations is not counted), and per layer the causal SDPA call the model makes (q
@@ -433,7 +436,7 @@ def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool
 
     def step() -> None:
         with torch.set_grad_enabled(train), _autocast(autocast):
-            ys = [layers.linear(x, w, b) for x, (w, b) in zip(inputs, weights)]   # (B, T, N) each
+            ys = [linear(x, w, b) for x, (w, b) in zip(inputs, weights)]   # (B, T, N) each
             ys += [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
                    for q, k, v in qkv]                                          # (B, H, T, Dh) each
         if train:   # outside autocast, as the step's backward: grad input and grad weight of each
@@ -441,6 +444,9 @@ def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool
                                 grads + attn_grads)
 
     with matmul_mode(bf16_matmul):
+        route = cpu_bf16.install(model, layers.bf16_matmul_mode())   # the route the mode picks
+        route.remove()
+        linear = cpu_bf16.linear if route.route == "fp32" else F.linear
         step()   # warm-up
         best = float("inf")
         for _ in range(repeats):
@@ -503,7 +509,7 @@ def _floor_text(result: dict) -> str:
     return f"""
 
 Kernel floor: one step's matrix products and attention alone, run as logitlab runs them:
-layers.linear over the model's own Linear and LM-head weights at the step's B x T rows
+cpu_bf16.linear over the model's own Linear and LM-head weights at the step's B x T rows
 (activations in the step's compute dtype, so rounding float32 activations to bf16 is not
 counted) and each layer's causal SDPA call, under the step's autocast, and for training also their
 backward (grad input and grad weight of each product); norms, activations, RoPE, the loss and the

@@ -32,12 +32,12 @@ import torch
 
 from bench.common import ROOT, command_line, machine_info, markdown_table, publish
 from bench.roofline import SHAPES, matmul_peak, memory_bandwidth
-from logitlab import accounting
-from logitlab.families import PRESETS
-from logitlab.generate import SampleConfig, generate
-from logitlab.model import ModelConfig, Transformer
-from logitlab.optim import build_adamw
-from logitlab.train import cross_entropy
+from logitlab.generate.loop import SampleConfig, generate
+from logitlab.model import accounting
+from logitlab.model.families import PRESETS
+from logitlab.model.transformer import ModelConfig, Transformer
+from logitlab.train.loop import cross_entropy
+from logitlab.train.optim import build_adamw
 
 MODES = ("forward", "train", "decode")
 CONTEXTS = (128, 256, 512, 1024, 2048)

@@ -36,7 +36,7 @@ EOT = "<|endoftext|>"
 def _train_child(side: str, list_file: str, vocab_size: int) -> None:
     files = Path(list_file).read_text().splitlines()
     if side == "ours":
-        from logitlab.bpe import train_bpe
+        from logitlab.tokenizer.bpe import train_bpe
 
         start = time.perf_counter()
         vocab, _ = train_bpe(files, vocab_size, [EOT])
@@ -69,7 +69,7 @@ def _run_side(side: str, list_file: Path, vocab_size: int) -> dict:
 
 
 def utf8_stdlib_files() -> list[Path]:
-    from logitlab.bpe import stdlib_files
+    from logitlab.tokenizer.bpe import stdlib_files
 
     good = []
     for path in stdlib_files():
@@ -115,8 +115,8 @@ def bench_encoding(texts: dict[str, str], repeats: int) -> list[dict]:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    from logitlab.tokenizer import Tokenizer
-    from logitlab.tokenizer_formats import bytes_to_unicode
+    from logitlab.tokenizer.core import Tokenizer
+    from logitlab.tokenizer.formats import bytes_to_unicode
 
     vocab_json, merges_txt = SHARED / "gpt2" / "vocab.json", SHARED / "gpt2" / "merges.txt"
     ours = Tokenizer.from_gpt2_files(vocab_json, merges_txt)

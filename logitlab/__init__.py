@@ -2,7 +2,8 @@
 
 This module only re-exports the public API. The names are resolved lazily (PEP 562), so
 `import logitlab` imports neither torch nor anything else until a name is used, and it
-chooses no device, dtype, thread count or seed (see runtime.py).
+chooses no device, dtype, thread count or seed (see train/runtime.py). Each stage is a sub-package
+(tokenizer, model, kernels, io, data, train, parallel, generate, inspect, cli); docs/design.md maps them.
 """
 
 from __future__ import annotations
@@ -16,23 +17,23 @@ __version__ = "0.1.0"
 # re-exporting them here would shadow the submodules of the same names.
 _EXPORTS = {
     "Tokenizer": "tokenizer",
-    "train_bpe": "bpe",
-    "train_tokenizer": "bpe",
+    "train_bpe": "tokenizer",
+    "train_tokenizer": "tokenizer",
     "ModelConfig": "model",
     "RopeScaling": "model",
     "Transformer": "model",
-    "KVCache": "kv_cache",
-    "get_preset": "families",
-    "PRESETS": "families",
-    "SampleConfig": "sampling",
-    "SamplingError": "sampling",
+    "KVCache": "model",
+    "get_preset": "model",
+    "PRESETS": "model",
+    "SampleConfig": "generate",
+    "SamplingError": "generate",
     "stream": "generate",
     "TrainConfig": "train",
-    "save_model": "checkpoint",
-    "load_model": "checkpoint",
-    "load_for_inference": "checkpoint",
-    "load_pretrained": "hf",
-    "save_pretrained": "hf",
+    "save_model": "io.checkpoint",
+    "load_model": "io.checkpoint",
+    "load_for_inference": "io.checkpoint",
+    "load_pretrained": "io.hf",
+    "save_pretrained": "io.hf",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logitlab import parallel  # noqa: E402
-from logitlab.checkpoint import atomic_directory  # noqa: E402
+from logitlab.io.checkpoint import atomic_directory  # noqa: E402
 
 SEED = 1234
 T = 16            # positions per row
@@ -42,7 +42,7 @@ TOKENS = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(S
 
 
 def tiny_model(vocab_size: int = 64):
-    from logitlab.model import ModelConfig, Transformer
+    from logitlab.model.transformer import ModelConfig, Transformer
 
     torch.manual_seed(SEED)
     config = ModelConfig(vocab_size=vocab_size, context_length=T, d_model=32, n_layers=2, n_heads=4,
@@ -154,7 +154,7 @@ def run(scenario: str, out: Path, info) -> dict:
 
 def train_config(out: Path, mode: str, **kw):
     """logitlab.train's own loop: global batch 8 rows x 2 micro-steps, checkpoints every 3 steps."""
-    from logitlab.train import TrainConfig
+    from logitlab.train.loop import TrainConfig
 
     base = dict(data_dir=str(out / "prep"), out_dir=str(out / f"run_{mode}"), steps=STEPS, batch_size=8,
                 grad_accum=2, seq_len=T, lr=3e-3, warmup_steps=2, eval_every=RESUME_AT, save_every=RESUME_AT,
@@ -169,14 +169,14 @@ def train_has_parallel_field() -> bool:
     rank / world_size / wrap / all_reduce hooks, which carry DDP only."""
     import dataclasses
 
-    from logitlab.train import TrainConfig
+    from logitlab.train.loop import TrainConfig
 
     return "parallel" in {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def run_train_loop(out: Path, mode: str, info, resume: bool = False):
     """Train through logitlab.train.train, distributed by parallel.py."""
-    from logitlab.train import train
+    from logitlab.train.loop import train
 
     model, config = tiny_model(vocab_size=257), train_config(out, mode)
     if train_has_parallel_field():

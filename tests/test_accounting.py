@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from logitlab import accounting as acc
-from logitlab.cli import main
-from logitlab.families import PRESETS
-from logitlab.model import Transformer
+from logitlab.cli.main import main
+from logitlab.model import accounting as acc
+from logitlab.model.families import PRESETS
+from logitlab.model.transformer import Transformer
 
 # Exact counts of the published checkpoints (norm weights included), facts about those models.
 EXACT = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
@@ -153,12 +153,12 @@ def test_cli_params_json_and_tables(tmp_path, capsys, monkeypatch):
     assert "124,439,808" in out and "123,532,032" in out and "fits" in out
     assert "learned positions 786,432" in out
     # a Hugging Face config.json and a model directory work too
-    from logitlab.families import config_to_hf
+    from logitlab.model.families import config_to_hf
 
     (tmp_path / "config.json").write_text(json.dumps(config_to_hf(PRESETS["qwen3-0.6b"])))
     assert main(["params", str(tmp_path), "--json", "--tflops", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["exact"]["total"] == 596_049_920
-    from logitlab import checkpoint
+    from logitlab.io import checkpoint
 
     checkpoint.save_checkpoint(tmp_path / "run", 5, Transformer(PRESETS["tiny"]))   # a training run dir
     assert main(["params", str(tmp_path / "run"), "--json", "--tflops", "1"]) == 0

@@ -12,7 +12,7 @@ from bench import __main__ as dispatcher
 from bench import model as model_bench
 from bench import roofline, scaling
 from bench.common import cpu_flags
-from logitlab.model import ModelConfig, Transformer
+from logitlab.model.transformer import ModelConfig, Transformer
 
 MICRO = ModelConfig(vocab_size=256, context_length=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
                     d_ff=64, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)
@@ -114,7 +114,7 @@ def test_model_bench_kernel_floor_is_positive_and_keeps_the_bf16_mode(mode):
     """fp32, bf16 autocast in the current mode and in "native": positive times; the bf16 matmul
     mode is the one set before, also when the timed block raises. 4 x 32 = 128 rows: enough for
     layers.linear's float32-GEMM path in bf16."""
-    from logitlab import layers
+    from logitlab.model import layers
 
     model = Transformer(MICRO)
     before = layers.bf16_matmul_mode()
@@ -142,7 +142,7 @@ def test_model_bench_training_steps_do_the_same_work(monkeypatch, tmp_path):
 
     import transformers
 
-    from logitlab import hf
+    from logitlab.io import hf
 
     monkeypatch.setattr(model_bench, "LR", 1e-3)
     ids = torch.randint(0, MICRO.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))

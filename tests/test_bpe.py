@@ -11,10 +11,10 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitlab import bpe_pretokenize
-from logitlab.bpe import ShortVocabularyWarning, learn_merges, reference_merges, train_bpe, train_tokenizer
-from logitlab.bpe_pretokenize import count_pretokens
-from logitlab.tokenizer import GPT2_PATTERN, Tokenizer
+from logitlab.tokenizer import pretokenize as bpe_pretokenize
+from logitlab.tokenizer.bpe import ShortVocabularyWarning, learn_merges, reference_merges, train_bpe, train_tokenizer
+from logitlab.tokenizer.core import GPT2_PATTERN, Tokenizer
+from logitlab.tokenizer.pretokenize import count_pretokens
 
 EOT = "<|endoftext|>"
 WS = r"\S+|\s+"  # whitespace pre-tokenization for hand-computed examples
@@ -88,7 +88,7 @@ def test_chunking_does_not_change_pretokens(shared_data, monkeypatch):
     path = shared_data / "tinyshakespeare.txt"
     text = path.read_text(encoding="utf-8")
     for pattern in (GPT2_PATTERN, "cl100k"):
-        from logitlab.tokenizer import resolve_pattern
+        from logitlab.tokenizer.core import resolve_pattern
 
         want = Counter(regex.findall(resolve_pattern(pattern), text))
         monkeypatch.setattr(bpe_pretokenize, "CHUNK_CHARS", 3_000)
@@ -171,8 +171,11 @@ def test_full_vocabulary_does_not_warn(tmp_path):
 def test_progress_bar_runs(tmp_path, capsys):
     path = tmp_path / "a.txt"
     path.write_text("hello hello world " * 50)
-    vocab, _ = train_bpe(path, 262, [EOT], workers=1, progress=True)
+    events = []
+    vocab, _ = train_bpe(path, 262, [EOT], workers=1, progress=lambda *event: events.append(event))
     assert len(vocab) == 262
+    assert events[0] == ("pretokenize", 0, path.stat().st_size) and events[-1] == ("merge", 5, 5)
+    assert not capsys.readouterr().out  # the library reports through the callback; it never prints
 
 
 def test_duplicate_merge_results_use_the_reference_path():
@@ -187,7 +190,7 @@ def test_duplicate_merge_results_use_the_reference_path():
 
 @pytest.mark.slow
 def test_stdlib_32k_vocabulary_both_encoders_agree():
-    from logitlab.bpe import stdlib_files
+    from logitlab.tokenizer.bpe import stdlib_files
 
     files = stdlib_files()
     tok = train_tokenizer(files, 32_000, [EOT])

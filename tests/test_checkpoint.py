@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from logitlab import checkpoint as ck
-from logitlab import runtime
-from logitlab.model import ModelConfig, Transformer
-from logitlab.optim import build_adamw
-from logitlab.tokenizer import Tokenizer
+from logitlab.io import checkpoint as ck
+from logitlab.model.transformer import ModelConfig, Transformer
+from logitlab.tokenizer.core import Tokenizer
+from logitlab.train import runtime
+from logitlab.train.optim import build_adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,9 +161,9 @@ def test_atomic_save_survives_kill_9(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(ROOT)!r})
-        from logitlab.checkpoint import save_checkpoint
-        from logitlab.model import ModelConfig, Transformer
-        from logitlab.optim import build_adamw
+        from logitlab.io.checkpoint import save_checkpoint
+        from logitlab.model.transformer import ModelConfig, Transformer
+        from logitlab.train.optim import build_adamw
         m = Transformer(ModelConfig(vocab_size=257, context_length=16, d_model=64, n_layers=4, n_heads=4))
         opt = build_adamw(m, 1e-3)
         step = 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logitlab import cli
-from logitlab.checkpoint import latest_checkpoint, load_for_inference
+from logitlab.io.checkpoint import latest_checkpoint, load_for_inference
 
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300))
 

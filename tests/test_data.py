@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from logitlab import data
-from logitlab.tokenizer import Tokenizer
+from logitlab.data import tokens as data
+from logitlab.tokenizer.core import Tokenizer
 
 EOT = "<|endoftext|>"
 

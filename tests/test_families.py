@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from logitlab import families
-from logitlab.families import PRESETS, config_from_hf, config_to_hf, get_preset, hf_architecture
-from logitlab.model import ModelConfig, RopeScaling, Transformer
+from logitlab.model import families, keymap
+from logitlab.model.config import ModelConfig, RopeScaling
+from logitlab.model.families import PRESETS, config_from_hf, config_to_hf, get_preset, hf_architecture
+from logitlab.model.transformer import Transformer
 
 # config.json files as published on the Hugging Face hub (facts, abridged to the fields that matter)
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu",
@@ -134,7 +135,7 @@ def test_gpt2_key_map_fuses_and_transposes():
     cfg = dataclasses.replace(PRESETS["gpt2-tiny"], n_layers=2)
     model = _random_model(cfg)
     state = model.state_dict()
-    out = families.state_dict_to_hf(state, cfg)
+    out = keymap.state_dict_to_hf(state, cfg)
     D, V = cfg.d_model, cfg.vocab_size
     c_attn = out["transformer.h.1.attn.c_attn.weight"]
     assert c_attn.shape == (D, 3 * D)
@@ -145,7 +146,7 @@ def test_gpt2_key_map_fuses_and_transposes():
                                state["blocks.0.mlp.up_proj.weight"].t())
     assert out["transformer.wte.weight"].shape == (V, D)   # padding rows cut off (cfg pads to 64)
     assert "lm_head.weight" not in out                    # tied: stored once
-    back = families.state_dict_from_hf(out, cfg)
+    back = keymap.state_dict_from_hf(out, cfg)
     expected = {k: v for k, v in state.items() if k != "lm_head.weight"}
     assert set(back) == set(expected)
     for k, v in back.items():
@@ -156,7 +157,7 @@ def test_gpt2_key_map_fuses_and_transposes():
 def test_llama_key_map_round_trip_and_names():
     cfg = dataclasses.replace(PRESETS["tiny"], n_layers=2, qk_norm=True, tie_embeddings=False)
     state = _random_model(cfg).state_dict()
-    out = families.state_dict_to_hf(state, cfg)
+    out = keymap.state_dict_to_hf(state, cfg)
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
             "model.layers.1.self_attn.k_norm.weight", "model.layers.0.post_attention_layernorm.weight",
             "model.layers.0.mlp.gate_proj.weight"} <= set(out)
@@ -170,15 +171,24 @@ def test_llama_key_map_round_trip_and_names():
     assert torch.equal(out["model.layers.1.self_attn.v_proj.weight"], qkv[(H + Hkv) * Dh:])
     assert torch.equal(out["model.layers.0.mlp.gate_proj.weight"], gate_up[:F])
     assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], gate_up[F:])
-    back = families.state_dict_from_hf(out, cfg)
+    back = keymap.state_dict_from_hf(out, cfg)
     assert set(back) == set(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
-    assert families.hf_key_to_logitlab("model.layers.0.self_attn.k_proj.weight", "llama") is None
+    assert keymap.hf_key_to_logitlab("model.layers.0.self_attn.k_proj.weight", "llama") is None
     del out["model.layers.1.self_attn.v_proj.weight"]
     with pytest.raises(ValueError, match=r"lacks 'model.layers.1.self_attn.v_proj.weight', needed with the "
                                          r"rest of 'blocks.1.attn.qkv_proj.weight'"):
-        families.state_dict_from_hf(out, cfg)
-    assert families.hf_key_to_logitlab("model.layers.3.input_layernorm.weight", "llama") == \
+        keymap.state_dict_from_hf(out, cfg)
+    assert keymap.hf_key_to_logitlab("model.layers.3.input_layernorm.weight", "llama") == \
         "blocks.3.attn_norm.weight"
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.self_attn.rotary.weight'"):
-        families.hf_key_to_logitlab("model.layers.0.self_attn.rotary.weight", "llama")
+        keymap.hf_key_to_logitlab("model.layers.0.self_attn.rotary.weight", "llama")
+
+
+def test_key_maps_and_config_names_stay_importable_from_their_old_homes():
+    from logitlab.model import config, transformer
+    for name in ("key_layout", "hf_key_to_logitlab", "clean_hf_state", "hf_tensors_to_logitlab",
+                 "state_dict_from_hf", "state_dict_to_hf", "hf_architecture"):
+        assert getattr(families, name) is getattr(keymap, name)
+    for name in ("ModelConfig", "RopeScaling", "config_from_dict", "check_field_types", "conform", "describe_type"):
+        assert getattr(transformer, name) is getattr(config, name)

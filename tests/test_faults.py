@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from logitlab import checkpoint as ck
-from logitlab import data, files, hf
-from logitlab.cli import main
-from logitlab.model import ModelConfig, Transformer
-from logitlab.tokenizer import Tokenizer
-from logitlab.train import TrainConfig, TrainingDiverged, train
+from logitlab.cli.main import main
+from logitlab.data import tokens as data
+from logitlab.io import checkpoint as ck
+from logitlab.io import files, hf
+from logitlab.model.transformer import ModelConfig, Transformer
+from logitlab.tokenizer.core import Tokenizer
+from logitlab.train.loop import TrainConfig, TrainingDiverged, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune.\n"
@@ -142,7 +143,7 @@ def test_convert_and_save_pretrained_never_delete_unrelated_files(run, tmp_path,
     with pytest.raises(ValueError, match="not written by logitlab"):
         hf.save_pretrained(model, target, tok)
     with pytest.raises(ValueError, match="not written by logitlab"):
-        model.save_pretrained(target)
+        hf.save_pretrained(model, target)
     hf_dir = tmp_path / "hf"
     hf.save_pretrained(model, hf_dir, tok)
     err = cli_error(capsys, ["convert", "--hf", str(hf_dir), "--out", str(target)])
@@ -201,7 +202,7 @@ def test_a_new_run_never_overwrites_a_foreign_run_json(corpus, tmp_path):
 
 
 def test_the_demo_removes_only_its_own_outputs(tmp_path):
-    from logitlab.cli_demo import _clear_demo_run
+    from logitlab.cli.demo import _clear_demo_run
 
     out = tmp_path / "demo"
     (out / "ckpt-000001").mkdir(parents=True)
@@ -241,7 +242,7 @@ def test_a_nan_gradient_norm_stops_before_the_update(corpus, tmp_path):
 
 def test_the_gradient_check_catches_a_finite_loss_with_a_nan_gradient(corpus, tmp_path, monkeypatch):
     """A loss that is finite while its gradient is NaN (the audit's lr 1e6 case at step 2)."""
-    import logitlab.train as train_mod
+    import logitlab.train.loop as train_mod
 
     real = train_mod.clip_grad_norm
     calls = {"n": 0}
@@ -292,7 +293,7 @@ _TRAINER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     from test_faults import tiny_model, _cfg
-    from logitlab.train import train
+    from logitlab.train.loop import train
     train(tiny_model(), _cfg({corpus!r}, {out!r}, steps=100000, save_every=1, eval_every=0, keep_last=1),
           resume={resume})
 """)

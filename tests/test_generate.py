@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from logitlab.generate import (
+from logitlab.generate.loop import (
     SampleConfig,
     apply_count_penalties,
     apply_repetition_penalty,
@@ -159,8 +159,17 @@ def test_sampling_is_reproducible_with_a_seed():
 
 # ---------------------------------------------------------------------------------- the loop
 
-from logitlab.generate import GenerationResult, generate, generate_reference, stream  # noqa: E402
-from logitlab.model import ModelConfig, Transformer  # noqa: E402
+from logitlab.generate.loop import GenerationResult, generate, generate_reference, stream  # noqa: E402
+from logitlab.model.transformer import ModelConfig, Transformer  # noqa: E402
+
+
+def compiled(model, backend: str = "inductor"):
+    """The compiled decode step for `model`, as the CLI builds it for --compile."""
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels.decode import compiled_decode_step
+
+    return compiled_decode_step(model, backend, step=decode_step)
+
 
 # init_std 0.3 makes the random models' next-token distributions peaked, so greedy choices are
 # not decided by float rounding between code paths.
@@ -214,8 +223,8 @@ def test_cached_equals_uncached_sampling_with_penalties(model):
 
 def test_cache_logits_match_full_forward(model):
     """prefill + decode steps give the same last-position logits as the full forward."""
-    from logitlab.generate import decode_step, prefill
-    from logitlab.kv_cache import KVCache
+    from logitlab.generate.loop import decode_step, prefill
+    from logitlab.model.cache import KVCache
 
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
@@ -258,20 +267,19 @@ def test_compiled_decode_step_is_one_graph_with_the_same_tokens(model, monkeypat
     the path for torch releases without isolate_recompiles (module guards kept)."""
     import torch._dynamo
 
-    import logitlab.generate as gen
+    import logitlab.kernels.decode as gen
 
     monkeypatch.setattr(gen, "_ISOLATE", isolate and gen._ISOLATE)
     gen._COMPILED.clear()
     cfg = SampleConfig(temperature=0, max_new_tokens=10)
     torch._dynamo.reset()
-    got = generate(model, PROMPTS, cfg, compile="aot_eager").tokens
+    got = generate(model, PROMPTS, cfg, step=compiled(model, "aot_eager")).tokens
     assert got == generate(model, PROMPTS, cfg).tokens
 
 
 def test_compiled_step_is_kept_per_model_until_its_weights_change(model):
-    from logitlab.generate import compiled_decode_step
-
     other = Transformer(model.config).eval()
+    compiled_decode_step = compiled
     a = compiled_decode_step(model, "aot_eager")
     assert compiled_decode_step(model, "aot_eager") is a
     assert compiled_decode_step(other, "aot_eager") is not a
@@ -287,8 +295,8 @@ def test_compiled_step_is_kept_per_model_until_its_weights_change(model):
 def test_greedy_decode_step_returns_the_argmax_of_its_logits(model):
     """decode_step(greedy=True) picks the next ids itself (inside the graph when compiled);
     they are the argmax of the logits it returns otherwise."""
-    from logitlab.generate import decode_step, prefill
-    from logitlab.kv_cache import KVCache
+    from logitlab.generate.loop import decode_step, prefill
+    from logitlab.model.cache import KVCache
 
     ids = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
     with torch.inference_mode():
@@ -304,7 +312,7 @@ def test_greedy_decode_step_returns_the_argmax_of_its_logits(model):
 
 def _count_step_calls(monkeypatch):
     """Counts CompiledStep calls with every guard checked and through `trusted`."""
-    import logitlab.generate as gen
+    import logitlab.kernels.decode as gen
 
     calls = {"guarded": 0, "trusted": 0}
     guarded, trusted = gen.CompiledStep.__call__, gen.CompiledStep.trusted
@@ -321,7 +329,7 @@ def _count_step_calls(monkeypatch):
 
 
 def test_compiled_greedy_and_trusted_steps_follow_new_batch_sizes_and_dtypes(model, monkeypatch):
-    """generate(compile=...) skips dynamo's guards from the third decode step on. Each call
+    """generate with a compiled step skips dynamo's guards from the third decode step on. Each call
     starts guarded, so a new batch size, padding, a one-token prompt (dynamo specialises a
     cache length of 1) or sampling after greedy never runs a graph compiled for other inputs:
     every run gives the eager tokens. A Stream (user code between steps) keeps the guards."""
@@ -335,13 +343,15 @@ def test_compiled_greedy_and_trusted_steps_follow_new_batch_sizes_and_dtypes(mod
     runs = [([[42]], GREEDY), (PROMPTS, GREEDY), ([PROMPTS[1]], GREEDY), (PROMPTS, sampled),
             ([[42], [7]], GREEDY), ([[5, 6]], GREEDY)]
     for prompts, cfg in runs:
-        assert generate(m, prompts, cfg, compile="aot_eager").tokens == generate(m, prompts, cfg).tokens
+        assert generate(m, prompts, cfg, step=compiled(m, "aot_eager")).tokens == generate(m, prompts, cfg).tokens
     # 11 (greedy) or 7 (sampled) decode steps per run, of which 2 guarded
     assert calls == {"guarded": 2 * len(runs), "trusted": 5 * 9 + 5}
-    assert list(stream(m, PROMPTS[1], GREEDY, compile="aot_eager")) == generate(m, PROMPTS[1], GREEDY).tokens[0]
+    streamed = list(stream(m, PROMPTS[1], GREEDY, step=compiled(m, "aot_eager")))
+    assert streamed == generate(m, PROMPTS[1], GREEDY).tokens[0]
     assert calls["trusted"] == 5 * 9 + 5
     m64 = m.to(torch.float64)                       # a new dtype: a new compiled step, guarded first
-    assert generate(m64, PROMPTS, GREEDY, compile="aot_eager").tokens == generate(m64, PROMPTS, GREEDY).tokens
+    fast64 = generate(m64, PROMPTS, GREEDY, step=compiled(m64, "aot_eager")).tokens
+    assert fast64 == generate(m64, PROMPTS, GREEDY).tokens
 
 
 def test_frozen_compiled_step_traces_the_weights_as_constants(model):
@@ -351,8 +361,9 @@ def test_frozen_compiled_step_traces_the_weights_as_constants(model):
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    from logitlab.generate import CompiledStep, decode_step
-    from logitlab.kv_cache import KVCache
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels.decode import CompiledStep
+    from logitlab.model.cache import KVCache
 
     n_params = len(list(model.parameters()))
 
@@ -379,7 +390,7 @@ def test_frozen_compiled_step_traces_the_weights_as_constants(model):
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_same_tokens(model):
     cfg = SampleConfig(temperature=0, max_new_tokens=16)
-    assert generate(model, PROMPTS, cfg, compile=True).tokens == generate(model, PROMPTS, cfg).tokens
+    assert generate(model, PROMPTS, cfg, step=compiled(model)).tokens == generate(model, PROMPTS, cfg).tokens
 
 
 @pytest.mark.slow
@@ -388,8 +399,9 @@ def test_compiled_step_with_frozen_weights_follows_weight_changes(model, dtype):
     """On a CPU the decode step compiles with frozen (constant, prepacked) weights: after the
     weights change the compiled step must be rebuilt, not reuse the old constants. (Logits, not
     tokens: bf16 rounding inside fused kernels differs from eager, so near-ties may flip.)"""
-    from logitlab.generate import _compile_options, compiled_decode_step, decode_step, prefill
-    from logitlab.kv_cache import KVCache
+    from logitlab.generate.loop import decode_step, prefill
+    from logitlab.kernels.decode import _compile_options
+    from logitlab.model.cache import KVCache
 
     m = Transformer(model.config).eval()
     m.load_state_dict(model.state_dict())
@@ -406,8 +418,8 @@ def test_compiled_step_with_frozen_weights_follows_weight_changes(model, dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.05
     for _ in range(2):
         eager = last_logits(decode_step)
-        compiled = last_logits(compiled_decode_step(m))
-        assert torch.allclose(compiled, eager, atol=tol * eager.abs().max().item())
+        fast = last_logits(compiled(m))
+        assert torch.allclose(fast, eager, atol=tol * eager.abs().max().item())
         with torch.no_grad():
             m.lm_head.weight.mul_(-1.0)
 
@@ -473,7 +485,7 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
     """A random transformers model saved to disk, loaded into logitlab: greedy generation agrees
     with transformers' generate(do_sample=False) token for token."""
     transformers = pytest.importorskip("transformers")
-    hf = pytest.importorskip("logitlab.hf", reason="logitlab.hf (Hugging Face import) is not available")
+    hf = pytest.importorskip("logitlab.io.hf", reason="logitlab.hf (Hugging Face import) is not available")
     torch.manual_seed(0)
     peer = transformers.AutoModelForCausalLM.from_config(_hf_configs()[family]).eval()
     peer.save_pretrained(tmp_path)
@@ -500,7 +512,7 @@ MERGES = [(b"t", b"h"), (b"th", b"e"), (b" ", b"c"), (b" c", b"a"), (b" ca", b"t
 
 def small_tokenizer():
     """256 bytes + a few merges + <|endoftext|>: fast to build, save and load."""
-    from logitlab.tokenizer import Tokenizer
+    from logitlab.tokenizer.core import Tokenizer
 
     vocab = {i: bytes([i]) for i in range(256)}
     for a, b in MERGES:
@@ -512,7 +524,7 @@ def small_tokenizer():
 def hf_dir(tmp_path_factory):
     """A small random GPT-2 in a Hugging Face directory with a tokenizer.json."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("logitlab.hf", reason="logitlab.hf (Hugging Face import) is not available")
+    pytest.importorskip("logitlab.io.hf", reason="logitlab.hf (Hugging Face import) is not available")
     tok = small_tokenizer()
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=128, n_embd=32, n_layer=2, n_head=4,
@@ -526,16 +538,16 @@ def hf_dir(tmp_path_factory):
 def _cli_json(capsys, argv):
     import json
 
-    from logitlab.cli import main
+    from logitlab.cli.main import main
 
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_cli_generate_streams_and_stops(hf_dir, capsys):
-    from logitlab.cli import main
-    from logitlab.hf import load_pretrained
-    from logitlab.tokenizer import Tokenizer
+    from logitlab.cli.main import main
+    from logitlab.io.hf import load_pretrained
+    from logitlab.tokenizer.core import Tokenizer
 
     out = _cli_json(capsys, ["generate", "--hf", str(hf_dir), "Hello, world", "--temperature", "0",
                              "--max-new-tokens", "12", "--json"])
@@ -568,9 +580,9 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
 def test_cli_checkpoint_dir_and_chat(hf_dir, tmp_path, capsys, monkeypatch):
     import io
 
-    from logitlab import checkpoint
-    from logitlab.cli import main
-    from logitlab.hf import load_pretrained
+    from logitlab.cli.main import main
+    from logitlab.io import checkpoint
+    from logitlab.io.hf import load_pretrained
 
     d = tmp_path / "model"
     checkpoint.save_model(load_pretrained(hf_dir), d)
@@ -587,7 +599,7 @@ def test_cli_checkpoint_dir_and_chat(hf_dir, tmp_path, capsys, monkeypatch):
 
 
 def test_stream_text_holds_back_split_characters_and_stop_strings():
-    from logitlab.cli_generate import StopHoldBack, stream_text
+    from logitlab.cli.generate import StopHoldBack, stream_text
 
     tok = small_tokenizer()
     ids = tok.encode("héllo wörld")
@@ -607,7 +619,7 @@ def test_cli_hf_dir_with_gpt2_vocab_files(tmp_path, gpt2_files, capsys):
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("logitlab.hf", reason="logitlab.hf (Hugging Face import) is not available")
+    pytest.importorskip("logitlab.io.hf", reason="logitlab.hf (Hugging Face import) is not available")
     cfg = transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=1, n_head=2)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     for f in gpt2_files:
@@ -627,7 +639,7 @@ def test_cli_hf_dir_with_gpt2_vocab_files(tmp_path, gpt2_files, capsys):
     (["--seed", str(2**70)], "seed must be None or an integer"),
 ])
 def test_cli_refuses_non_finite_sampling_controls(hf_dir, capsys, flags, named):
-    from logitlab.cli import main
+    from logitlab.cli.main import main
 
     assert main(["generate", "--hf", str(hf_dir), "Hello", "--json"] + flags) == 2
     captured = capsys.readouterr()
@@ -644,8 +656,8 @@ def test_cli_generate_and_chat_stop_with_one_error_line_on_non_finite_logits(tmp
     exit code 2 and one error naming the step and row, on a line of its own."""
     import io
 
-    from logitlab import checkpoint
-    from logitlab.cli import main
+    from logitlab.cli.main import main
+    from logitlab.io import checkpoint
 
     tok = small_tokenizer()
     torch.manual_seed(0)
@@ -670,9 +682,9 @@ def test_cli_generate_and_chat_stop_with_one_error_line_on_non_finite_logits(tmp
 def test_cli_ordinary_keeps_special_token_text_as_text(hf_dir, capsys, monkeypatch):
     import io
 
-    import logitlab.generate as gen
-    from logitlab.cli import main
-    from logitlab.tokenizer import Tokenizer
+    import logitlab.generate.loop as gen
+    from logitlab.cli.main import main
+    from logitlab.tokenizer.core import Tokenizer
 
     tok = Tokenizer.from_hf(hf_dir / "tokenizer.json")
     prompt = "Hello<|endoftext|>world"
@@ -696,7 +708,7 @@ def test_cli_ordinary_keeps_special_token_text_as_text(hf_dir, capsys, monkeypat
 
 
 def test_cli_help_says_how_special_token_text_is_read(capsys, monkeypatch):
-    from logitlab.cli import main
+    from logitlab.cli.main import main
 
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps (and splits at hyphens) to this width
     for command, says in (("generate", "Special-token text in PROMPT such as <|endoftext|> becomes its id; "
@@ -706,3 +718,17 @@ def test_cli_help_says_how_special_token_text_is_read(capsys, monkeypatch):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert says in capsys.readouterr().out
+
+
+def test_generation_does_not_change_the_model_it_is_given(model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = (model.validate_inputs, model.training)
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, args: seen.append(m.validate_inputs))
+    try:
+        generate(model, PROMPTS, GREEDY)
+    finally:
+        handle.remove()
+    assert seen and all(seen)             # never switched off, not even during a step
+    assert (model.validate_inputs, model.training) == flags
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

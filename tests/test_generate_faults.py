@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logitlab.generate import SampleConfig, SamplingError, decode_step, generate, prefill
-from logitlab.kv_cache import KVCache
-from logitlab.model import ModelConfig, Transformer
+from logitlab.generate.loop import SampleConfig, SamplingError, decode_step, generate, prefill
+from logitlab.kernels.decode import compiled_decode_step
+from logitlab.model.cache import KVCache
+from logitlab.model.transformer import ModelConfig, Transformer
 
 # untied embeddings: a NaN row of the input table poisons only the steps that feed that token
 CONFIG = ModelConfig(vocab_size=97, context_length=48, d_model=32, n_layers=2, n_heads=4, init_std=0.3,
@@ -67,7 +68,8 @@ def test_nan_logits_at_a_later_step_raise_naming_the_step_and_row(model, case, r
 
         torch._dynamo.reset()
     with pytest.raises(SamplingError, match=f"step {step} .*batch row {row}: the model's logits contain .*NaN") as err:
-        generate(bad, PROMPTS, cfg, compile=compile)
+        generate(bad, PROMPTS, cfg, step=compiled_decode_step(bad, compile, step=decode_step) if compile
+                 else decode_step)
     assert (err.value.step, err.value.row) == (step, row)
     assert isinstance(err.value, RuntimeError)  # the CLI prints RuntimeErrors as one 'error:' line
 

@@ -10,9 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from logitlab import checkpoint, families, hf  # noqa: E402
 from logitlab.cli import main  # noqa: E402
-from logitlab.model import ModelConfig, Transformer  # noqa: E402
+from logitlab.io import checkpoint, hf  # noqa: E402
+from logitlab.model import ModelConfig, Transformer, families  # noqa: E402
 
 TOL = 1e-4
 _SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -81,7 +81,7 @@ def hf_dirs(tmp_path_factory):
     for name in FAMILIES:
         model = _random_hf_model(name)
         d = tmp_path_factory.mktemp(name)
-        model.save_pretrained(d)
+        model.save_pretrained(d)  # transformers' own save: the directory under test
         out[name] = (model, d)
     return out
 
@@ -99,8 +99,8 @@ def test_hf_to_logitlab_parity(hf_dirs, name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logitlab_to_hf_parity(hf_dirs, tmp_path, name):
     theirs, d = hf_dirs[name]
-    ours = Transformer.from_pretrained(d)
-    ours.save_pretrained(tmp_path / "export")
+    ours = hf.load_pretrained(d)
+    hf.save_pretrained(ours, tmp_path / "export")
     reloaded, info = _load_hf(tmp_path / "export")
     assert type(reloaded).__name__ == FAMILIES[name][1]
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -200,7 +200,7 @@ def test_streamed_load_every_layout_and_dtype(hf_dirs, tmp_path, name, layout):
 
 _PEAK_SCRIPT = """
 import sys, torch
-from logitlab import hf
+from logitlab.io import hf
 
 def kib(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
@@ -329,7 +329,7 @@ def test_cli_convert_both_ways(hf_dirs, tmp_path, capsys):
 
 
 def test_cli_convert_carries_the_tokenizer(tmp_path):
-    from logitlab.tokenizer import Tokenizer
+    from logitlab.tokenizer.core import Tokenizer
 
     vocab = {i: bytes([i]) for i in range(256)}
     vocab[256], vocab[257] = b"th", b"the"
@@ -354,7 +354,7 @@ def test_load_tokenizer_finds_each_format_in_order(tmp_path, gpt2_files):
     None when the directory has none; a broken file is an error naming it."""
     import shutil
 
-    from logitlab.tokenizer import Tokenizer
+    from logitlab.tokenizer.core import Tokenizer
 
     vocab = {i: bytes([i]) for i in range(256)}
     vocab[256], vocab[257] = b"th", b"the"

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from logitlab.generate import SampleConfig
-from logitlab.introspect import (
+from logitlab.generate.loop import SampleConfig
+from logitlab.inspect.core import (
     embedding_neighbours,
     lens_logits,
     logit_lens,
@@ -18,7 +18,7 @@ from logitlab.introspect import (
     summarize,
     token_surprisals,
 )
-from logitlab.model import ModelConfig, Transformer
+from logitlab.model.transformer import ModelConfig, Transformer
 
 
 @pytest.fixture(scope="module", params=["gpt2-like", "llama-like"])
@@ -115,8 +115,8 @@ def test_embedding_neighbours_by_cosine(model):
 def test_cli_inspect_json(tmp_path, capsys):
     import json
 
-    from logitlab import checkpoint
-    from logitlab.cli import main
+    from logitlab.cli.main import main
+    from logitlab.io import checkpoint
     from tests.test_generate import small_tokenizer
 
     tok = small_tokenizer()
@@ -157,7 +157,7 @@ def test_non_finite_logits_are_refused_naming_the_position(model):
 
 
 def _checkpoint(tmp_path):
-    from logitlab import checkpoint
+    from logitlab.io import checkpoint
     from tests.test_generate import small_tokenizer
 
     tok = small_tokenizer()
@@ -174,7 +174,7 @@ def _checkpoint(tmp_path):
                                    ["--temperature", "nan"], ["--temperature", "-1"], ["--top-p", "0"],
                                    ["--min-p", "1"]])
 def test_cli_inspect_refuses_bad_numbers_naming_the_flag(flags, capsys):
-    from logitlab.cli import main
+    from logitlab.cli.main import main
 
     with pytest.raises(SystemExit) as exit:  # argparse: usage and the error, before loading anything
         main(["inspect", "--checkpoint", "not-loaded", "text"] + flags)
@@ -185,7 +185,7 @@ def test_cli_inspect_refuses_bad_numbers_naming_the_flag(flags, capsys):
 def test_cli_inspect_ordinary(tmp_path, capsys):
     import json
 
-    from logitlab.cli import main
+    from logitlab.cli.main import main
 
     d, tok = _checkpoint(tmp_path)
     text = "The<|endoftext|>cat"

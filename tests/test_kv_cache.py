@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logitlab.kv_cache import KVCache
-from logitlab.model import ModelConfig, Transformer
+from logitlab.model.cache import KVCache
+from logitlab.model.config import ModelConfig
+from logitlab.model.transformer import Transformer
 
 
 def test_update_writes_in_place_and_returns_views():

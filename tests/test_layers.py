@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logitlab.layers import (
+from logitlab.model.config import ModelConfig, RopeScaling
+from logitlab.model.layers import (
     Attention,
     GeluMLP,
     LayerNorm,
@@ -20,7 +21,6 @@ from logitlab.layers import (
     repeat_kv,
     rope_inv_freq,
 )
-from logitlab.model import ModelConfig, RopeScaling
 
 
 def tiny(**kw) -> ModelConfig:
@@ -159,7 +159,7 @@ def test_gelu_mlp_tanh_matches_formula():
 def test_gelu_tanh_compiled_form_matches_f_gelu(dtype, monkeypatch):
     """The form a compiled graph traces (x * sigmoid(2u)), forward and gradient, against F.gelu:
     once through torch.compile and once by making the eager call take the compiled branch."""
-    from logitlab import layers
+    from logitlab.model import mlp as layers
 
     torch.manual_seed(0)
     x = (torch.randn(64, 96) * 4).to(dtype)
@@ -244,7 +244,7 @@ def test_qk_norm_is_applied_per_head_before_rope():
 
 
 def test_sdpa_without_enable_gqa_repeats_heads(monkeypatch):
-    import logitlab.layers as layers
+    import logitlab.model.attention as layers
 
     attn = Attention(tiny(n_kv_heads=2, positions="rope"))
     x = torch.randn(2, 5, 32)
@@ -253,25 +253,27 @@ def test_sdpa_without_enable_gqa_repeats_heads(monkeypatch):
     torch.testing.assert_close(attn(x, None, is_causal=True)[0], native, rtol=1e-5, atol=1e-5)
 
 
-# --- bf16 products through float32 GEMMs ---------------------------------------------------
+# --- bf16 products through float32 GEMMs (logitlab.kernels.cpu_bf16) -----------------------
 
 @pytest.fixture
 def bf16_mode():
-    """Yields layers.set_bf16_matmul and restores the mode afterwards."""
-    from logitlab import layers
-    before = layers.bf16_matmul_mode()
-    yield layers.set_bf16_matmul
-    layers.set_bf16_matmul(before)
+    """Yields a function mode -> linear: the reference F.linear for "native", the float32-GEMM
+    route (cpu_bf16.linear) for "fp32"; an unknown mode is install's ValueError."""
+    from logitlab.kernels import cpu_bf16
+
+    def use(mode):
+        cpu_bf16.install(torch.nn.Module(), mode)           # validates the mode
+        return F.linear if mode == "native" else cpu_bf16.linear
+    yield use
 
 
 def _round(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-def _linear_and_grads(x, w, b, grad):
+def _linear_and_grads(x, w, b, grad, linear):
     x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
     b = None if b is None else b.detach().requires_grad_()
-    from logitlab.layers import linear
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = linear(x, w, b)
     y.float().backward(grad)
@@ -286,8 +288,7 @@ def test_bf16_linear_via_fp32_is_the_bf16_product_with_float32_accumulation(bf16
     x, w = torch.randn(2, 80, 48), torch.randn(24, 48)
     b = torch.randn(24) if bias else None
     grad = torch.randn(2, 80, 24)
-    bf16_mode("fp32")
-    y, gx, gw, gb = _linear_and_grads(x, w, b, grad)
+    y, gx, gw, gb = _linear_and_grads(x, w, b, grad, bf16_mode("fp32"))
     assert y.dtype == torch.bfloat16 and gx.dtype == gw.dtype == torch.float32
     ref = _round(x) @ _round(w).T + (0 if b is None else _round(b))
     torch.testing.assert_close(y.float(), _round(ref), rtol=0, atol=0)
@@ -297,33 +298,29 @@ def test_bf16_linear_via_fp32_is_the_bf16_product_with_float32_accumulation(bf16
     if bias:
         torch.testing.assert_close(gb, _round(g.sum(0)), rtol=0, atol=0)
     # the native bf16 kernel agrees up to summation order (an ulp of bf16 here and there)
-    bf16_mode("native")
-    y2, gx2, gw2, _ = _linear_and_grads(x, w, b, grad)
+    y2, gx2, gw2, _ = _linear_and_grads(x, w, b, grad, bf16_mode("native"))
     torch.testing.assert_close(y.float(), y2.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(gw, gw2, rtol=1e-2, atol=2e-2)
 
 
 def test_bf16_linear_via_fp32_is_chosen_by_mode_rows_and_dtype(bf16_mode, monkeypatch):
-    from logitlab import layers
+    from logitlab.kernels import cpu_bf16
     calls = []
-    monkeypatch.setattr(layers._Bf16LinearViaFp32, "apply",
+    monkeypatch.setattr(cpu_bf16.Bf16LinearViaFp32, "apply",
                         lambda *a: calls.append(a[0].shape) or F.linear(*a).to(torch.bfloat16))
-    monkeypatch.setattr(layers, "_CPU_HAS_AMX", False)
     w = torch.randn(16, 8)
-    bf16_mode("auto")
+    linear = bf16_mode("fp32")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        layers.linear(torch.randn(4, 40, 8), w)                    # 160 rows: fp32 GEMM
-        layers.linear(torch.randn(1, 8), w)                        # a decode step: native
-    layers.linear(torch.randn(200, 8), w)                          # float32: untouched
-    layers.linear(torch.randn(200, 8).bfloat16(), w.bfloat16())    # bf16 weights, many rows
+        linear(torch.randn(4, 40, 8), w)                           # 160 rows: fp32 GEMM
+        linear(torch.randn(1, 8), w)                               # a decode step: native
+    linear(torch.randn(200, 8), w)                                 # float32: untouched
+    linear(torch.randn(200, 8).bfloat16(), w.bfloat16())           # bf16 weights, many rows
     assert calls == [(4, 40, 8), (200, 8)]
-    monkeypatch.setattr(layers, "_CPU_HAS_AMX", True)              # AMX: bf16 kernels are fast
+    with torch.autocast("cpu", dtype=torch.float16):
+        linear(torch.randn(200, 8), w)                             # another autocast dtype: native
+    linear = bf16_mode("native")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        layers.linear(torch.randn(200, 8), w)
-    bf16_mode("native")
-    monkeypatch.setattr(layers, "_CPU_HAS_AMX", False)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        layers.linear(torch.randn(200, 8), w)
+        linear(torch.randn(200, 8), w)
     assert len(calls) == 2
     with pytest.raises(ValueError, match="bf16 matmul mode.*'fast'"):
         bf16_mode("fast")
@@ -332,7 +329,7 @@ def test_bf16_linear_via_fp32_is_chosen_by_mode_rows_and_dtype(bf16_mode, monkey
 def _compiled_and_eager_bf16_linear(backend: str):
     """relu(linear(1.37 x, w)) under bf16 autocast through the float32-GEMM path, compiled with
     `backend` and eagerly: -> (x, w, eager out, eager grads, compiled out, compiled grads)."""
-    from logitlab.layers import linear
+    from logitlab.kernels.cpu_bf16 import linear
 
     torch.manual_seed(0)
     x, w, grad = torch.randn(160, 32), torch.randn(40, 32), torch.randn(160, 40)
@@ -371,12 +368,78 @@ def test_bf16_linear_via_fp32_inductor_keeps_the_rounding(bf16_mode):
 
 
 def test_linear_layers_keep_nn_linear_keys_and_hooks():
-    from logitlab.layers import Linear
-    from logitlab.model import Transformer
+    from torch.nn import Linear
+
+    from logitlab.kernels import cpu_bf16
+    from logitlab.model.transformer import Transformer
     model = Transformer(tiny())
+    keys = list(model.state_dict())
+    handle = cpu_bf16.install(model, "fp32")                        # swaps the classes
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(isinstance(m, Linear) for m in linears)
+    assert all(type(m) is cpu_bf16.Bf16ViaFp32Linear for m in linears)
+    assert list(model.state_dict()) == keys
     seen = []
     model.blocks[0].attn.qkv_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     model(torch.zeros(1, 5, dtype=torch.long))
     assert seen == [(1, 5, 3 * 32)]
+    handle.remove()
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+# --- installing the route into a model -----------------------------------------------------
+
+def _padded_model():
+    from logitlab.model.transformer import Transformer
+    torch.manual_seed(0)
+    return Transformer(tiny(vocab_pad_multiple=64, n_layers=1)).eval()
+
+
+def test_install_fp32_equals_native_bf16_and_remove_restores_exactly():
+    """Installed, a bf16-autocast forward through the float32 GEMMs (the padded head too) agrees
+    with the plain model up to summation order; removed, the plain model is back bit for bit."""
+    from logitlab.kernels import cpu_bf16
+    model = _padded_model()
+    ids = torch.randint(0, 50, (8, 20), generator=torch.Generator().manual_seed(1))   # 160 rows
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(ids)
+    heads = []
+    handle = cpu_bf16.install(model, "fp32")
+    assert (handle.route, handle.timings) == ("fp32", None) and model.head_matmul is cpu_bf16.linear
+    real = cpu_bf16.Bf16LinearViaFp32.apply
+    cpu_bf16.Bf16LinearViaFp32.apply = lambda x, w, b: heads.append(w.shape) or real(x, w, b)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            routed = model(ids)
+    finally:
+        cpu_bf16.Bf16LinearViaFp32.apply = real
+    assert (50, 32) in heads and len(heads) == 5                    # qkv, o, up, down, the head's V rows
+    torch.testing.assert_close(routed.float(), plain.float(), rtol=2e-2, atol=2e-2)
+    handle.remove()
+    assert model.head_matmul is F.linear
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(ids), plain)
+    assert cpu_bf16.install(model, "native").route == "native"
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("slow", ["native", "fp32"])
+def test_install_auto_measures_and_picks_the_faster_route(monkeypatch, slow):
+    """"auto" times both routes once at the model's largest Linear weight and installs the faster;
+    the times are on the handle and cached per (device, weight shape, rows)."""
+    import time
+
+    from logitlab.kernels import cpu_bf16
+    monkeypatch.setattr(cpu_bf16, "MEASURED", {})
+    real = getattr(cpu_bf16, f"{slow}_product")
+    monkeypatch.setattr(cpu_bf16, f"{slow}_product", lambda x, w: time.sleep(0.02) or real(x, w))
+    model = _padded_model()
+    handle = cpu_bf16.install(model, "auto")
+    fast = "fp32" if slow == "native" else "native"
+    assert handle.route == fast and handle.timings[slow] > handle.timings[fast]
+    assert handle.weight_shape == (128, 32)                         # the largest: mlp.up_proj (F, D)
+    assert list(cpu_bf16.MEASURED) == [("cpu", (128, 32), cpu_bf16.MEASURE_ROWS)]
+    swapped = type(model.blocks[0].mlp.down_proj) is cpu_bf16.Bf16ViaFp32Linear
+    assert swapped == (fast == "fp32")
+    handle.remove()
+    assert type(model.blocks[0].mlp.down_proj) is torch.nn.Linear

@@ -15,12 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from logitlab import checkpoint as ck
-from logitlab import families, hf, runtime
-from logitlab.cli import main
-from logitlab.model import ModelConfig, Transformer, check_field_types
-from logitlab.optim import build_adamw
-from logitlab.tokenizer import Tokenizer
+from logitlab.cli.main import main
+from logitlab.io import checkpoint as ck
+from logitlab.io import hf
+from logitlab.model import families
+from logitlab.model.transformer import ModelConfig, Transformer, check_field_types
+from logitlab.tokenizer.core import Tokenizer
+from logitlab.train import runtime
+from logitlab.train.optim import build_adamw
 
 CONFIG = dict(vocab_size=257, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
               norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)

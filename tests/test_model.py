@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from logitlab.kv_cache import KVCache
-from logitlab.model import ModelConfig, Transformer
+from logitlab.model.cache import KVCache
+from logitlab.model.config import ModelConfig
+from logitlab.model.transformer import Transformer
 
 LLAMA_LIKE = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
 
@@ -156,7 +157,7 @@ def test_padded_head_multiplies_only_real_rows_bit_for_bit():
         assert torch.all(g_fast[61:] == 0)
 
 def test_meta_device_construction_costs_nothing_and_loads_back(tmp_path):
-    from logitlab.checkpoint import load_model, save_model
+    from logitlab.io.checkpoint import load_model, save_model
 
     cfg = ModelConfig(vocab_size=128256, context_length=131072, d_model=4096, n_layers=32, n_heads=32,
                       n_kv_heads=8, d_ff=14336, norm="rmsnorm", mlp="swiglu", positions="rope",
@@ -189,7 +190,7 @@ def test_state_dicts_with_separate_projections_still_load(variant):
     """State dicts written before q/k/v and gate/up became one matrix each hold separate
     q_proj, k_proj, v_proj (and gate_proj, up_proj) keys: checkpoint.upgrade_legacy_state joins
     them into the fused rows (and loading them as they are fails, naming the keys)."""
-    from logitlab.checkpoint import upgrade_legacy_state
+    from logitlab.io.checkpoint import upgrade_legacy_state
 
     model = build(**dict(VARIANTS[variant], qkv_bias=True))
     H, Hkv, Dh = model.config.n_heads, model.config.n_kv_heads, model.config.head_dim
@@ -327,7 +328,7 @@ def test_config_fields_must_have_their_declared_types(kwargs, message):
 
 def test_config_types_normalise_json_values():
     """An int where a float is declared becomes a float, a rope_scaling dict a RopeScaling."""
-    from logitlab.model import RopeScaling
+    from logitlab.model.config import RopeScaling
 
     cfg = tiny(norm_eps=1, rope_scaling={"factor": 4, "original_context_length": 16})
     assert type(cfg.norm_eps) is float and cfg.rope_scaling == RopeScaling(4.0, 1.0, 4.0, 16)
@@ -365,7 +366,8 @@ def test_bf16_autocast_matches_transformers_bit_for_bit(family):
     """Same op order as transformers (RMSNorm in float32 then cast, RoPE in the residual dtype,
     softmax inside SDPA): under bf16 autocast every hidden state and the logits are identical."""
     transformers = pytest.importorskip("transformers")
-    from logitlab.families import config_from_hf, state_dict_from_hf
+    from logitlab.model.families import config_from_hf
+    from logitlab.model.keymap import state_dict_from_hf
 
     common = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from logitlab.model import ModelConfig, Transformer
-from logitlab.optim import (
+from logitlab.model.transformer import ModelConfig, Transformer
+from logitlab.train.optim import (
     WarmupCosine,
     build_adamw,
     clip_grad_norm,

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from logitlab.sampling import (
+from logitlab.generate.sampling import (
     GREEDY_BELOW,
     SampleConfig,
     SamplingError,

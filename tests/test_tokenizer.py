@@ -11,9 +11,9 @@ import regex
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from logitlab.tokenizer import ASCII_PATTERNS, CL100K_PATTERN, GPT2_PATTERN, SAFE_CUT, Tokenizer, pretokenizer
-from logitlab.tokenizer_formats import bytes_to_unicode
-from logitlab.tokenizer_patterns import unknown_to_tiktoken
+from logitlab.tokenizer.core import ASCII_PATTERNS, CL100K_PATTERN, GPT2_PATTERN, SAFE_CUT, Tokenizer, pretokenizer
+from logitlab.tokenizer.formats import bytes_to_unicode
+from logitlab.tokenizer.patterns import unknown_to_tiktoken
 
 EOT = "<|endoftext|>"
 MIXED = (

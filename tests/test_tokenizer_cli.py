@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from logitlab.cli import main
-from logitlab.tokenizer import Tokenizer
+from logitlab.cli.main import main
+from logitlab.tokenizer.core import Tokenizer
 
 EOT = "<|endoftext|>"
 
@@ -147,7 +147,7 @@ def test_train_out_directory_is_one_error_line(corpus, tmp_path, capsys, monkeyp
     def must_not_train(*args, **kwargs):
         raise AssertionError("the output path is checked before training")
 
-    monkeypatch.setattr("logitlab.bpe.train_tokenizer", must_not_train)
+    monkeypatch.setattr("logitlab.tokenizer.bpe.train_tokenizer", must_not_train)
     assert _train(corpus, folder) == 2
     assert f"cannot write a logitlab tokenizer file to {folder}: it is a directory" in _one_error(capsys)
     assert list(folder.iterdir()) == []
@@ -176,7 +176,7 @@ def test_train_replaces_its_own_tokenizer(corpus, tmp_path, capsys):
 
 def test_train_out_in_unwritable_folder_is_one_error_line(corpus, tmp_path, capsys, monkeypatch):
     """A folder we may not write (simulated: tests may run as root, who may write anywhere)."""
-    import logitlab.tokenizer_formats as formats
+    import logitlab.tokenizer.formats as formats
 
     def denied(path, data):
         raise PermissionError(13, "Permission denied", str(path.parent / f".{path.name}.tmp-x"))

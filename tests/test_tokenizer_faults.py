@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitlab import tokenizer_formats
-from logitlab.bpe import BPEConfig, train_bpe
-from logitlab.tokenizer import CL100K_PATTERN, GPT2_PATTERN, Tokenizer
-from logitlab.tokenizer_patterns import COVERAGE_PROBES, pretokenizer
+from logitlab.tokenizer import formats as tokenizer_formats
+from logitlab.tokenizer.bpe import BPEConfig, train_bpe
+from logitlab.tokenizer.core import CL100K_PATTERN, GPT2_PATTERN, Tokenizer
+from logitlab.tokenizer.patterns import COVERAGE_PROBES, pretokenizer
 
 BYTES = {i: bytes([i]) for i in range(256)}
 EOT = "<|endoftext|>"

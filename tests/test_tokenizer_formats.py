@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from logitlab.bpe import train_tokenizer
-from logitlab.tokenizer import Tokenizer
+from logitlab.tokenizer.bpe import train_tokenizer
+from logitlab.tokenizer.core import Tokenizer
 
 EOT = "<|endoftext|>"
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak!  "

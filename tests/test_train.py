@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logitlab import data
-from logitlab.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from logitlab.model import ModelConfig, Transformer
-from logitlab.tokenizer import Tokenizer
-from logitlab.train import TrainConfig, TrainingDiverged, cross_entropy, cross_entropy_reference, train
+from logitlab.data import tokens as data
+from logitlab.io.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from logitlab.model.transformer import ModelConfig, Transformer
+from logitlab.tokenizer.core import Tokenizer
+from logitlab.train.loop import TrainConfig, TrainingDiverged, cross_entropy, cross_entropy_reference, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -73,9 +73,9 @@ def test_cross_entropy_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_cross_entropy_matches_f_cross_entropy(dtype):
-    """The form a compiled graph runs (_CrossEntropy), value and gradient, against F.cross_entropy
+    """The form a compiled graph runs (kernels.compiled.CrossEntropy), value and gradient, against F.cross_entropy
     on float32 logits; IGNORE_INDEX targets are left out of the mean, out-of-range ones fail."""
-    from logitlab.train import IGNORE_INDEX
+    from logitlab.train.loop import IGNORE_INDEX
 
     torch.manual_seed(0)
     logits = (torch.randn(3, 7, 50) * 3).to(dtype)
@@ -116,8 +116,8 @@ def _single_process_hooks():
     """Every ParallelHooks entry filled in as a one-process stand-in, so the hook paths run."""
     import contextlib
 
-    from logitlab.optim import clip_grad_norm
-    from logitlab.train import ParallelHooks
+    from logitlab.train.loop import ParallelHooks
+    from logitlab.train.optim import clip_grad_norm
 
     def load_state(wrapped, model_state, optimizer, optimizer_state):
         missing, unexpected = wrapped.load_state_dict(model_state, strict=False)
@@ -165,7 +165,7 @@ def test_resume_after_kill_9_matches(corpus, tmp_path):
         sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
         torch.set_num_threads({torch.get_num_threads()})
         from test_train import tiny_model, _cfg
-        from logitlab.train import train
+        from logitlab.train.loop import train
         from pathlib import Path
         slow = lambda event, record: time.sleep(0.1) if event == "step" else None
         train(tiny_model(), _cfg(Path({str(corpus)!r}), Path({str(run)!r}), save_every=1, steps=20), callback=slow)
@@ -254,7 +254,7 @@ def test_config_errors_come_first(corpus, tmp_path):
 
 
 def test_bf16_autocast_runs_and_validation_is_a_fixed_pass(corpus, tmp_path):
-    from logitlab.train import evaluate
+    from logitlab.train.loop import evaluate
 
     result = train(tiny_model(), _cfg(corpus, tmp_path / "bf16", steps=2, warmup_steps=1, precision="bf16"))
     assert result.last_loss is not None and result.last_loss == result.last_loss  # finite, not NaN
@@ -266,24 +266,27 @@ def test_bf16_autocast_runs_and_validation_is_a_fixed_pass(corpus, tmp_path):
 
 
 def test_bf16_matmul_mode_is_the_runs_and_is_restored(corpus, tmp_path):
-    """TrainConfig.bf16_matmul holds during the run (the linear layers read it) and the mode the
-    caller had is back afterwards, also when the run fails."""
-    from logitlab import layers
+    """TrainConfig.bf16_matmul holds during the run (installed into the model's layers) and the
+    model's plain layers are back afterwards, also when the run fails; nothing process-wide."""
+    from logitlab.kernels import cpu_bf16
 
     seen = []
-    cfg = _cfg(corpus, tmp_path / "mm", steps=1, warmup_steps=0, precision="bf16", bf16_matmul="native")
-    before = layers.bf16_matmul_mode()
-    train(tiny_model(), cfg, callback=lambda event, record: seen.append((event, layers.bf16_matmul_mode())))
-    assert {mode for event, mode in seen if event != "end"} == {"native"}
-    assert seen[-1] == ("end", before) and layers.bf16_matmul_mode() == before
+    model = tiny_model()
+    cfg = _cfg(corpus, tmp_path / "mm", steps=1, warmup_steps=0, precision="bf16", bf16_matmul="fp32")
+    kinds = lambda: {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}  # noqa: E731
+    train(model, cfg, callback=lambda event, record: seen.append((event, kinds(), record.get("bf16_route"))))
+    assert seen[0] == ("start", {cpu_bf16.Bf16ViaFp32Linear}, "fp32")
+    assert {frozenset(k) for event, k, _ in seen if event != "end"} == {frozenset({cpu_bf16.Bf16ViaFp32Linear})}
+    assert kinds() == {torch.nn.Linear}
 
     def fail(event, record):
         if event == "step":
             raise RuntimeError("stop here")
+    model = tiny_model()
     with pytest.raises(RuntimeError, match="stop here"):
-        train(tiny_model(), _cfg(corpus, tmp_path / "mm2", steps=1, warmup_steps=0, bf16_matmul="fp32"),
+        train(model, _cfg(corpus, tmp_path / "mm2", steps=1, warmup_steps=0, precision="bf16", bf16_matmul="fp32"),
               callback=fail)
-    assert layers.bf16_matmul_mode() == before
+    assert kinds() == {torch.nn.Linear}
     with pytest.raises(ValueError, match="bf16_matmul must be one of .*'bf16'"):
         TrainConfig(bf16_matmul="bf16")
 
@@ -307,7 +310,8 @@ def test_runtime_choices_and_rng_round_trip():
 
     import numpy as np
 
-    from logitlab import runtime
+    from logitlab.model import accounting
+    from logitlab.train import runtime
 
     assert runtime.pick_device("cpu").type == "cpu"
     assert runtime.autocast_dtype(torch.device("cpu"), "auto") is None
@@ -320,14 +324,14 @@ def test_runtime_choices_and_rng_round_trip():
     runtime.seed_everything(5)
     runtime.restore_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
-    peak = runtime.matmul_peak_flops(torch.device("cpu"), size=128)
+    peak = accounting.matmul_peak_flops(torch.device("cpu"), size=128)
     assert peak > 1e6
 
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
-from logitlab import runtime
-applied = runtime.keep_freed_memory() if sys.argv[1] == "keep" else None
+from logitlab.kernels import allocator
+applied = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
 for _ in range(10):                     # like training steps: the same large tensors, freed and made again
     torch.ones(16 << 20)                # 64 MiB, every page written
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -357,19 +361,19 @@ def test_keep_freed_memory_stops_the_page_faults_of_reallocation(monkeypatch):
 
 
 def test_keep_freed_memory_leaves_the_users_own_malloc_settings(monkeypatch):
-    from logitlab import runtime
+    from logitlab.kernels import allocator
 
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         monkeypatch.setenv(name, "65536")
-        assert runtime.keep_freed_memory() is False
+        assert allocator.keep_freed_memory() is False
         monkeypatch.delenv(name)
 
 
 def test_train_keeps_freed_memory_when_compiling_or_told_to(corpus, tmp_path, monkeypatch):
-    import logitlab.runtime as runtime_mod
+    import logitlab.kernels.allocator as allocator_mod
 
     calls = []
-    monkeypatch.setattr(runtime_mod, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(allocator_mod, "keep_freed_memory", lambda: calls.append(1) or True)
     for k, (keep, compiled, precision, expected) in enumerate(
             [("auto", False, "fp32", 0), ("auto", True, "fp32", 1), ("auto", True, "bf16", 0),
              ("on", False, "fp32", 1), ("on", True, "bf16", 1), ("off", True, "fp32", 0)]):
@@ -382,7 +386,7 @@ def test_train_keeps_freed_memory_when_compiling_or_told_to(corpus, tmp_path, mo
 
 
 def test_tensorboard_writer_gets_the_scalars(corpus, tmp_path, monkeypatch):
-    import logitlab.train as train_mod
+    import logitlab.train.loop as train_mod
 
     written = []
 
@@ -407,7 +411,7 @@ def test_torch_compile_matches_eager(corpus, tmp_path):
 
 
 def test_fastest_thread_count_keeps_the_faster_setting():
-    from logitlab import runtime
+    from logitlab.train import runtime
 
     before = torch.get_num_threads()
     calls = []
@@ -428,7 +432,7 @@ def test_fastest_thread_count_keeps_the_faster_setting():
 def test_loss_fn_compiled_equals_eager_in_loss_and_gradients(fullgraph):
     """train.loss_fn traces the model and the loss as one graph (aot_eager here: the same graph
     without inductor); loss and every gradient equal the eager loss_fn's."""
-    from logitlab.train import loss_fn
+    from logitlab.train.loop import loss_fn
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,

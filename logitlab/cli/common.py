@@ -1,0 +1,192 @@
+"""What every subcommand shares: the consoles, the flags made from config dataclasses, TOML
+config files, and the one line an error prints.
+
+Config flags: `add_config_flags(parser, SomeConfig)` adds one `--field-name` flag per dataclass
+field (help text from the field's `metadata["help"]`), and `build_config(SomeConfig, args,
+toml_table)` builds the frozen config from, in increasing priority: the dataclass defaults, a
+TOML table (`--config FILE`), and the flags the user actually typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+# --------------------------------------------------------------------------------------------
+# Console
+# --------------------------------------------------------------------------------------------
+
+def console():
+    """The rich console used by every command (stdout)."""
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def error_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Dataclass -> flags
+# --------------------------------------------------------------------------------------------
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """Optional[X] -> (X, True); X -> (X, False)."""
+    origin = get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
+
+
+def _none_or(parse):
+    def inner(text: str):
+        if text.strip().lower() in ("none", "null", ""):
+            return None
+        return parse(text)
+
+    inner.__name__ = getattr(parse, "__name__", "value")
+    return inner
+
+
+def flag_name(field_name: str, prefix: str = "") -> str:
+    return "--" + (prefix + field_name).replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                     skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of dataclass `cls`; defaults stay SUPPRESSED so that only the flags
+    a user typed override the TOML file and the dataclass defaults."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(f"{cls.__name__} fields")
+    for field in dataclasses.fields(cls):
+        if not field.init or field.name in skip or field.name.startswith("_"):
+            continue
+        tp, optional = _unwrap_optional(hints[field.name])
+        help_text = field.metadata.get("help", "")
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = field.default_factory()  # type: ignore[misc]
+        help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
+        kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, dest=prefix + field.name,
+                                      help=help_text)
+        origin = get_origin(tp)
+        if tp is bool:
+            kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
+        elif origin is Literal:
+            choices = list(get_args(tp))
+            kwargs.update(type=_none_or(str) if optional else str, choices=choices + ([None] if optional else []))
+        elif origin in (tuple, list):
+            (inner,) = {a for a in get_args(tp) if a is not Ellipsis} or {str}
+            kwargs.update(type=inner, nargs="*")
+        elif tp in (int, float, str):
+            kwargs.update(type=_none_or(tp) if optional else tp)
+        elif dataclasses.is_dataclass(tp):
+            continue  # nested configs come from TOML tables only
+        else:
+            kwargs.update(type=str)
+        group.add_argument(flag_name(field.name, prefix), **kwargs)
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """--progress [BOOL]: a live progress bar when the console is interactive (default true)."""
+    parser.add_argument("--progress", type=_parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
+                        help="live progress bar when the console is interactive (default true)")
+
+
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """--dtype: cast loaded weights (hf.parse_dtype names); default: as stored."""
+    parser.add_argument("--dtype", default=None, help="cast the weights: fp32, bf16 or fp16 (default: as stored)")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file, naming the file in any error."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {p}")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{p}: invalid TOML: {exc}") from exc
+
+
+def build_config(cls: type, args: argparse.Namespace | None = None,
+                 table: dict[str, Any] | None = None, prefix: str = "", **overrides: Any):
+    """Defaults < TOML `table` < typed flags (`args`) < keyword `overrides`.
+
+    Unknown keys in the TOML table are an error naming the key and the known fields."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    values: dict[str, Any] = {}
+    for key, value in (table or {}).items():
+        if isinstance(value, dict) and key not in names:
+            continue  # another config's table
+        if key not in names:
+            raise ValueError(f"unknown {cls.__name__} field {key!r} in config; "
+                             f"known fields: {', '.join(sorted(names))}")
+        values[key] = tuple(value) if isinstance(value, list) else value
+    if args is not None:
+        for name in names:
+            if hasattr(args, prefix + name):
+                value = getattr(args, prefix + name)
+                values[name] = tuple(value) if isinstance(value, list) else value
+    values.update(overrides)
+    return cls(**values)
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+def print_table(out, title: str, columns: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> None:
+    """A rich table whose cells are never cut: the title on a line of its own (never wrapped
+    into the table's width), and when the table is wider than the console, its value columns
+    split into several narrower tables, each with the first (key) column again. Columns whose
+    index is in `right` are right-aligned (numbers)."""
+    from rich.table import Table
+
+    def build(cols: list[int]) -> Table:
+        t = Table()
+        for i in cols:
+            t.add_column(columns[i], justify="right" if i in right else "left", no_wrap=True)
+        for row in rows:
+            t.add_row(*(row[i] for i in cols))
+        return t
+
+    def natural_width(cols: list[int]) -> int:  # cells + one space each side + the borders
+        return sum(max(len(columns[i]), *(len(row[i]) for row in rows)) + 3 for i in cols) + 1
+
+    out.print(title, soft_wrap=True, markup=False, highlight=False)
+    groups, current = [], []
+    for i in range(1, len(columns)):
+        trial = current + [i]
+        if current and natural_width([0, *trial]) > out.width:
+            groups.append(current)
+            trial = [i]
+        current = trial
+    groups.append(current)
+    for cols in groups:
+        out.print(build([0, *cols]))
+

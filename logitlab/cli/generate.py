@@ -1,0 +1,397 @@
+"""Subcommands `generate` and `inspect` (registered by main.py): text in, text or tables out.
+
+This module joins the tokenizer (text <-> ids) to generate.py and introspect.py, which only see
+ids. It loads a model with its tokenizer (`--checkpoint DIR`: a run, checkpoint or logitlab
+model directory; `--hf DIR`: a Hugging Face directory), streams generated text as soon as it is
+valid UTF-8 (Tokenizer.decode_stream), holds back text that may be the start of a stop string,
+and formats timings and "seeing inside" results as rich tables or, with --json, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+# SampleConfig fields with no flag of their own: --stop and --logit-bias fill them from text.
+_SKIP = ("logit_bias", "stop_sequences", "stop_bytes")
+
+
+def register(subparsers) -> None:
+    """Add `generate` and `inspect` to `subparsers` (`chat` is chat.py's)."""
+    g = subparsers.add_parser("generate", help="continue a prompt, streaming the text",
+                              description="Continue PROMPT with a model, printing text as it is generated, "
+                              "then the prefill time, decode tokens/s and why generation stopped. Special-token "
+                              "text in PROMPT such as <|endoftext|> becomes its id; --ordinary keeps it as text.")
+    _model_flags(g)
+    g.add_argument("prompt", help="the text to continue (empty: start from the end-of-text token); "
+                   "special-token text in it such as <|endoftext|> becomes its id unless --ordinary is given")
+    g.add_argument("--ordinary", action="store_true", help="encode PROMPT as plain text: special-token text "
+                   "such as <|endoftext|> stays text (default: it becomes the special token's id)")
+    _sample_flags(g)
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object at the end instead of streaming")
+    g.set_defaults(func=_generate)
+
+    i = subparsers.add_parser("inspect", help="per-token surprisal, next-token table, logit lens, neighbours",
+                              description="Score TEXT token by token (probability, surprisal in nats and "
+                              "bits, cross-entropy, perplexity) and show the top next tokens at --position "
+                              "before and after --temperature/--top-k/--top-p/--min-p; --lens adds the logit "
+                              "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
+                              "rows.")
+    _model_flags(i)
+    i.add_argument("text", help="the text to look at; special-token text in it such as <|endoftext|> becomes "
+                   "its id unless --ordinary is given")
+    i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "
+                   "text (default: it becomes the special token's id)")
+    i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
+                   "lens (the prediction made after that token; default -1, the last)")
+    i.add_argument("--rows", type=_number(int, "an integer >= 1", lambda v: v >= 1), default=10,
+                   help="how many candidates to list (default 10)")
+    for name, kind, default, rule, ok, text in (
+            ("temperature", float, 1.0, "a finite number >= 0", lambda v: v >= 0,
+             "temperature of the 'after' column"),
+            ("top-k", int, 0, "an integer >= 0", lambda v: v >= 0, "top-k of the 'after' column (0 = off)"),
+            ("top-p", float, 1.0, "in (0, 1]", lambda v: 0 < v <= 1, "top-p of the 'after' column (1 = off)"),
+            ("min-p", float, 0.0, "in [0, 1)", lambda v: 0 <= v < 1, "min-p of the 'after' column (0 = off)")):
+        i.add_argument(f"--{name}", type=_number(kind, rule, ok), default=default,
+                       help=f"{text} (default {default})")
+    i.add_argument("--lens", action="store_true", help="logit lens: top prediction at every layer")
+    i.add_argument("--neighbours", metavar="TOKEN", help="embedding neighbours of TOKEN (a single-token "
+                   "string or an integer id)")
+    i.add_argument("--bos", action="store_true", help="put the end-of-text token first, so the first token "
+                   "of TEXT is scored too (GPT-2 style)")
+    i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    i.set_defaults(func=_inspect)
+
+
+def _number(kind: type, rule: str, ok):
+    """An argparse type: `kind` (int or float) that is finite and passes `ok`; argparse names the flag in the
+    error ("argument --rows: must be an integer >= 1, got -1")."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _model_flags(p) -> None:
+    from logitlab.cli.common import add_dtype_flag
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="run directory, checkpoint directory or logitlab "
+                     "model directory (with tokenizer.logitlab.json)")
+    src.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json, safetensors, and "
+                     "tokenizer.json or GPT-2 vocab.json + merges.txt)")
+    add_dtype_flag(p)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _sample_flags(p) -> None:
+    from logitlab.cli.common import add_config_flags
+    from logitlab.generate.loop import SampleConfig
+
+    add_config_flags(p, SampleConfig, skip=_SKIP)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the generated text contains TEXT (repeatable; \\n and \\t are escapes)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")
+    p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Loaded:
+    model: object
+    tokenizer: object
+    end_ids: tuple[int, ...]  # ids that end generation: end-of-text first, then the model's eos ids
+
+    @property
+    def eot_id(self) -> int | None:
+        return self.end_ids[0] if self.end_ids else None
+
+
+def load(args) -> Loaded:
+    """The model and tokenizer named by --checkpoint or --hf, cast to --dtype."""
+    from logitlab.io import checkpoint, hf
+
+    dtype = hf.parse_dtype(args.dtype)
+    eos: list[int] = []
+    if args.checkpoint:
+        model, tok = checkpoint.load_for_inference(args.checkpoint, dtype=dtype)
+        if tok is None:
+            raise FileNotFoundError(f"{args.checkpoint}: no {checkpoint.TOKENIZER_FILE} beside the model")
+    else:
+        d = Path(args.hf)
+        model = hf.load_pretrained(d, dtype=dtype)
+        tok = hf.load_tokenizer(d)
+        if tok is None:
+            raise FileNotFoundError(f"{d}: no tokenizer.json, vocab.json + merges.txt, or "
+                                    f"{checkpoint.TOKENIZER_FILE}")
+        if not checkpoint.is_logitlab_dir(d):
+            value = hf.read_hf_config(d).get("eos_token_id")
+            eos = [value] if isinstance(value, int) else list(value or [])
+    end = [tok.eot_id] if tok.eot_id is not None else []
+    end += [i for i in eos if i not in end and 0 <= i < model.config.vocab_size]
+    return Loaded(model.eval(), tok, tuple(end))
+
+
+def sample_config(args, end_ids: tuple[int, ...] = ()):
+    """SampleConfig from defaults < TOML [sample] < flags; --stop and --logit-bias parsed here."""
+    from logitlab.cli.common import build_config, read_toml
+    from logitlab.generate.loop import SampleConfig
+
+    table = read_toml(args.config).get("sample", {}) if getattr(args, "config", None) else {}
+    bias = {}
+    for item in args.logit_bias:
+        key, _, value = item.partition("=")
+        try:
+            bias[int(key)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias expects ID=BIAS, got {item!r}") from None
+    stops = tuple(_unescape(s).encode() for s in args.stop if s)
+    cfg = build_config(SampleConfig, args, table, **({"logit_bias": bias} if bias else {}))
+    return dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + stops,
+                               stop_ids=cfg.stop_ids + tuple(i for i in end_ids if i not in cfg.stop_ids))
+
+
+def _unescape(text: str) -> str:
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming text
+# --------------------------------------------------------------------------------------------
+
+class StopHoldBack:
+    """Passes text through, holding back a tail that could be the start of a stop string, and
+    cutting the text where a stop string appears (the stop string itself is not shown)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.buf, self.done = [s for s in stops if s], "", False
+
+    def feed(self, piece: str) -> str:
+        if self.done:
+            return ""
+        self.buf += piece
+        hits = [self.buf.find(s) for s in self.stops if s in self.buf]
+        if hits:
+            self.done = True
+            out, self.buf = self.buf[:min(hits)], ""
+            return out
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.buf)), keep, -1):
+                if self.buf.endswith(s[:n]):
+                    keep = n
+                    break
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = ("" if self.done else self.buf), ""
+        return out
+
+
+def stream_text(tokenizer, ids, hidden_ids=(), stops=()):
+    """Ids -> text pieces: UTF-8-safe (decode_stream), without end/stop ids, cut at stop strings."""
+    hold = StopHoldBack([s.decode("utf-8", errors="replace") for s in stops])
+    hidden = set(hidden_ids)
+    for piece in tokenizer.decode_stream(i for i in ids if i not in hidden):
+        out = hold.feed(piece)
+        if out:
+            yield out
+    tail = hold.flush()
+    if tail:
+        yield tail
+
+
+def _write_pieces(pieces, echo: bool) -> str:
+    """Join the text pieces, with echo also writing each to stdout as it comes. A failure mid-line
+    (e.g. a SamplingError) ends the line first, so the error message starts on a line of its own."""
+    out = []
+    try:
+        for piece in pieces:
+            out.append(piece)
+            if echo:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except BaseException:
+        if echo:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+    return "".join(out)
+
+
+def _timings(console, result) -> None:
+    r = result
+    console.print(f"\n[dim]prefill {r.prefill_seconds * 1e3:.1f} ms · decode {r.decode_tokens} tokens at "
+                  f"{r.decode_tokens_per_second:.1f} tok/s · stop: {r.stop_reasons[0]}[/dim]")
+
+
+# --------------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------------
+
+def _generate(args) -> int:
+    from logitlab.cli.common import console
+    from logitlab.generate.loop import stream
+
+    m = load(args)
+    cfg = sample_config(args, m.end_ids[1:])
+    ids = m.tokenizer.encode(args.prompt, allowed_special="none" if args.ordinary else "all")
+    if not ids and m.eot_id is not None:
+        ids = [m.eot_id]  # an empty prompt starts from end-of-text, as GPT-2 samples unconditionally
+    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
+               step=_decode_step(args, m.model))
+    if not args.json:
+        sys.stdout.write(args.prompt)
+    text = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), not args.json)
+    r = s.result
+    if args.json:
+        print(json.dumps(dict(prompt=args.prompt, prompt_ids=ids, text=text, ids=r.tokens[0],
+                              stop_reason=r.stop_reasons[0], prefill_seconds=r.prefill_seconds,
+                              decode_tokens=r.decode_tokens, decode_seconds=r.decode_seconds,
+                              decode_tokens_per_second=r.decode_tokens_per_second), ensure_ascii=False))
+    else:
+        _timings(console(), r)
+    return 0
+
+
+def _decode_step(args, model):
+    """The decode step generation runs: the compiled one with --compile, else the eager one."""
+    from logitlab.generate.loop import decode_step
+
+    if not args.compile:
+        return decode_step
+    from logitlab.kernels.decode import compiled_decode_step
+
+    return compiled_decode_step(model, step=decode_step)
+
+
+# --------------------------------------------------------------------------------------------
+# inspect
+# --------------------------------------------------------------------------------------------
+
+def _quoted(text: str | None):
+    """A token for a table: quoted, with escapes for newlines and other control characters."""
+    from rich.text import Text
+
+    return Text("" if text is None else json.dumps(text, ensure_ascii=False))
+
+
+def _token_id(tokenizer, text: str) -> int:
+    if text.lstrip("-").isdigit():
+        return int(text)
+    ids = tokenizer.encode(_unescape(text), allowed_special="none")
+    if len(ids) != 1:
+        raise ValueError(f"--neighbours {text!r} encodes to {len(ids)} tokens {ids}; give one token or an id")
+    return ids[0]
+
+
+def _inspect(args) -> int:
+    from logitlab.generate.loop import SampleConfig
+    from logitlab.inspect import core as ins
+
+    m = load(args)
+    tok = m.tokenizer
+    ids = tok.encode(args.text, allowed_special="none" if args.ordinary else "all")
+    if args.bos:
+        if tok.eot_id is None:
+            raise ValueError("--bos needs a tokenizer with <|endoftext|>")
+        ids = [tok.eot_id] + ids
+    if not ids:
+        raise ValueError("the text encodes to no tokens")
+    label = lambda i: tok.decode([i])  # noqa: E731
+    cfg = SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    report = dict(ids=ids)
+    if len(ids) >= 2:
+        report["surprisal"] = ins.token_surprisals(m.model, ids, label)
+    report["next"] = ins.next_token_table(m.model, ids, args.position, cfg, args.rows, label)
+    if args.lens:
+        report["lens"] = ins.logit_lens(m.model, ids, args.position, 1, label)
+    if args.neighbours is not None:
+        token = _token_id(tok, args.neighbours)
+        nearest = ins.embedding_neighbours(m.model, token, args.rows, label)  # checks the id
+        report["neighbours"] = dict(id=token, text=label(token), nearest=nearest)
+    if args.json:
+        print(json.dumps(_plain(report), ensure_ascii=False))
+    else:
+        _print_inspect(report)
+    return 0
+
+
+def _plain(x):
+    if dataclasses.is_dataclass(x):
+        return _plain(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _p(p: float) -> str:
+    return f"{p:.4f}" if p >= 1e-3 else f"{p:.2e}"
+
+
+def _print_inspect(report: dict) -> None:
+    from rich.table import Table
+
+    from logitlab.cli.common import console
+
+    out = console()
+    s = report.get("surprisal")
+    if s is not None:
+        t = Table(title="per-token surprisal")
+        for col in ("pos", "id", "token", "p", "nats", "bits"):
+            t.add_column(col, justify="left" if col == "token" else "right")
+        for r in s.tokens:
+            t.add_row(str(r.position), str(r.id), _quoted(r.text),
+                      *(("-",) * 3 if r.probability is None else
+                        (_p(r.probability), f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}")))
+        out.print(t)
+        out.print(f"{s.scored} tokens scored: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
+                  f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}")
+    n = report["next"]
+    after = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())
+    t = Table(title=f"next token after position {n.position}: before | after {after} ({n.kept} kept)")
+    for col in ("rank", "before", "p", "after", "p "):
+        t.add_column(col, justify="left" if col in ("before", "after") else "right")
+    for rank in range(max(len(n.before), len(n.after))):
+        b = n.before[rank] if rank < len(n.before) else None
+        a = n.after[rank] if rank < len(n.after) else None
+        t.add_row(str(rank + 1), _quoted(b.text if b else None), _p(b.probability) if b else "",
+                  _quoted(a.text if a else None), _p(a.probability) if a else "")
+    out.print(t)
+    if "lens" in report:
+        t = Table(title=f"logit lens at position {n.position} (layer 0 = embeddings)")
+        for col in ("layer", "top token", "p", "p(actual next)"):
+            t.add_column(col, justify="left" if col == "top token" else "right")
+        for e in report["lens"]:
+            t.add_row(str(e.layer), _quoted(e.top[0].text), _p(e.top[0].probability),
+                      "-" if e.target_probability is None else _p(e.target_probability))
+        out.print(t)
+    if "neighbours" in report:
+        nb = report["neighbours"]
+        name = json.dumps(nb["text"], ensure_ascii=False)
+        t = Table(title=f"embedding neighbours of {name} (id {nb['id']})")
+        for col in ("id", "token", "cosine"):
+            t.add_column(col, justify="left" if col == "token" else "right")
+        for r in nb["nearest"]:
+            t.add_row(str(r.id), _quoted(r.text), f"{r.cosine:.4f}")
+        out.print(t)

@@ -1,0 +1,57 @@
+"""`logitlab`: the parser of every subcommand and `main()`, which turns a user's error into one
+line and exit code 2. Each stage registers its subcommands from its own module, imported here
+by name, so the dependency graph is the import list."""
+
+from __future__ import annotations
+
+import argparse
+
+from logitlab.cli import chat, demo, generate, model, tokenizer, train
+from logitlab.cli.common import error_console
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+def _error_text(exc: BaseException) -> str:
+    """One line for a user: the message, with an OSError's file named ('permission denied: PATH')."""
+    from rich.markup import escape
+
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        text = f"{exc.strerror}: {exc.filename}"          # not "[Errno 13] Permission denied: '...'"
+    elif isinstance(exc, OSError) and exc.strerror:
+        text = str(exc.strerror)
+    elif isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    else:
+        text = str(exc)
+    return escape(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="logitlab",
+        description="Text -> token ids -> logits -> text, every step visible.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in (tokenizer, model, train, demo, generate, chat):  # the order --help lists them in
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        error_console().print("[yellow]interrupted[/yellow]")
+        return 130
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:
+        if getattr(args, "debug", False):
+            raise
+        # soft_wrap: one line however long, for a terminal to wrap and for grep to find
+        error_console().print(f"[bold red]error:[/bold red] {_error_text(exc)}", soft_wrap=True)
+        return 2
+    return int(result or 0)

@@ -1,0 +1,353 @@
+"""Subcommands of the training stage: prepare, train, plot, export (registered by main.py; prepare
+and plot run from cli/data.py).
+
+This module turns flags and TOML into TrainConfig / ModelConfig, draws progress bars and tables,
+and strings the library calls together; the work itself lives in logitlab.train, logitlab.data and
+logitlab.io. `logitlab demo` (cli/demo.py) strings these same pieces together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+from logitlab.cli import common as cli
+from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot_run: also demo's)
+    EOT,
+    _add_data_flags,
+    _prepare,
+    _train_tokenizer,
+    cmd_plot,
+    cmd_prepare,
+    plot_run,
+)
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------
+
+class _LiveProgress:
+    """The train callback: a rich progress bar (step, loss, val, tok/s, ETA) when the console is
+    interactive, else a line per evaluation."""
+
+    def __init__(self, con, enabled: bool) -> None:
+        self.con, self.enabled, self.bar, self.task = con, enabled and con.is_terminal, None, None
+        self.quiet = not enabled
+
+    def __call__(self, event: str, r: dict) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if event == "start":
+            if not self.quiet:
+                self.con.print(f"training on {r['device']} (autocast {r['amp']}), "
+                               f"{r['tokens_per_step']:,} tokens/step -> {r['run_dir']}")
+            if self.enabled:
+                self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=30),
+                                    TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  "
+                                               "{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+                                    console=self.con)
+                self.bar.start()
+                self.task = self.bar.add_task("train", total=r["steps"], completed=r["step"],
+                                              loss="-", val="-", tps="-")
+        elif event == "step" and self.bar is not None:
+            fields = dict(loss=f"{r['loss']:.3f}", tps=f"{r['tokens_per_s']:,.0f}")
+            if "val_loss" in r:
+                fields["val"] = f"{r['val_loss']:.3f}"
+            self.bar.update(self.task, completed=r["step"], **fields)
+        elif event == "eval" and r["step"] == 0 and not self.quiet:
+            self.con.print(f"step 0: val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
+            if self.bar is not None:
+                self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
+        elif event == "eval" and self.bar is None and not self.quiet:
+            self.con.print(f"step {r['step']}: loss {r['loss']:.4f}, val {r['val_loss']:.4f} "
+                           f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s")
+        elif event == "end":
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def exit_code(result) -> int:
+    """0 for a finished run (or one stopped by its time limit); 128 + the signal's number for a
+    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell."""
+    return 128 + (result.signal or 2) if result.stopped == "signal" else 0
+
+
+def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool, parallel=None,
+                  lock: bool = True):
+    from logitlab.train.loop import train
+
+    live = _LiveProgress(con, progress)
+    try:
+        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live, parallel=parallel,
+                       lock=lock)
+    finally:
+        live.close()
+    if result.stopped == "time":
+        con.print(f"[yellow]time limit reached at step {result.step} of {train_cfg.steps}[/yellow]")
+    if result.stopped == "signal":
+        con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
+    else:
+        # no step ran (a resumed run that had already finished): no loss to show
+        loss = f", loss {result.last_loss:.4f}" if result.last_loss is not None else ""
+        val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+        con.print(f"done: {result.step} steps{loss}{val}; checkpoint {result.checkpoint}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------------
+
+def _model_config(args, table: dict, tokenizer):
+    from logitlab.model.families import get_preset
+    from logitlab.model.transformer import ModelConfig
+
+    # no preset and no [model] table: the CPU-sized "tiny" preset rather than GPT-2's 124M defaults
+    preset = args.preset or table.get("preset") or (None if "model" in table else "tiny")
+    base = _underived(get_preset(preset)) if preset else {}
+    merged = {**base, **table.get("model", {})}
+    if tokenizer is not None:
+        merged["vocab_size"] = tokenizer.vocab_size
+    cfg = cli.build_config(ModelConfig, args, merged)
+    if tokenizer is not None and cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size})")
+    return cfg
+
+
+def _underived(cfg) -> dict:
+    """cfg as a dict with the fields that ModelConfig derived (head_dim = D / H, ...) set back to
+    None, so that `--preset tiny --d-model 64` derives them again from the new values."""
+    from logitlab.model.transformer import ModelConfig
+
+    d = cfg.to_dict()
+    for name in ("n_kv_heads", "head_dim", "d_ff", "qkv_bias"):
+        if getattr(ModelConfig(**{**d, name: None}), name) == d[name]:
+            d[name] = None
+    return d
+
+
+def cmd_train(args) -> int:
+    """One process, or one rank of a torchrun job (RANK/WORLD_SIZE set): then rank 0 trains the
+    tokenizer and prepares the data while the others wait, and only rank 0 prints and writes."""
+    import os
+
+    from logitlab.train.loop import TrainConfig, parallel_hooks
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return _train_one(args, cli.console(), None)
+    from logitlab import parallel as P
+
+    if args.resume and (Path(args.resume) / "run.json").is_file():
+        table = {"train": _read_run(args.resume)["train"]}
+    else:
+        table = cli.read_toml(args.config) if args.config else {}
+    hooks = parallel_hooks(cli.build_config(TrainConfig, args, table.get("train", {})))
+    con = cli.console() if hooks.main else _quiet_console()
+    try:
+        with P.rank_failure_guard():
+            return _train_one(args, con, hooks)
+    finally:
+        P.destroy()
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(quiet=True)
+
+
+def _train_one(args, con, hooks) -> int:
+    """Validate every setting, then (holding the run directory's lock on the writing process)
+    train or resume."""
+    from logitlab.io.files import RunLock
+    from logitlab.train.loop import TrainConfig
+
+    main = hooks is None or hooks.main
+    if args.resume:
+        run = _resume_configs(args)
+        out = Path(args.resume)
+    else:
+        table = cli.read_toml(args.config) if args.config else {}
+        # every config error is reported before anything is written (the vocabulary size comes later)
+        train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
+        _model_config(args, table, None)
+        out = Path(train_cfg.out_dir)
+        _check_sources(args, train_cfg)
+    with RunLock(out) if main else contextlib.nullcontext():
+        if args.resume:
+            return _resume(args, run, con, hooks)
+        return _start(args, table, train_cfg, con, hooks)
+
+
+# Settings that may change when a run resumes: how long it runs, how often it evaluates, saves and
+# logs, and how fast (device, compile, matmul and allocator modes). Everything else would make the
+# resumed run a different run, so a flag that changes it is refused. --steps moves the end of the
+# cosine schedule with the run's end.
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "save_every", "keep_last", "log_every",
+                     "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory")
+
+
+def _read_run(run_dir) -> dict:
+    from logitlab.io.files import read_json
+
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: no run.json there (not a run directory)")
+    run = read_json(path, "run file")
+    if not isinstance(run, dict) or not isinstance(run.get("train"), dict) or not isinstance(run.get("model"), dict):
+        raise ValueError(f"{path}: not a logitlab run file (expected the objects \"train\" and \"model\")")
+    return run
+
+
+def _resume_configs(args) -> dict:
+    """run.json of the run, and the typed flags checked against it: only RESUME_MAY_CHANGE may
+    differ; a model, data or tokenizer flag that conflicts is an error listing them all."""
+    import dataclasses
+
+    from logitlab.model.transformer import ModelConfig
+    from logitlab.train.loop import TrainConfig
+
+    run = _read_run(args.resume)
+    conflicts = []
+    for name in (f.name for f in dataclasses.fields(ModelConfig)):
+        if hasattr(args, name) and getattr(args, name) != run["model"].get(name):
+            conflicts.append(f"--{name.replace('_', '-')} {getattr(args, name)} (the run has {run['model'].get(name)})")
+    for name in (f.name for f in dataclasses.fields(TrainConfig)):
+        if name in RESUME_MAY_CHANGE or name == "out_dir" or not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        value = tuple(value) if isinstance(value, list) else value
+        if value != run["train"].get(name):
+            conflicts.append(f"--{name.replace('_', '-')} {value} (the run has {run['train'].get(name)})")
+    for flag in ("config", "preset", "tokenizer", "data"):
+        if getattr(args, flag, None):
+            conflicts.append(f"--{flag} (the run keeps its own)")
+    if conflicts:
+        may = ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE)
+        raise ValueError(f"--resume {args.resume}: these flags conflict with the run: {'; '.join(conflicts)}. "
+                         f"A resumed run may change only {may}")
+    return run
+
+
+def _resume(args, run: dict, con, hooks) -> int:
+    import torch
+
+    from logitlab.model.transformer import ModelConfig, Transformer
+    from logitlab.tokenizer.core import Tokenizer
+    from logitlab.train.loop import TrainConfig
+
+    train_cfg = cli.build_config(TrainConfig, args, run["train"], out_dir=str(args.resume))
+    model_cfg = ModelConfig.from_dict(run["model"])
+    tok_file = Path(args.resume) / "tokenizer.logitlab.json"
+    tokenizer = Tokenizer.load(tok_file) if tok_file.is_file() else None
+    torch.manual_seed(train_cfg.seed)
+    result = _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True, hooks, lock=False)
+    return exit_code(result)
+
+
+def _check_sources(args, train_cfg) -> None:
+    """Missing data files and a token directory without a manifest are named before anything is written."""
+    from logitlab.data.tokens import read_manifest, resolve_sources
+
+    if args.data:
+        resolve_sources(args.data)
+    if train_cfg.data_dir:
+        read_manifest(train_cfg.data_dir)
+
+
+def _start(args, table: dict, train_cfg, con, hooks) -> int:
+    import torch
+
+    from logitlab.model.transformer import Transformer
+    from logitlab.tokenizer.core import Tokenizer
+    from logitlab.train.loop import check_new_run_dir
+
+    main = hooks is None or hooks.main
+    tokenizer_path = args.tokenizer or table.get("tokenizer")
+    out = Path(train_cfg.out_dir)
+    check_new_run_dir(out)
+    if train_cfg.data_dir:
+        tokenizer_path = tokenizer_path or Path(train_cfg.data_dir) / "tokenizer.logitlab.json"
+    prepared = out / "data"
+    if main:
+        tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
+        if tokenizer is None:
+            tokenizer = _train_tokenizer(args.data, args.tokenizer_vocab, args.tokenizer_bytes, con,
+                                         args.text_field, args.column)
+        if not train_cfg.data_dir:
+            _prepare(args, tokenizer, prepared, con)
+    if hooks is not None:
+        hooks.barrier()  # the other ranks read what rank 0 prepared
+        if not main:
+            tokenizer = Tokenizer.load(tokenizer_path or prepared / "tokenizer.logitlab.json")
+    if not train_cfg.data_dir:
+        train_cfg = dataclasses.replace(train_cfg, data_dir=str(prepared))
+    model_cfg = _model_config(args, table, tokenizer)
+    torch.manual_seed(train_cfg.seed)
+    model = Transformer(model_cfg)
+    n = sum(p.numel() for p in model.parameters())
+    con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
+              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
+    result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False)
+    return exit_code(result)
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+
+def cmd_export(args) -> int:
+    from logitlab.io.hf import export_hf
+
+    out = export_hf(args.run_dir, args.hf, args.which, overwrite=args.overwrite)
+    cli.console().print(f"wrote {out} (AutoModelForCausalLM / AutoTokenizer)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# registration
+# --------------------------------------------------------------------------------------------
+
+def register(subparsers) -> None:
+    """Add prepare, train, plot and export to `subparsers`."""
+    from logitlab.model.transformer import ModelConfig
+    from logitlab.train.loop import TrainConfig
+
+    p = subparsers.add_parser("prepare", help="tokenize a corpus into train.bin / val.bin + manifest.json")
+    _add_data_flags(p)
+    p.add_argument("--tokenizer", required=True, help="tokenizer file (logitlab JSON)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_prepare)
+
+    p = subparsers.add_parser("train", help="train a model (flags override --config FILE.toml)")
+    p.add_argument("--config", help="TOML file: [train] and [model] tables, optional preset/tokenizer keys")
+    p.add_argument("--preset", help="model preset name (logitlab.families; default tiny unless the TOML "
+                   "has a [model] table); model flags override its fields")
+    p.add_argument("--tokenizer", help="tokenizer file; default: the data dir's, or train one")
+    p.add_argument("--tokenizer-vocab", type=int, default=4096, help="vocab size when training a tokenizer")
+    p.add_argument("--tokenizer-bytes", type=int, default=2_000_000, help="text used to train it")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    cli.add_progress_flag(p)
+    _add_data_flags(p)
+    cli.add_config_flags(p, TrainConfig)
+    cli.add_config_flags(p, ModelConfig)
+    p.set_defaults(func=cmd_train)
+
+    p = subparsers.add_parser("plot", help="PNG of train/val loss, learning rate and grad norm")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/loss.png)")
+    p.set_defaults(func=cmd_plot)
+
+    p = subparsers.add_parser("export", help="write a Hugging Face directory (model + tokenizer)")
+    p.add_argument("run_dir", help="run directory or checkpoint directory")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR")
+    p.add_argument("--which", choices=["latest", "best"], default="latest")
+    p.add_argument("--overwrite", action="store_true", help="replace an OUT_DIR that logitlab exported "
+                   "before (only its own files; anything else there is kept). Without it OUT_DIR must be "
+                   "new or empty; it may lie inside the run directory")
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,304 @@
+"""logitlab's own model directory: config.json {"format": "logitlab", "model": {...}} plus
+model.safetensors with logitlab's state-dict keys (see model/transformer.py), and the tokenizer
+beside them (tokenizer.logitlab.json). A tied LM head is stored once, as tok_emb.weight.
+
+model_dir.py owns writing such a directory (save_model: it appears at once or not at all, and only
+where nothing we did not write is replaced: files.atomic_directory), reading its config, and
+loading the model tensor by tensor with keys and shapes checked first and NaN / inf refused
+(require_finite); safetensors and torch files opened so that their errors name the file, and no
+pickled code ever runs (load_torch_file); directories from before the fused q/k/v and gate/up
+projections upgraded on load (upgrade_legacy_state). Run checkpoints, which hold such a model
+directory, are checkpoint.py's; Hugging Face directories are hf.py's."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from logitlab.io.files import atomic_directory
+
+MODEL_FORMAT = "logitlab"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.logitlab.json"
+
+
+def is_logitlab_dir(path: str | os.PathLike) -> bool:
+    """True when path/config.json is a logitlab model config ("format": "logitlab"); False when
+    there is none or it is another's (a Hugging Face config). A config.json that is not a JSON
+    object is a ValueError naming the file (with the line and column of a syntax error)."""
+    cfg = Path(path) / CONFIG_FILE
+    if not cfg.is_file():
+        return False
+    return read_json_object(cfg, "config file").get("format") == MODEL_FORMAT
+
+
+def read_json_object(path: str | os.PathLike, what: str = "JSON file") -> dict:
+    """The JSON object in `path` (files.read_json); ValueError naming the file when it is not
+    valid JSON (line and column) or holds something other than an object at the top level."""
+    from logitlab.io.files import read_json
+
+    value = read_json(path, what)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object {{...}} at the top level, got {_shown(value)}")
+    return value
+
+
+def _shown(value) -> str:
+    """A value read from JSON, as JSON, cut short."""
+    import json
+
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def write_model_files(model, directory: str | os.PathLike, state: dict | None = None) -> None:
+    """Write config.json + model.safetensors of `model` (unwrapped) into an existing directory.
+
+    `state` replaces model.state_dict() (a full state gathered from sharded ranks). Callers that
+    want atomicity write into `atomic_directory(...)`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    state = model.state_dict() if state is None else state
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": MODEL_FORMAT})
+    payload = {"format": MODEL_FORMAT, "model": model.config.to_dict()}
+    (directory / CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+MODEL_KIND = "logitlab model"
+_MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.logitlab.json"}
+
+
+def model_dir_entries(directory: str | os.PathLike) -> set[str] | None:
+    """A logitlab model directory from before output markers (config.json with our format and
+    nothing but our files) counts as ours: its entries; otherwise None."""
+    directory = Path(directory)
+    if not directory.is_dir() or not is_logitlab_dir(directory):
+        return None
+    present = set(os.listdir(directory))
+    return present if present <= _MODEL_FILES else None
+
+
+def save_model(model, directory: str | os.PathLike, *, overwrite: bool = False,
+               source: str | os.PathLike | None = None) -> Path:
+    """Atomically write a logitlab model directory (config.json + model.safetensors).
+
+    `directory` must be new or empty, or (with overwrite=True) a model directory logitlab wrote;
+    files there that logitlab did not write are kept (files.atomic_directory)."""
+    with atomic_directory(directory, MODEL_KIND, overwrite=overwrite, source=source,
+                          legacy=model_dir_entries(directory)) as tmp:
+        write_model_files(model, tmp)
+    return Path(directory)
+
+
+def read_model_config(directory: str | os.PathLike):
+    """The ModelConfig of a logitlab model directory; anything wrong with its config.json (not
+    JSON, another format, a field of the wrong type or out of range) is a ValueError naming it."""
+    from logitlab.model.transformer import ModelConfig
+
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}")
+    payload = read_json_object(path, "config file")
+    if payload.get("format") != MODEL_FORMAT or "model" not in payload:
+        raise ValueError(f"{path} is not a logitlab model config (expected \"format\": \"{MODEL_FORMAT}\")")
+    if not isinstance(payload["model"], dict):
+        raise ValueError(f'{path}: "model" must be an object of ModelConfig fields, got {_shown(payload["model"])}')
+    try:
+        return ModelConfig.from_dict(payload["model"])
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def open_safetensors(path) -> "SafetensorsFile":
+    """A safetensors file open for reading tensors one at a time on the CPU: with pread(2) into
+    fresh tensors where safetensors has that backend (no pages of the file stay mapped while
+    others are read), memory-mapped otherwise (unmapped when closed). A file that is empty,
+    truncated, has bytes past its data or a bad header is a ValueError naming it."""
+    return SafetensorsFile(path)
+
+
+class SafetensorsFile:
+    """safetensors.safe_open (a context manager with keys(), get_slice(key).get_shape(),
+    get_tensor(key), metadata()) whose errors name the file: ValueError "PATH: not a valid
+    safetensors file (reason)" instead of a SafetensorError."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        try:
+            try:
+                self._file = safe_open(str(path), framework="pt", device="cpu", backend="pread")
+            except TypeError:  # a safetensors release without the pread backend: memory-mapped
+                self._file = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise _invalid_safetensors(self.path, exc) from exc
+
+    def __enter__(self) -> "SafetensorsFile":
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self._read(self._file.keys)
+
+    def metadata(self) -> dict | None:
+        return self._read(self._file.metadata)
+
+    def get_slice(self, key: str):
+        return self._read(self._file.get_slice, key)
+
+    def get_tensor(self, key: str):
+        return self._read(self._file.get_tensor, key)
+
+    def _read(self, fn, *args):
+        from safetensors import SafetensorError
+
+        try:
+            return fn(*args)
+        except SafetensorError as exc:
+            raise _invalid_safetensors(self.path, exc) from exc
+
+
+def _invalid_safetensors(path: Path, exc: Exception) -> ValueError:
+    reason = str(exc).removeprefix("Error while deserializing header: ")
+    return ValueError(f"{path}: not a valid safetensors file ({reason}); it may be truncated or corrupt: "
+                      "write or download it again")
+
+
+def require_finite(path: str | os.PathLike, key: str, tensor) -> None:
+    """ValueError naming the file and the key when the floating tensor `key` read from `path`
+    holds NaN or inf: a model loaded with one computes NaN logits. One pass per tensor and no
+    temporary as large as it: min and max propagate NaN, so both are finite exactly when every
+    element is (isfinite(t).all() would allocate a mask per tensor, raising the peak of a load)."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    values = tensor if tensor.dtype.itemsize > 1 else tensor.to(torch.float16)  # fp8 has no aminmax
+    lo, hi = torch.aminmax(values)
+    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        raise ValueError(f"{path}: tensor {key} holds {int((~torch.isfinite(values)).sum())} NaN / inf values")
+
+
+def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
+    """Load a logitlab model directory written by save_model; keys and shapes are checked
+    against the config (from the file's header, before any tensor is read) and a mismatch names
+    the offending key. Tensors are read one at a time and cast to `dtype` / moved to `device`
+    as they arrive, so the peak is the final model plus one tensor in flight. A directory written
+    before q/k/v and gate/up became one projection each is read whole and upgraded first
+    (upgrade_legacy_state). A floating tensor that holds NaN or inf is refused, naming its key."""
+    import torch
+
+    from logitlab.model.transformer import Transformer
+
+    directory = Path(directory)
+    config = read_model_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = model.state_dict()
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    with open_safetensors(weights) as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        legacy = None
+        if any(_LEGACY_KEY.search(key) for key in shapes):  # written before the fused projections
+            legacy = upgrade_legacy_state({key: f.get_tensor(key) for key in shapes})
+            shapes = {key: tuple(t.shape) for key, t in legacy.items()}
+        missing = sorted(set(expected) - set(shapes))
+        unexpected = sorted(set(shapes) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{weights}: keys disagree with {directory / CONFIG_FILE}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for key, tensor in expected.items():
+            if shapes[key] != tuple(tensor.shape):
+                raise ValueError(f"{weights}: {key} has shape {shapes[key]}, "
+                                 f"config expects {tuple(tensor.shape)}")
+        state = {}
+        for key in expected:  # each tensor cast as it arrives: only the final model is kept
+            tensor = legacy.pop(key) if legacy is not None else f.get_tensor(key)
+            require_finite(weights, key, tensor)
+            state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            del tensor
+        model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.tie_weights()
+    model.rebuild_buffers()
+    return model
+
+
+def upgrade_legacy_state(state: dict) -> dict:
+    """A logitlab state dict written before q/k/v and gate/up became one projection each, with
+    its separate blocks.{i}.attn.{q,k,v}_proj and blocks.{i}.mlp.{gate,up}_proj tensors joined
+    into the rows of attn.qkv_proj (q, k, v) and mlp.gate_up_proj (gate, up). Called explicitly
+    where such directories are read (load_model); other keys pass through unchanged. A group with
+    a part missing is left as it is, so the key check that follows names it."""
+    import torch
+
+    out = dict(state)
+    for key in list(state):
+        for fused, parts in _LEGACY_GROUPS:
+            module, part, leaf = _legacy_parts(key, parts)
+            if part != parts[0]:
+                continue
+            keys = [f"{module}.{p}.{leaf}" for p in parts]
+            if all(k in out for k in keys):
+                out[f"{module}.{fused}.{leaf}"] = torch.cat([out.pop(k) for k in keys], dim=0)
+    return out
+
+
+def _legacy_parts(key: str, parts: tuple[str, ...]) -> tuple[str, str | None, str]:
+    """'blocks.0.attn.k_proj.weight' -> ('blocks.0.attn', 'k_proj', 'weight') when k_proj is in parts."""
+    module, _, leaf = key.rpartition(".")
+    module, _, part = module.rpartition(".")
+    return module, (part if part in parts else None), leaf
+
+
+_LEGACY_GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+# Keys of separate q/k/v and gate/up projections (state dicts from before they were fused).
+_LEGACY_KEY = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj)\.(weight|bias)$")  # GELU keeps up_proj
+
+
+def load_torch_file(path: str | os.PathLike, mmap: bool = False):
+    """torch.load(weights_only=True) onto the CPU: tensors and plain containers only, so no code in
+    the file ever runs. A pickle that would call code is refused with a ValueError naming the file
+    (and what it calls); a file that is empty, truncated or not torch's is a ValueError naming it."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found:
+            raise ValueError(f"refusing to unpickle code in {path} (only tensors and plain containers are "
+                             f"loaded; it calls {found.group(1)})") from exc
+        raise ValueError(f"{path}: not a readable torch file ({_torch_reason(exc)})") from exc
+    except (RuntimeError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable torch file ({_torch_reason(exc)}); it may be truncated "
+                         "or corrupt") from exc
+
+
+def _torch_reason(exc: Exception) -> str:
+    """One line of torch.load's many: the unpickler's complaint, or the first sentence."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for here, after in zip(lines, lines[1:]):
+        if here.endswith("WeightsUnpickler error:"):
+            return after
+    return lines[0].split(". ")[0] if lines else f"{type(exc).__name__}: the file ends early"

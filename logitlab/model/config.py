@@ -1,0 +1,262 @@
+"""ModelConfig: every architectural switch of the model, one typed field each, validated.
+
+config.py owns the frozen config dataclasses (ModelConfig, RopeScaling) and the field-type
+checks every config of the package shares (check_field_types, conform, describe_type,
+config_from_dict): configs are read from JSON, so each field is checked against its declared
+type, and an error names the field and the value. It imports nothing of logitlab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _help(text: str):
+    return field(default=None, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1-style RoPE frequency scaling ("llama3" rope_type in Hugging Face configs).
+
+    Wavelengths longer than original_context_length / low_freq_factor are divided by `factor`,
+    shorter than original_context_length / high_freq_factor are kept, and the band in between
+    is interpolated smoothly."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context_length: int = 8192
+
+    def __post_init__(self) -> None:
+        check_field_types(self, prefix="rope_scaling.")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"low_freq_factor={self.low_freq_factor}, high_freq_factor={self.high_freq_factor}")
+        if self.original_context_length <= 0:
+            raise ValueError("rope_scaling.original_context_length must be > 0, "
+                             f"got {self.original_context_length}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every architectural switch of the model, one field each.
+
+    `None` in n_kv_heads / head_dim / d_ff / qkv_bias means "derive it": n_heads, d_model //
+    n_heads, 4·D for GELU or Llama's round_up(8·D/3, 256) for SwiGLU, and `bias`. The derived
+    values are filled in by __post_init__, so a built config always holds concrete numbers.
+    """
+
+    vocab_size: int = field(default=50257, metadata={"help": "number of real tokens V"})
+    context_length: int = field(default=1024, metadata={"help": "longest sequence the model accepts"})
+    d_model: int = field(default=768, metadata={"help": "residual stream width D"})
+    n_layers: int = field(default=12, metadata={"help": "number of blocks L"})
+    n_heads: int = field(default=12, metadata={"help": "query heads H"})
+    n_kv_heads: int | None = _help("key/value heads Hkv (GQA when < n_heads; default n_heads)")
+    head_dim: int | None = _help("per-head width Dh (default d_model // n_heads)")
+    d_ff: int | None = _help("MLP hidden width F (default 4*D for gelu, round_up(8D/3, 256) for swiglu)")
+    norm: Literal["layernorm", "rmsnorm"] = field(default="layernorm", metadata={"help": "normalisation"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon inside the norms"})
+    norm_placement: Literal["pre", "post"] = field(
+        default="pre",
+        metadata={"help": "norm before each sublayer (pre, GPT-2/Llama) or after the residual add (post)"})
+    mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP kind"})
+    gelu_approximate: Literal["tanh", "none"] = field(
+        default="tanh", metadata={"help": "GELU form for mlp=gelu (GPT-2 uses tanh)"})
+    positions: Literal["learned", "rope", "none"] = field(default="learned", metadata={"help": "position encoding"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
+    rope_scaling: RopeScaling | None = field(default=None, metadata={"help": "Llama-3.1 RoPE scaling"})
+    qk_norm: bool = field(default=False, metadata={"help": "RMSNorm each head of q and k before RoPE (Qwen3)"})
+    bias: bool = field(default=True, metadata={"help": "biases in the output projection and MLP"})
+    qkv_bias: bool | None = _help("biases in the q/k/v projections (default: same as bias)")
+    tie_embeddings: bool = field(default=True, metadata={"help": "LM head shares the embedding table"})
+    vocab_pad_multiple: int = field(
+        default=1, metadata={"help": "pad the embedding/LM head rows to a multiple of this (1 = no padding)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on residual branches during training"})
+    init_std: float = field(default=0.02, metadata={"help": "std of the normal weight initialisation"})
+
+    def __post_init__(self) -> None:
+        def fix(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
+        check_field_types(self)  # JSON types: bools, ints, finite floats, Literal values, rope_scaling
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "vocab_pad_multiple"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_kv_heads is None:
+            fix("n_kv_heads", self.n_heads)
+        if self.n_kv_heads <= 0:
+            raise ValueError(f"n_kv_heads must be a positive integer, got {self.n_kv_heads!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                                 "unless head_dim is given")
+            fix("head_dim", self.d_model // self.n_heads)
+        if self.head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive integer, got {self.head_dim!r}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for positions='rope'")
+        if self.d_ff is None:
+            if self.mlp == "gelu":
+                fix("d_ff", 4 * self.d_model)
+            else:
+                fix("d_ff", 256 * math.ceil(int(8 * self.d_model / 3) / 256))
+        if self.d_ff <= 0:
+            raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
+        if self.qkv_bias is None:
+            fix("qkv_bias", self.bias)
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.init_std <= 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table and the LM head: vocab_size rounded up to vocab_pad_multiple."""
+        m = self.vocab_pad_multiple
+        return ((self.vocab_size + m - 1) // m) * m
+
+    @property
+    def n_groups(self) -> int:
+        """G = H // Hkv query heads share each key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every field (rope_scaling as a nested dict or None)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        """Inverse of to_dict; unknown keys are an error naming them."""
+        return config_from_dict(cls, data)
+
+
+def config_from_dict(cls: type, data: dict, name: str | None = None):
+    """Build the config dataclass `cls` from a dict (the inverse of dataclasses.asdict); a value
+    that is not a dict, or unknown keys, are an error naming them and the known fields. `name`
+    (the field the dict was read from, e.g. "rope_scaling") leads the message; default the class."""
+    what = name or cls.__name__
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: expected an object of {cls.__name__} fields, got {_shown(data)}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {what} field(s) {unknown}; known fields: {sorted(names)}")
+    return cls(**data)
+
+
+# ------------------------------------------------------------------------------------------
+# Field types. Configs are read from JSON, so every field is checked against its declared type
+# (the dataclass annotations are the one source): a "false" string is not a bool, 1.0 is not an int.
+# ------------------------------------------------------------------------------------------
+
+_BAD = object()  # _conform: the value does not have the type
+_PLURAL = {int: "integers", float: "finite numbers", str: "strings", bool: "booleans"}
+_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
+          type(None): "null", dict: "an object", list: "a list"}
+
+
+def check_field_types(config, prefix: str = "") -> None:
+    """Check every field of the dataclass instance `config` against its annotation, the way a
+    value read from JSON must match it: `bool` takes only true/false; `int` an int that is not a
+    bool; `float` an int or float (not a bool), finite; `Literal[...]` one of its values;
+    `X | None` also None; `tuple[X, ...]` a tuple or list of X; a dataclass an instance or a dict
+    of its fields. A mismatch is a ValueError naming prefix + field, the value and the type.
+    Values are normalised in place (frozen dataclasses too): an int in a float field becomes a
+    float, a list in a tuple field a tuple, a dict in a dataclass field that dataclass."""
+    hints = _type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out = conform(value, hints[f.name], prefix + f.name)
+        if out is not value:
+            object.__setattr__(config, f.name, out)
+
+
+def conform(value, tp, name: str):
+    """`value` as a field of type `tp` holds it (see check_field_types); ValueError naming `name`,
+    the value and the expected type when it does not have that type."""
+    out = _conform(value, tp, name)
+    if out is not _BAD:
+        return out
+    if typing.get_origin(tp) is Literal:
+        raise ValueError(f"{name} must be one of {typing.get_args(tp)}, got {_shown(value)}")
+    raise ValueError(f"{name}: expected {describe_type(tp)}, got {_shown(value)}")
+
+
+def describe_type(tp) -> str:
+    """A field type in JSON words, for messages: `int | None` -> 'an integer or null'."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        parts = [describe_type(a) for a in args]
+        return " or ".join(parts) if len(parts) < 3 else ", ".join(parts[:-1]) + " or " + parts[-1]
+    if origin in (tuple, list) and args and (origin is list or args[-1] is Ellipsis):
+        return f"a list of {_PLURAL.get(args[0]) or 'items each ' + describe_type(args[0])}"
+    if origin is tuple:
+        return f"a list of {len(args)} items ({', '.join(describe_type(a) for a in args)})"
+    if dataclasses.is_dataclass(tp):
+        return f"an object ({', '.join(f.name for f in dataclasses.fields(tp))})"
+    return _NAMES.get(tp) or getattr(tp, "__name__", str(tp))
+
+
+def _conform(value, tp, name: str):
+    """`value` normalised to the field type `tp` (see check_field_types), or _BAD."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return value if any(type(value) is type(a) and value == a for a in args) else _BAD
+    if origin in (typing.Union, types.UnionType):
+        return next((out for out in (_conform(value, a, name) for a in args) if out is not _BAD), _BAD)
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            return _BAD
+        kinds = args if origin is tuple and args[-1:] != (Ellipsis,) else args[:1] * len(value)
+        if len(kinds) != len(value):
+            return _BAD
+        out = [_conform(v, k, f"{name}[{i}]") for i, (v, k) in enumerate(zip(value, kinds))]
+        return _BAD if any(o is _BAD for o in out) else origin(out)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return config_from_dict(tp, value, name)
+        return value if isinstance(value, tp) else _BAD
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return _BAD
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float range
+            return _BAD
+        return value if math.isfinite(value) else _BAD
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
+    if tp is type(None):
+        return value if value is None else _BAD
+    if not isinstance(tp, type):  # an annotation this checker does not know: not checked
+        return value
+    return value if isinstance(value, tp) else _BAD
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

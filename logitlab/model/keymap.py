@@ -1,0 +1,193 @@
+"""Hugging Face state-dict key maps: pure functions over {name: tensor}.
+
+state_dict_from_hf / state_dict_to_hf map between Hugging Face tensor names and logitlab's
+(transformer.py documents ours); hf_tensors_to_logitlab converts one tensor at a time for
+streaming loaders. Two layouts exist: "gpt2" (Conv1D weights stored (in, out), q, k, v fused in
+one c_attn, as logitlab's qkv_proj) and "llama" (nn.Linear weights, shared by Llama, Mistral,
+Qwen2, Qwen3; separate q/k/v and gate/up, joined into logitlab's fused projections). Which
+layout a config uses follows from hf_architecture, the Hugging Face class chosen from its typed
+features (also families.config_to_hf's choice). This module never touches the disk.
+"""
+
+from __future__ import annotations
+
+import re
+
+from logitlab.model.config import ModelConfig
+
+
+def hf_architecture(config: ModelConfig) -> str:
+    """The Hugging Face class that runs `config` exactly, chosen from typed features:
+    learned positions + LayerNorm + GELU -> GPT2LMHeadModel; QK-norm -> Qwen3ForCausalLM; biases on
+    q/k/v only -> Qwen2ForCausalLM; otherwise LlamaForCausalLM. A config no class can run exactly
+    raises ValueError naming the field."""
+    c = config
+
+    def bad(field: str, value, arch: str) -> None:
+        raise ValueError(f"{field}={value!r} cannot be expressed as a Hugging Face {arch} checkpoint")
+
+    if c.norm_placement != "pre":
+        bad("norm_placement", c.norm_placement, "model")
+    if c.positions == "learned" and c.norm == "layernorm" and c.mlp == "gelu":
+        arch = "GPT2LMHeadModel"
+        if not (c.bias and c.qkv_bias):
+            bad("bias", (c.bias, c.qkv_bias), arch)
+        if c.qk_norm or c.n_kv_heads != c.n_heads or c.head_dim * c.n_heads != c.d_model:
+            bad("qk_norm/n_kv_heads/head_dim", (c.qk_norm, c.n_kv_heads, c.head_dim), arch)
+        return arch
+    if c.positions != "rope" or c.norm != "rmsnorm" or c.mlp != "swiglu":
+        bad("positions/norm/mlp", (c.positions, c.norm, c.mlp), "GPT-2 or Llama-style")
+    if c.qk_norm:
+        if c.bias or c.qkv_bias:
+            bad("bias/qkv_bias", (c.bias, c.qkv_bias), "Qwen3ForCausalLM")
+        return "Qwen3ForCausalLM"
+    if c.qkv_bias and not c.bias:
+        return "Qwen2ForCausalLM"
+    if c.bias != c.qkv_bias:
+        bad("bias/qkv_bias", (c.bias, c.qkv_bias), "LlamaForCausalLM")
+    return "LlamaForCausalLM"
+
+
+# Keys of buffers that old checkpoints carry and that hold no learned state.
+_IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+_LLAMA_BLOCK = {  # Hugging Face suffix under model.layers.{i}. -> logitlab suffix under blocks.{i}.
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+    **{f"self_attn.{p}": f"attn.{p}" for p in ("o_proj", "q_norm", "k_norm")},
+    "mlp.down_proj": "mlp.down_proj",
+}
+# logitlab's fused projections and the Hugging Face (llama-layout) tensors they hold, in row order.
+_LLAMA_FUSED = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_LLAMA_PART = {part: (fused, j, len(parts)) for fused, parts in _LLAMA_FUSED.items() for j, part in enumerate(parts)}
+_LLAMA_TOP = {"model.embed_tokens": "tok_emb", "model.norm": "final_norm", "lm_head": "lm_head"}
+_GPT2_TOP = {"transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "final_norm",
+             "lm_head": "lm_head"}
+_GPT2_BLOCK = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv_proj",
+               "attn.c_proj": "attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+_GPT2_CONV1D = ("c_attn", "c_proj", "c_fc")  # Conv1D weights are stored (in, out): transposed here
+
+
+def key_layout(config: ModelConfig) -> str:
+    """"gpt2" or "llama": which Hugging Face naming scheme `config` uses."""
+    return "gpt2" if hf_architecture(config) == "GPT2LMHeadModel" else "llama"
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    module, _, leaf = key.rpartition(".")
+    return module, leaf
+
+
+def hf_key_to_logitlab(key: str, layout: str) -> str | None:
+    """Name of one Hugging Face tensor in logitlab; None for a llama-layout q/k/v or gate/up
+    tensor, which is one block of rows of a fused logitlab projection (see hf_tensors_to_logitlab).
+    Unknown names raise ValueError naming the key."""
+    module, leaf = _split_key(key)
+    top, block_prefix, block = ((_GPT2_TOP, "transformer.h.", _GPT2_BLOCK) if layout == "gpt2"
+                                else (_LLAMA_TOP, "model.layers.", _LLAMA_BLOCK))
+    if module in top:
+        return f"{top[module]}.{leaf}"
+    m = re.fullmatch(re.escape(block_prefix) + r"(\d+)\.(.+)", module)
+    if m and m.group(2) in block:
+        return f"blocks.{m.group(1)}.{block[m.group(2)]}.{leaf}"
+    if m and layout == "llama" and m.group(2) in _LLAMA_PART:
+        return None
+    raise ValueError(f"unexpected tensor {key!r} in a {layout}-layout checkpoint")
+
+
+def _normalise_prefix(state: dict, layout: str) -> dict:
+    """Base-model checkpoints (GPT2Model, LlamaModel) omit the "transformer." / "model." prefix."""
+    prefix = "transformer." if layout == "gpt2" else "model."
+    if any(k.startswith(prefix) for k in state):
+        return state
+    return {(k if k.startswith("lm_head.") else prefix + k): v for k, v in state.items()}
+
+
+def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
+    """The learned tensors of a Hugging Face checkpoint under their full names: buffers with no
+    learned state dropped, a missing "transformer." / "model." prefix restored, and a tied
+    lm_head (which some checkpoints store as a copy of the embedding) dropped."""
+    layout = key_layout(config)
+    state = _normalise_prefix({k: v for k, v in hf_state.items() if not _IGNORED.search(k)}, layout)
+    if config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def hf_tensors_to_logitlab(items, config: ModelConfig):
+    """(Hugging Face name, tensor) pairs, already cleaned (clean_hf_state), -> (logitlab name,
+    tensor) pairs, one at a time, so a loader can read, convert and drop each tensor in turn.
+
+    GPT-2 Conv1D weights are transposed (c_attn is qkv_proj's rows as they stand); llama-layout
+    q/k/v and gate/up are held until their last part arrives and then joined into the fused
+    projection (row order q, k, v and gate, up). A fused projection with a part missing at the
+    end raises ValueError naming it."""
+    import torch
+
+    layout = key_layout(config)
+    pending: dict[str, dict[int, object]] = {}  # fused logitlab name -> {part index: tensor}
+    for key, tensor in items:
+        module, leaf = _split_key(key)
+        name = hf_key_to_logitlab(key, layout)
+        if name is None:  # llama layout: one part of qkv_proj or gate_up_proj
+            i, sub = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module).groups()
+            fused, j, n = _LLAMA_PART[sub]
+            name = f"blocks.{i}.{fused}.{leaf}"
+            parts = pending.setdefault(name, {})
+            parts[j] = tensor
+            if len(parts) == n:
+                del pending[name]
+                yield name, torch.cat([parts.pop(k) for k in range(n)], dim=0)
+            continue
+        conv1d = layout == "gpt2" and leaf == "weight" and module.rsplit(".", 1)[-1] in _GPT2_CONV1D
+        yield name, (tensor.t().contiguous() if conv1d else tensor)
+    if pending:
+        name = sorted(pending)[0]                       # blocks.{i}.{fused}.{leaf}
+        _, i, rest = name.split(".", 2)
+        fused, leaf = rest.rsplit(".", 1)
+        lacking = [f"model.layers.{i}.{part}.{leaf}" for j, part in enumerate(_LLAMA_FUSED[fused])
+                   if j not in pending[name]]
+        raise ValueError(f"checkpoint lacks {', '.join(map(repr, lacking))}, needed with the rest of "
+                         f"{name!r}")
+
+
+def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
+    """Hugging Face tensors -> logitlab state dict (GPT-2 Conv1D weights transposed, q/k/v and
+    gate/up joined into the fused projections); see clean_hf_state for what is dropped."""
+    return dict(hf_tensors_to_logitlab(clean_hf_state(hf_state, config).items(), config))
+
+
+def state_dict_to_hf(state: dict, config: ModelConfig) -> dict:
+    """logitlab state dict -> Hugging Face tensors; inverse of state_dict_from_hf. The vocabulary
+    padding rows are cut off; a tied head is written once, as the embedding (lm_head omitted);
+    the fused projections are split into llama-layout q/k/v and gate/up."""
+    layout = key_layout(config)
+    V, Dh = config.vocab_size, config.head_dim
+    fused_rows = {"attn.qkv_proj": (config.n_heads * Dh, config.n_kv_heads * Dh, config.n_kv_heads * Dh),
+                  "mlp.gate_up_proj": (config.d_ff, config.d_ff)}
+    inverse_top = {v: k for k, v in (_GPT2_TOP if layout == "gpt2" else _LLAMA_TOP).items()}
+    inverse_block = {v: k for k, v in (_GPT2_BLOCK if layout == "gpt2" else _LLAMA_BLOCK).items()}
+    block_prefix = "transformer.h." if layout == "gpt2" else "model.layers."
+    out = {}
+    for key, tensor in state.items():
+        if key == "lm_head.weight" and config.tie_embeddings:
+            continue
+        module, leaf = _split_key(key)
+        if module in ("tok_emb", "lm_head"):
+            tensor = tensor[:V]
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
+        if m is None:
+            out[f"{inverse_top[module]}.{leaf}"] = tensor.contiguous()
+            continue
+        i, sub = m.groups()
+        if layout == "llama" and sub in _LLAMA_FUSED:
+            for part, rows in zip(_LLAMA_FUSED[sub], tensor.split(fused_rows[sub], dim=0), strict=True):
+                out[f"{block_prefix}{i}.{part}.{leaf}"] = rows.contiguous()
+            continue
+        if sub not in inverse_block:
+            raise ValueError(f"logitlab tensor {key!r} has no Hugging Face {layout}-layout name")
+        hf_module = inverse_block[sub]
+        if layout == "gpt2" and leaf == "weight" and hf_module.rsplit(".", 1)[-1] in _GPT2_CONV1D:
+            tensor = tensor.t()
+        out[f"{block_prefix}{i}.{hf_module}.{leaf}"] = tensor.contiguous()
+    return out

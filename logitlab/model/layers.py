@@ -1,0 +1,87 @@
+"""The Transformer block, and the names of its parts in one place.
+
+A block joins attention (attention.py) and an MLP (mlp.py) with two norms (norms.py) and
+residual adds, pre- or post-norm; rotary positions are rope.py's. Every projection is a plain
+nn.Linear: fast matrix-product routes are installed into a built model from outside (see
+logitlab.kernels). How blocks are stacked, masks built and the KV cache advanced is
+transformer.py's business; the cache is duck-typed (`update(layer, k, v)`).
+
+Shapes: B batch, T positions in this call, S key/value length (cached + new), D d_model,
+H query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from logitlab.model.attention import ATTN_IMPLS, Attention, eager_attention, repeat_kv
+from logitlab.model.mlp import GeluMLP, SwiGLU, gelu, make_mlp
+from logitlab.model.norms import LayerNorm, RMSNorm, make_norm
+from logitlab.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+
+__all__ = ["ATTN_IMPLS", "Attention", "Block", "GeluMLP", "LayerNorm", "RMSNorm", "RotaryEmbedding",
+           "SwiGLU", "apply_rope", "eager_attention", "gelu", "make_mlp", "make_norm", "repeat_kv",
+           "rope_inv_freq"]
+
+
+# ------------------------------------------------------------------------------------------
+# Compatibility: the trainer's bf16 matmul setting, kept until it installs
+# logitlab.kernels.cpu_bf16 itself. The model reads none of it.
+# ------------------------------------------------------------------------------------------
+
+BF16_MATMUL_MODES = ("auto", "native", "fp32")
+_bf16_matmul = "auto"
+
+
+def set_bf16_matmul(mode: str) -> None:
+    """Record the bf16 matmul mode ("auto", "native" or "fp32"). Compatibility only: no layer
+    reads it; the float32-GEMM route is installed with logitlab.kernels.cpu_bf16.install."""
+    global _bf16_matmul
+    if mode not in BF16_MATMUL_MODES:
+        raise ValueError(f"bf16 matmul mode must be one of {BF16_MATMUL_MODES}, got {mode!r}")
+    _bf16_matmul = mode
+
+
+def bf16_matmul_mode() -> str:
+    """The mode last recorded by set_bf16_matmul (compatibility only)."""
+    return _bf16_matmul
+
+
+# ------------------------------------------------------------------------------------------
+# The block
+# ------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """One Transformer block: attention then MLP, each with a norm and a residual add.
+
+    pre-norm (GPT-2, Llama):  x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
+    post-norm (Vaswani et al. 2017): x = attn_norm(x + attn(x));  x = mlp_norm(x + mlp(x))
+    Dropout (config.dropout, training only) acts on each sublayer's output before the add."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.post_norm = config.norm_placement == "post"
+        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.mlp = make_mlp(config)
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else None
+
+    def _drop(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.dropout is None or not self.training else self.dropout(t)
+
+    def forward(self, x, rope, *, cache=None, layer=0, mask=None, is_causal=False, impl="sdpa",
+                need_weights=False):
+        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
+        if self.post_norm:
+            a, weights = self.attn(x, rope, cache=cache, layer=layer, mask=mask, is_causal=is_causal,
+                                   impl=impl, need_weights=need_weights)
+            x = self.attn_norm(x + self._drop(a))
+            x = self.mlp_norm(x + self._drop(self.mlp(x)))
+        else:
+            a, weights = self.attn(self.attn_norm(x), rope, cache=cache, layer=layer, mask=mask,
+                                   is_causal=is_causal, impl=impl, need_weights=need_weights)
+            x = x + self._drop(a)
+            x = x + self._drop(self.mlp(self.mlp_norm(x)))
+        return x, weights

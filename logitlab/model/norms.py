@@ -1,0 +1,63 @@
+"""The two normalisations of the residual stream: RMSNorm and LayerNorm, and make_norm.
+
+Each normalises over the last dimension with statistics in float32 where the input is in a lower
+precision, as Hugging Face does, so bf16 runs match theirs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension (Zhang & Sennrich 2019).
+
+    The statistics are computed in float32 and the normalised value is cast back to the input
+    dtype before the weight multiplies it, exactly as Llama / Hugging Face do, so bf16 runs
+    match theirs bit for bit."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form on
+        # a float32 input (the weight goes in too: the same products). Other dtypes are normalised
+        # in float32 and rounded to x's dtype before the weight, as Hugging Face does (handing
+        # F.rms_norm a bf16 x directly rounds eps to bf16 on older torch releases).
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class LayerNorm(nn.Module):
+    """y = weight * (x - mean) / sqrt(var + eps) + bias over the last dimension (Ba et al. 2016).
+
+    Always with a bias, as GPT-2 has; the state-dict keys are `weight` and `bias`."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """`kind` is ModelConfig.norm: "rmsnorm" or "layernorm"."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps)
+    if kind == "layernorm":
+        return LayerNorm(dim, eps)
+    raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")

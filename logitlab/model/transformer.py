@@ -1,0 +1,307 @@
+"""The decoder-only Transformer: token ids (B, T) -> logits (B, T, V).
+
+transformer.py owns the Transformer module (its ModelConfig lives in config.py). It reads no
+files, prints nothing and knows no family names; presets live in families.py, Hugging Face key
+maps in keymap.py, checkpoint I/O in logitlab.io.
+
+Shapes: B batch, T positions in this call, S key/value length (cached + new), D d_model,
+V vocab (V_padded: the embedding and LM-head rows), H query heads, Hkv key/value heads,
+G = H // Hkv, Dh head_dim, F d_ff, L layers.
+
+The path: ids (B, T) -> tok_emb (+ pos_emb for learned positions) -> L blocks -> final_norm ->
+lm_head (its first V rows only) -> logits (B, T, V), so padded rows never show.
+
+State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on them):
+
+    tok_emb.weight                              (V_padded, D)
+    pos_emb.weight                              (context_length, D)   positions="learned" only
+    blocks.{i}.attn_norm.weight / .bias         (D,)   bias only for norm="layernorm"
+    blocks.{i}.attn.qkv_proj.weight / .bias     ((H+2*Hkv)*Dh, D)      rows: q, then k, then v;
+                                                                       bias when qkv_bias
+    blocks.{i}.attn.o_proj.weight / .bias       (D, H*Dh) / (D,)       bias when bias
+    blocks.{i}.attn.q_norm.weight, k_norm.weight (Dh,)  qk_norm only
+    blocks.{i}.mlp_norm.weight / .bias          (D,)
+    blocks.{i}.mlp.gate_up_proj.weight / .bias  (2F, D) / (2F,)        mlp="swiglu": rows gate, then up
+    blocks.{i}.mlp.up_proj.weight / .bias       (F, D) / (F,)          mlp="gelu"
+    blocks.{i}.mlp.down_proj.weight / .bias     (D, F) / (D,)
+    final_norm.weight / .bias                   (D,)
+    lm_head.weight                              (V_padded, D)  the same Parameter as tok_emb.weight
+                                                               when tie_embeddings
+RoPE cos/sin tables are non-persistent buffers (not in the state dict): `rebuild_buffers()`.
+The fused projections (one matrix product for q, k, v and one for gate, up) are split into
+Hugging Face's separate tensors by keymap.py; logitlab model directories written with separate
+q_proj / k_proj / v_proj / gate_proj / up_proj keys are joined by checkpoint.upgrade_legacy_state.
+With norm_placement="post" the final norm is kept, so the keys do not depend on placement.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from logitlab.model.cache import KVCache
+from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's old home)
+    ModelConfig,
+    RopeScaling,
+    check_field_types,
+    config_from_dict,
+    conform,
+    describe_type,
+)
+from logitlab.model.layers import ATTN_IMPLS, Block
+from logitlab.model.norms import LayerNorm, RMSNorm, make_norm
+from logitlab.model.rope import RotaryEmbedding
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab_size). See the module docstring for the keys.
+
+    attn_impl: "sdpa" (torch's fused scaled_dot_product_attention, default) or "eager" (the
+    explicit reference path); a plain attribute, settable at any time.
+    validate_inputs: when True (default) forward checks that ids and positions are in range,
+    which reads two numbers back from the device; a decode loop that already knows its ids are
+    valid may set it False to keep the step free of host syncs. Shape and length checks always run;
+    the range checks are skipped while torch.compile traces the model.
+    head_matmul: the function (h, weight[:V]) -> logits of a padded LM head, F.linear by default;
+    fast paths replace it from outside (with every nn.Linear module's class) and restore it after.
+    Compiling is done from outside, `torch.compile(model, fullgraph=True)`: forward, backward and
+    cached decode trace as one graph with no breaks (a prefill and a decode length each get one
+    graph; the cache length becomes a dynamic size after it first changes, not a recompile per step).
+    """
+
+    def __init__(self, config: ModelConfig, attn_impl: str = "sdpa"):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"Transformer needs a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        self.attn_impl = attn_impl
+        self.validate_inputs = True
+        V, D = config.padded_vocab_size, config.d_model
+        self.tok_emb = nn.Embedding(V, D)
+        self.pos_emb = nn.Embedding(config.context_length, D) if config.positions == "learned" else None
+        self.rope = (RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
+                                     config.rope_scaling) if config.positions == "rope" else None)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = make_norm(config.norm, D, config.norm_eps)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        # The padded head's product h @ weight[:V]^T; a kernel installed from outside may replace
+        # it (kernels.cpu_bf16.install) with a function computing the same values.
+        self.head_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+        if config.tie_embeddings:
+            self.tie_weights()
+        self.init_weights()
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    @property
+    def attn_impl(self) -> str:
+        return self._attn_impl
+
+    @attn_impl.setter
+    def attn_impl(self, value: str) -> None:
+        if value not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {value!r}")
+        self._attn_impl = value
+
+    def tie_weights(self) -> None:
+        """Make the LM head the embedding table itself (one Parameter), when tie_embeddings."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def rebuild_buffers(self) -> None:
+        """Recompute the non-persistent buffers (RoPE cos/sin, float32) on the parameters' device,
+        and re-tie the LM head, after a model built on the meta device gets real storage:
+        `load_state_dict(..., assign=True)` or `to_empty(device=...)` (which unties shared
+        Parameters) followed by `init_weights()`."""
+        self.tie_weights()
+        if self.rope is not None:
+            self.rope.rebuild(self.tok_emb.weight.device)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's initialisation (Radford et al. 2019), in one place:
+
+        - every Linear weight and both embedding tables ~ Normal(0, init_std);
+        - the residual output projections (attn.o_proj, mlp.down_proj) ~ Normal(0, init_std /
+          sqrt(2L)), so the residual stream's variance does not grow with depth (2 adds per block);
+        - every bias zeros; every norm weight ones (LayerNorm bias zeros).
+        A tied LM head is the embedding table and is initialised once, as the embedding."""
+        std, L = self.config.init_std, self.config.n_layers
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scaled = name.endswith("o_proj") or name.endswith("down_proj")
+                if not (module is self.lm_head and self.config.tie_embeddings):
+                    nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * L) if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, (RMSNorm, LayerNorm)):
+                module.reset_parameters()
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, *, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                check_values: bool = True) -> torch.Tensor:
+        """ids (B, T) -> logits (B, T, vocab_size).
+
+        cache: a KVCache; new keys/values go to slots [cache.length, cache.length + T), attention
+        reads slots [0, cache.length + T), and the cache advances by T at the end of this call.
+        positions (B, T) (or (T,)) int: position of each token, default cache.length + arange(T)
+        (per-row positions let left-padded rows start at 0). attn_mask (B, S') bool with S' >=
+        S = cache.length + T (T without a cache): False marks key slot s of row b as padding.
+        Logits come in the model's compute dtype (bf16 under bf16 weights or autocast); loss and
+        sampling code upcast to float32. They are contiguous also with vocabulary padding: the
+        padded rows of the LM head are never multiplied (see _head). check_values=False skips the
+        range checks of ids and positions for this call (each is a host sync; a decode loop that
+        checked its ids already passes it), as validate_inputs=False does for every call."""
+        return self.unembed(self._run(ids, cache, positions, attn_mask, check_values=check_values)[0])
+
+    def forward_features(self, ids, *, cache=None, positions=None, attn_mask=None) -> torch.Tensor:
+        """-> h (B, T, D), the last block's output BEFORE the final norm; forward(ids) equals
+        unembed(forward_features(ids)). A prefill that needs only the last position's logits
+        runs `model.unembed(model.forward_features(ids, cache=cache)[:, -1:])` and skips the
+        LM head for the other T-1 positions. Same arguments and cache behaviour as forward."""
+        return self._run(ids, cache, positions, attn_mask)[0]
+
+    def forward_with_hidden(self, ids, *, cache=None, positions=None, attn_mask=None):
+        """-> (logits (B, T, V), hidden: list of L+1 tensors (B, T, D)).
+
+        As transformers' output_hidden_states: hidden[0] is the embedding output (token plus
+        learned position embedding), hidden[i] the output of blocks[i-1] (1 <= i < L), and
+        hidden[L] the last block's output AFTER the final norm (unembed(h) applies the final
+        norm itself, so use it on hidden[:-1]; the returned logits are hidden[-1] through the LM
+        head's first V rows alone)."""
+        h, hidden, _ = self._run(ids, cache, positions, attn_mask, want_hidden=True)
+        hidden.append(self.final_norm(h))
+        return self._head(hidden[-1]), hidden
+
+    def forward_with_attention(self, ids, *, cache=None, positions=None, attn_mask=None):
+        """-> (logits (B, T, V), weights: list of L tensors (B, H, T, S)) through the eager path,
+        whatever attn_impl is. Masked slots have weight 0; each row sums to 1."""
+        h, _, weights = self._run(ids, cache, positions, attn_mask, want_weights=True)
+        return self.unembed(h), weights
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T, D), a residual-stream state before the final norm -> logits (B, T, V):
+        final norm, LM head, padded columns dropped (the logit lens reads any block this way)."""
+        return self._head(self.final_norm(h))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T, D) after the final norm -> logits (B, T, V).
+
+        With vocabulary padding the LM head multiplies only its first V rows (a contiguous view
+        of the (V_padded, D) weight) instead of slicing V columns out of (B, T, V_padded) logits:
+        the same values bit for bit, but contiguous logits, so the loss's reshape copies nothing
+        and backward fills no (B, T, V_padded) gradient with zeros (head + cross-entropy forward and
+        backward at (1024, 384) x 50304: 1530 -> 1333 ms, 1 thread)."""
+        V = self.config.vocab_size
+        weight = self.lm_head.weight                               # (V_padded, D)
+        if weight.shape[0] == V:
+            return self.lm_head(h)                                 # (B, T, V)
+        return self.head_matmul(h, weight[:V])                     # (B, T, V)
+
+    def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False, check_values=True):
+        """Embeddings and blocks: -> (h (B, T, D) before the final norm, hidden list, weights list)."""
+        cfg = self.config
+        self._check_ids(ids, check_values)
+        B, T = ids.shape
+        past = cache.length if cache is not None else 0
+        S = past + T
+        if S > cfg.context_length:
+            raise ValueError(f"sequence too long: {past} cached + {T} new = {S} positions exceed "
+                             f"context_length ({cfg.context_length})")
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"ids have batch size {B} but the KV cache was built for {cache.batch_size}")
+        if positions is None:
+            positions = torch.arange(past, S, device=ids.device).unsqueeze(0)          # (1, T)
+        else:
+            positions = self._check_positions(positions, B, T, check_values)
+        mask, is_causal = self._mask(attn_mask, B, T, past, ids.device)
+
+        x = self.tok_emb(ids)                                      # (B, T, D)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
+        rope = None
+        if self.rope is not None:                                  # cos, sin: (B|1, T, 1, Dh)
+            cos, sin = self.rope(positions)
+            rope = (cos, sin) if cos.dtype == x.dtype else (cos.to(x.dtype), sin.to(x.dtype))
+        hidden, weights = ([x] if want_hidden else []), []
+        for i, block in enumerate(self.blocks):
+            x, w = block(x, rope, cache=cache, layer=i, mask=mask, is_causal=is_causal,
+                         impl=self.attn_impl, need_weights=want_weights)
+            if want_weights:
+                weights.append(w)
+            if want_hidden and i < len(self.blocks) - 1:
+                hidden.append(x)
+        if cache is not None:
+            cache.advance(T)  # the one place the cache moves
+        return x, hidden, weights
+
+    @staticmethod
+    def _mask(attn_mask, B, T, past, device):
+        """-> (mask (B|1, 1, T, S) bool or None, is_causal) for keys at slots [0, S), S = past + T.
+
+        The query at slot past+t may read key slot s when s <= past+t and attn_mask[b, s]. Every
+        query may always read its own slot, so a padding row never has all keys masked (which
+        would make softmax NaN); padding rows' outputs are meaningless and ignored."""
+        S = past + T
+        if attn_mask is None:
+            if past == 0:
+                return None, True                                  # plain causal, SDPA's fast path
+            if T == 1:
+                return None, False                                 # one new query sees every slot
+        q_slot = torch.arange(past, S, device=device)              # (T,)
+        k_slot = torch.arange(S, device=device)                    # (S,)
+        causal = k_slot[None, :] <= q_slot[:, None]                # (T, S)
+        if attn_mask is None:
+            return causal[None, None], False                       # (1, 1, T, S)
+        if attn_mask.dtype != torch.bool or attn_mask.ndim != 2 or attn_mask.shape[0] != B \
+                or attn_mask.shape[1] < S:
+            raise ValueError(f"attn_mask must be bool of shape (B={B}, S>={S}), got "
+                             f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
+        own = k_slot[None, :] == q_slot[:, None]                   # (T, S)
+        mask = (causal[None] & attn_mask[:, None, :S]) | own[None]   # (B, T, S)
+        return mask[:, None], False                                # (B, 1, T, S)
+
+    def _validate_values(self, t: torch.Tensor, check: bool = True) -> bool:
+        """Range checks read values back to the host: skipped when validate_inputs or this call's
+        check_values is off, on the meta device, and while torch.compile traces (a data-dependent
+        check would break the graph)."""
+        return (check and self.validate_inputs and t.device.type != "meta"
+                and not torch.compiler.is_compiling())
+
+    def _check_ids(self, ids, check: bool = True) -> None:
+        if not isinstance(ids, torch.Tensor):
+            raise ValueError(f"ids must be a torch.Tensor of shape (B, T), got {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be int64 (or int32), got {ids.dtype}")
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"ids must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
+        if self._validate_values(ids, check):
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist()     # one host sync
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is out of range for vocab_size "
+                                 f"{self.config.vocab_size} (valid ids: 0..{self.config.vocab_size - 1})")
+
+    def _check_positions(self, positions, B, T, check: bool = True):
+        if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
+            got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise ValueError(f"positions must be an int64 (or int32) tensor of shape (B, T), got {got}")
+        if positions.ndim == 1:
+            positions = positions.unsqueeze(0)                     # (T,) -> (1, T)
+        if positions.ndim != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
+            raise ValueError(f"positions must have shape (B={B}, T={T}) or (T,), "
+                             f"got {tuple(positions.shape)}")
+        if self._validate_values(positions, check):
+            lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+            if lo < 0 or hi >= self.config.context_length:
+                raise ValueError(f"position {lo if lo < 0 else hi} is out of range for context_length "
+                                 f"{self.config.context_length}")
+        return positions

@@ -1,0 +1,10 @@
+"""text <-> ids: the byte-level BPE Tokenizer (core.py), its split patterns and special tokens
+(patterns.py), its file formats (formats.py), learning merges (bpe.py) and counting pre-tokens
+over a corpus on all cores (pretokenize.py). Nothing here knows the model."""
+
+from logitlab.tokenizer.bpe import BPEConfig, ShortVocabularyWarning, train_bpe, train_tokenizer
+from logitlab.tokenizer.core import Tokenizer
+from logitlab.tokenizer.patterns import CL100K_PATTERN, GPT2_PATTERN, PATTERNS, resolve_pattern
+
+__all__ = ["BPEConfig", "CL100K_PATTERN", "GPT2_PATTERN", "PATTERNS", "ShortVocabularyWarning", "Tokenizer",
+           "resolve_pattern", "train_bpe", "train_tokenizer"]

@@ -1,0 +1,400 @@
+"""Text <-> token ids: the byte-level BPE `Tokenizer`.
+
+This module owns encoding and decoding. Split patterns and safe cut points live in patterns.py
+(re-exported here); the reference encoder in reference.py; learning merges in bpe.py; file formats
+(logitlab JSON, GPT-2 vocab.json + merges.txt, Hugging Face tokenizer.json, tiktoken) in formats.py.
+
+Id layout. A tokenizer we train puts the 256 byte values at ids 0..255 (id == byte value), one
+id per merge after them in learned order (256, 257, ...), and the special tokens last, in the
+order given. This is GPT-2's own layout (its <|endoftext|> is 50256), so token ids are also
+tiktoken ranks. Loaded vocabularies keep the ids their files give (GPT-2's byte tokens, for
+example, are not in byte order).
+
+Encoding. Text is first cut at special tokens (leftmost match; at one position the longest
+special token wins), then each piece is split by the pre-tokenization regex, and each
+pre-token's UTF-8 bytes are merged by BPE. The split pattern's whole matches are the pieces
+(capture groups are ignored) and they must cover the text: a custom pattern that drops
+characters is refused when the Tokenizer is built, and text it would still drop raises
+ValueError naming it (see patterns.py). Two encoders give the same ids:
+
+* the reference path (`encode(..., fast=False)`): replays merges, lowest rank first, exactly as
+  training learned them (reference.py: `bpe`, O(n log n), beside `bpe_plain`, the same rule
+  written the obvious O(n^2) way), with a cache of already-encoded pre-tokens;
+* the fast path (default): tiktoken's Rust core built from the same ranks. tiktoken merges the
+  adjacent pair whose *concatenation* has the lowest rank, which equals replaying merges only
+  when the vocabulary is consistent: merge results are distinct byte strings whose ids grow with
+  merge order, and every token's own bytes encode to that single token. `Tokenizer` checks these
+  conditions on first use (`fast_path_ok`) and uses the reference path when they fail. They are
+  a static check; tests compare both paths on GPT-2 and on trained vocabularies (property-based
+  text, tinyshakespeare, and 10 MB of stdlib source with a 32k vocabulary).
+
+Special tokens: `encode(text)` turns every special-token string into its id
+(`allowed_special="all"`, the default). For untrusted text use `encode_ordinary(text)` or
+`encode(text, allowed_special="none")`: special-token strings are then ordinary text.
+"""
+
+from __future__ import annotations
+
+import codecs
+import operator
+from collections.abc import Iterable, Iterator
+
+from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage's public names)
+    ASCII_PATTERNS,
+    CL100K_PATTERN,
+    GPT2_PATTERN,
+    PATTERNS,
+    SAFE_CUT,
+    check_special_tokens,
+    find_safe_cut,
+    pattern_name,
+    pretokenizer,
+    resolve_pattern,
+    special_regex,
+    uncovered_error,
+)
+from logitlab.tokenizer.reference import bpe, bpe_plain, encode_pieces, merge_table, utf8
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer: `Tokenizer(vocab, merges, special_tokens=None, pattern="gpt2")`.
+
+    vocab: id -> bytes for the 256 single bytes, every merge result and (optionally) the special
+    tokens' UTF-8 bytes. merges: (left bytes, right bytes) in learned order (rank = index).
+    special_tokens: a list of strings (ids looked up in `vocab` by their bytes among entries that
+    are neither bytes nor merge results, or else appended after the last id) or a dict str -> id.
+    pattern: "gpt2" (default), "cl100k" or a regex whose whole matches cover any text and are
+    never empty (checked here; ValueError with an example of what it drops otherwise).
+    """
+
+    def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
+                 special_tokens: Iterable[str] | dict[str, int] | None = None, pattern: str = "gpt2"):
+        self.pattern = resolve_pattern(pattern)
+        self.pattern_name = pattern_name(self.pattern)
+        self._split = pretokenizer(self.pattern)
+        self.merges = [(bytes(a), bytes(b)) for a, b in merges]
+        vocab = {int(i): bytes(t) for i, t in vocab.items()}
+        # The ordinary tokens: the 256 bytes and each merge result.
+        ordinary = {bytes([b]) for b in range(256)} | {a + b for a, b in self.merges}
+        encoder: dict[bytes, int] = {}
+        others: dict[int, bytes] = {}
+        for i, tok in sorted(vocab.items()):
+            if i < 0:
+                raise ValueError(f"vocab id {i} is negative")
+            if tok in ordinary and tok not in encoder:
+                encoder[tok] = i
+            else:
+                others[i] = tok
+        missing = sorted(ordinary - encoder.keys())
+        if missing:
+            raise ValueError(f"vocab lacks {len(missing)} byte/merge token(s), e.g. {missing[0]!r}")
+        specials = self._place_specials(special_tokens, others, len(vocab) and max(vocab) + 1)
+        used = set(encoder.values())
+        clash = [i for i in specials.values() if i in used]
+        if clash:
+            raise ValueError(f"special token id {clash[0]} is already an ordinary token's id")
+        self._encoder = encoder
+        self._decoder: dict[int, bytes] = {i: t for t, i in encoder.items()}
+        self._special = specials
+        self._special_decoder = {i: s.encode("utf-8") for s, i in specials.items()}
+        all_ids = set(self._decoder) | set(self._special_decoder)
+        self.vocab_size = max(all_ids) + 1
+        gaps = self.vocab_size - len(all_ids)
+        if gaps:
+            first = next(i for i in range(self.vocab_size) if i not in all_ids)
+            raise ValueError(f"vocab ids must run 0..{self.vocab_size - 1} without gaps; id {first} is missing")
+        self._byte_ids = [encoder[bytes([b])] for b in range(256)]
+        # The reference path's merge table: left << 20 | right -> rank << 20 | merged id.
+        if self.vocab_size > 0xFFFFF or len(self.merges) > 0xFFFFF:
+            raise ValueError(f"vocab_size ({self.vocab_size}) and merges must stay below {0xFFFFF}")
+        self._merge_ids, self._pair_rank = merge_table(encoder, self.merges)
+        self._special_re = special_regex(specials)
+        self._cache: dict[str, list[int]] = {}
+        self._fast_path_ok: bool | None = None  # computed on first use (about 1 s for 50k tokens)
+        self._tiktoken = None
+        self._token_lengths: list[int] | None = None  # bytes per id, for _check_fast_covered
+
+    # ---------------------------------------------------------------- construction details
+    @staticmethod
+    def _place_specials(special_tokens, others: dict[int, bytes], next_id: int) -> dict[str, int]:
+        if special_tokens is None:
+            special_tokens = []
+        if isinstance(special_tokens, dict):
+            check_special_tokens(special_tokens)
+            specials = {s: int(i) for s, i in special_tokens.items()}
+        else:
+            specials = {}
+            by_bytes = {t: i for i, t in sorted(others.items(), reverse=True)}
+            for s in check_special_tokens(special_tokens):
+                i = by_bytes.get(s.encode("utf-8"))
+                if i is None:
+                    i, next_id = next_id, next_id + 1
+                specials[s] = i
+        for i, tok in others.items():
+            if i not in specials.values():
+                raise ValueError(f"vocab id {i} ({tok!r}) is neither a byte, a merge result "
+                                 f"nor a special token")
+        if len(set(specials.values())) != len(specials):
+            raise ValueError(f"special tokens share ids: {specials}")
+        return specials
+
+    @property
+    def fast_path_ok(self) -> bool:
+        """True when tiktoken's core gives the same ids as replaying merges (see module docstring)."""
+        if self._fast_path_ok is None:
+            self._fast_path_ok = self._consistent_for_tiktoken()
+        return self._fast_path_ok
+
+    def _consistent_for_tiktoken(self) -> bool:
+        """True when merging by rank of the concatenation (tiktoken) equals replaying merges."""
+        last = -1
+        seen: set[bytes] = set()
+        for a, b in self.merges:
+            ab = a + b
+            i = self._encoder[ab]
+            if ab in seen or i <= last or self._encoder[a] >= i or self._encoder[b] >= i:
+                return False  # duplicate result, ids out of merge order, or a part made later
+            seen.add(ab)
+            last = i
+        # Every token's own bytes must replay to that single token.
+        return all(self._bpe(tok) == [i] for tok, i in self._encoder.items() if len(tok) > 1)
+
+    def _fast(self):
+        if self._tiktoken is None:
+            import tiktoken
+
+            self._tiktoken = tiktoken.Encoding(
+                f"logitlab-{self.fingerprint()}", pat_str=self.pattern,
+                mergeable_ranks=dict(self._encoder), special_tokens=dict(self._special))
+        return self._tiktoken
+
+    # ---------------------------------------------------------------- look-ups
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special)
+
+    @property
+    def eot_id(self) -> int | None:
+        return self._special.get("<|endoftext|>")
+
+    @property
+    def vocab(self) -> dict[int, bytes]:
+        """id -> bytes for every id (special tokens as their UTF-8 bytes)."""
+        return {**self._decoder, **self._special_decoder}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one id. An id is an int (or has __index__, e.g. a NumPy or 0-d torch
+        integer); a bool, a float or a list is a ValueError, as is an id outside the vocabulary."""
+        if type(token_id) is int:
+            found = self._decoder.get(token_id)
+            if found is not None:
+                return found
+        elif isinstance(token_id, bool):
+            raise ValueError(f"token id {token_id!r} is a bool, not an integer")
+        else:
+            try:
+                token_id = operator.index(token_id)
+            except TypeError:
+                raise ValueError(f"token id {token_id!r} is not an integer "
+                                 f"({type(token_id).__name__})") from None
+            if token_id in self._decoder:
+                return self._decoder[token_id]
+        if token_id in self._special_decoder:
+            return self._special_decoder[token_id]
+        raise ValueError(f"token id {token_id!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    id_to_token = token_bytes
+
+    def token_to_id(self, token: bytes | str) -> int:
+        if isinstance(token, str):
+            if token in self._special:
+                return self._special[token]
+            token = token.encode("utf-8")
+        if token in self._encoder:
+            return self._encoder[token]
+        raise ValueError(f"token {token!r} is not in the vocabulary")
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_decoder
+
+    # ---------------------------------------------------------------- encoding
+    def _bpe(self, data: bytes) -> list[int]:
+        """Replay merges on one pre-token's bytes (reference.bpe, O(n log n) in its length)."""
+        return bpe(data, self._byte_ids, self._pair_rank, self._merge_ids)
+
+    def _bpe_plain(self, data: bytes) -> list[int]:
+        """The same rule written the obvious way (reference.bpe_plain, O(n^2)): what `_bpe` is tested against."""
+        return bpe_plain(data, self._byte_ids, self._pair_rank, self._merge_ids)
+
+    def _encode_plain_reference(self, text: str, out: list[int]) -> None:
+        encode_pieces(text, self._split, self._bpe, self._cache, out)
+
+    def _allowed(self, allowed_special) -> set[str]:
+        if allowed_special == "all":
+            return set(self._special)
+        if allowed_special in ("none", None):
+            return set()
+        allowed = set(allowed_special)
+        unknown = allowed - self._special.keys()
+        if unknown:
+            raise ValueError(f"allowed_special names unknown special tokens: {sorted(unknown)}")
+        return allowed
+
+    def encode(self, text: str, allowed_special: str | Iterable[str] = "all", fast: bool | None = None) -> list[int]:
+        """Text -> ids. allowed_special: "all" (default: special-token strings become their ids),
+        "none" (untrusted text: they are ordinary text) or a set of special-token strings.
+        fast: None/True -> tiktoken core when the vocabulary allows it; False -> reference path."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode expects str, got {type(text).__name__}")
+        allowed = self._allowed(allowed_special)
+        use_fast = fast is not False and self.fast_path_ok
+        if use_fast and not allowed:
+            out = self._fast().encode_ordinary(text)  # no special-token scan: tiktoken's fastest entry
+        elif use_fast and not _prefix_overlap(allowed):
+            out = self._fast().encode(text, allowed_special=allowed, disallowed_special=())
+        else:
+            out = []
+            for piece, special in self._split_special(text, allowed):
+                if special is not None:
+                    out.append(special)
+                elif use_fast:
+                    out.extend(self._fast().encode_ordinary(piece))
+                else:
+                    self._encode_plain_reference(piece, out)  # its splitter checks coverage itself
+        if use_fast and self.pattern_name is None:
+            self._check_fast_covered(text, allowed, out)
+        return out
+
+    def _check_fast_covered(self, text: str, allowed: set[str], ids: list[int]) -> None:
+        """A custom pattern's pieces must cover the text (see patterns.py): tiktoken would
+        silently skip what no match takes. The ids' bytes add up to the text's UTF-8 length
+        exactly when nothing was skipped; if not, the reference splitter names what was."""
+        if self._token_lengths is None:
+            self._token_lengths = [len(self.token_bytes(i)) for i in range(self.vocab_size)]
+        lengths = self._token_lengths
+        if sum(lengths[i] for i in ids) == len(utf8(text)):
+            return
+        for piece, special in self._split_special(text, allowed):
+            if special is None:
+                self._split(piece)  # raises ValueError naming the dropped text
+        raise uncovered_error(self.pattern, text)
+
+    def encode_ordinary(self, text: str, fast: bool | None = None) -> list[int]:
+        """Encode untrusted text: special-token strings are ordinary text."""
+        return self.encode(text, allowed_special="none", fast=fast)
+
+    def _split_special(self, text: str, allowed: set[str]) -> Iterator[tuple[str, int | None]]:
+        rx = self._special_re if allowed == set(self._special) else special_regex(allowed)
+        start = 0
+        if rx is not None:
+            for m in rx.finditer(text):
+                if m.start() > start:
+                    yield text[start:m.start()], None
+                yield "", self._special[m.group()]
+                start = m.end()
+        if start < len(text):
+            yield text[start:], None
+
+    def encode_iterable(self, iterable: Iterable[str], allowed_special="all", fast: bool | None = None,
+                        chunk_chars: int = 1 << 16) -> Iterator[int]:
+        """Lazily encode a stream of strings (e.g. an open file's lines) in bounded memory.
+
+        Text is buffered until about `chunk_chars` characters, then cut at the last position no
+        pre-token crosses (SAFE_CUT, outside any special token) and the part before it is encoded.
+        The ids equal `encode("".join(iterable))` for the gpt2 and cl100k patterns."""
+        pending: list[str] = []
+        size = 0
+        for text in iterable:
+            pending.append(text)
+            size += len(text)
+            if size < chunk_chars:
+                continue
+            buf = "".join(pending)
+            cut = self._safe_cut(buf)
+            if cut > 0:
+                yield from self.encode(buf[:cut], allowed_special, fast)
+                buf = buf[cut:]
+            pending, size = [buf], len(buf)
+        if pending:
+            yield from self.encode("".join(pending), allowed_special, fast)
+
+    def _safe_cut(self, buf: str) -> int:
+        return find_safe_cut(buf, self._special_re, max(map(len, self._special), default=0))
+
+    # ---------------------------------------------------------------- decoding
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """Ids -> their bytes joined; a bad id is a ValueError naming it and its position."""
+        return b"".join(self._each_token_bytes(ids))
+
+    def _each_token_bytes(self, ids: Iterable[int]) -> Iterator[bytes]:
+        for n, i in enumerate(ids):
+            try:
+                yield self.token_bytes(i)
+            except ValueError as exc:
+                raise ValueError(f"{exc}, at position {n} of the ids") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Yield text as soon as it is valid UTF-8; a character split across tokens waits."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for token in self._each_token_bytes(ids):
+            piece = decoder.decode(token)
+            if piece:
+                yield piece
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield tail
+
+    # ---------------------------------------------------------------- formats
+    def fingerprint(self) -> str:
+        from logitlab.tokenizer.formats import fingerprint
+
+        return fingerprint(self)
+
+    def save(self, path) -> None:
+        """logitlab's JSON (bytes as hex, lossless) plus a readable `.vocab` listing beside it."""
+        from logitlab.tokenizer.formats import save_logitlab
+
+        save_logitlab(self, path)
+
+    @classmethod
+    def load(cls, path) -> Tokenizer:
+        from logitlab.tokenizer.formats import load_logitlab
+
+        return load_logitlab(cls, path)
+
+    @classmethod
+    def from_gpt2_files(cls, vocab_json, merges_txt) -> Tokenizer:
+        from logitlab.tokenizer.formats import load_gpt2
+
+        return load_gpt2(cls, vocab_json, merges_txt)
+
+    def save_hf(self, path) -> None:
+        from logitlab.tokenizer.formats import save_hf
+
+        save_hf(self, path)
+
+    @classmethod
+    def from_hf(cls, path) -> Tokenizer:
+        from logitlab.tokenizer.formats import load_hf
+
+        return load_hf(cls, path)
+
+    def save_tiktoken(self, path) -> None:
+        from logitlab.tokenizer.formats import save_tiktoken
+
+        save_tiktoken(self, path)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+                f"special_tokens={list(self._special)}, pattern={self.pattern_name or self.pattern!r})")
+
+
+def _prefix_overlap(specials: set[str]) -> bool:
+    """True when one special token is a prefix of another: tiktoken's alternation order is then
+    unspecified, so we cut at special tokens ourselves (longest first)."""
+    items = sorted(specials)
+    return any(b.startswith(a) for a, b in zip(items, items[1:]))

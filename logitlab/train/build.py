@@ -1,0 +1,175 @@
+"""The set-up of a training run, before its first step: the data and sampler, the model on its
+device, a resume (weights, step, sampler position, optimizer and generator states, so the run
+continues bit for bit) or a fresh seed, the wrapped model with AdamW and the step's loss, and
+the run directory's files. `Run` holds what the loop's parts share."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from logitlab.data import tokens as data_io
+from logitlab.io import checkpoint as ckpt_io
+from logitlab.io import files
+from logitlab.train import runtime
+from logitlab.train.config import TrainConfig
+from logitlab.train.hooks import ParallelHooks
+from logitlab.train.loss import loss_fn
+from logitlab.train.optim import build_adamw
+
+RUN_FILE = "run.json"
+
+
+@dataclass
+class Run:
+    """What one training run holds between its parts: the model (unwrapped, for saving) and what
+    wraps it, the optimizer, schedule, sampler and validation tokens, where and how it computes,
+    and the progress a checkpoint keeps (step, best validation loss, metrics, last checkpoint)."""
+
+    config: TrainConfig
+    run_dir: Path
+    par: ParallelHooks
+    model: torch.nn.Module
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    seq_len: int
+    manifest: dict
+    sampler: data_io.RandomWindows
+    val_tokens: object
+    schedule: object = None
+    wrapped: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    compute_loss: Callable | None = None
+    step: int = 0
+    best_val: float | None = None
+    metrics: list = field(default_factory=list)
+    last_ckpt: Path | None = None
+    tokenizer: object = None
+    extra_state: dict | None = None
+
+    @property
+    def has_val(self) -> bool:
+        return len(self.val_tokens) > self.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step, summed over all ranks."""
+        return self.config.batch_size * self.config.grad_accum * self.seq_len
+
+
+def build_data(model, config: TrainConfig, run_dir: Path, par: ParallelHooks, device: torch.device,
+               amp_dtype) -> Run:
+    """The data side of a run: train windows (RandomWindows, this rank's slice) and validation tokens."""
+    seq_len = config.seq_len or model.config.context_length
+    train_tokens = data_io.load_tokens(config.data_dir, "train")
+    sampler = data_io.RandomWindows(train_tokens, seq_len, config.batch_size, config.seed, par.rank,
+                                    par.world_size)
+    return Run(config, run_dir, par, model, device, amp_dtype, seq_len, data_io.read_manifest(config.data_dir),
+               sampler, data_io.load_tokens(config.data_dir, "val"), schedule=config.schedule())
+
+
+def load_resume(run: Run, resume: bool) -> dict | None:
+    """Clear what a killed writer left (we hold the lock), refuse a new run in a used directory,
+    and with resume load the latest checkpoint's weights (unless the hooks load them), step,
+    best validation loss, metrics and sampler position into `run`; without, seed every generator.
+    -> the loaded checkpoint (None for a new run)."""
+    if run.par.main:
+        ckpt_io.remove_stale_temporaries(run.run_dir)
+    if not resume:
+        check_new_run_dir(run.run_dir)
+        runtime.seed_everything(run.config.seed)
+        return None
+    latest = ckpt_io.latest_checkpoint(run.run_dir)
+    if latest is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {run.run_dir}")
+    loaded = ckpt_io.load_checkpoint(latest, None if run.par.load_state else run.model)
+    state = loaded["state"]
+    run.step, run.best_val, run.metrics = state["step"], state.get("best_val_loss"), loaded["metrics"]
+    run.sampler.load_state_dict(state["sampler"])
+    run.last_ckpt = latest
+    return loaded
+
+
+def build_optimizer(run: Run) -> None:
+    """Wrap the model (before the optimizer: FSDP2 replaces the parameters with sharded ones),
+    build AdamW, and the step's loss (compiled: the model and the loss as one graph; a wrapped
+    model may break it)."""
+    config, par = run.config, run.par
+    run.wrapped = par.wrap(run.model) if par.wrap is not None else run.model
+    run.optimizer = build_adamw(run.model, config.lr, config.weight_decay, (config.beta1, config.beta2),
+                                config.eps, config.decay_embeddings)
+    run.compute_loss = loss_fn(run.wrapped, config.compile, fullgraph=par.wrap is None)
+
+
+def restore_optimizer(run: Run, loaded: dict | None) -> None:
+    """A resumed run: the optimizer's state (and the model's, through the hooks) and every
+    generator's state from the checkpoint `run.last_ckpt`."""
+    if loaded is None:
+        return
+    latest = run.last_ckpt
+    opt_state = ckpt_io.load_optimizer_state(latest)
+    if run.par.load_state is not None:
+        run.par.load_state(run.wrapped, ckpt_io.load_model_state(latest), run.optimizer, opt_state)
+    else:
+        run.optimizer.load_state_dict(opt_state)
+    if loaded["rng"] is not None:
+        try:
+            runtime.restore_rng_state(loaded["rng"])
+        except ValueError as exc:
+            raise ValueError(f"{latest / ckpt_io.RNG_FILE}: {exc}") from None
+
+
+def setup(model, config: TrainConfig, run_dir: Path, par: ParallelHooks, resume: bool, device: torch.device,
+          amp_dtype, tokenizer=None, extra_state: dict | None = None) -> Run:
+    """Everything a run needs before its first step, in order: data, the model on its device in
+    training mode, resume or seed, wrap + optimizer, then the checkpoint's optimizer and RNG states."""
+    run = build_data(model, config, run_dir, par, device, amp_dtype)
+    run.tokenizer, run.extra_state = tokenizer, extra_state
+    model.to(device).train()
+    loaded = load_resume(run, resume)
+    build_optimizer(run)
+    restore_optimizer(run, loaded)
+    return run
+
+
+def write_run_files(run: Run) -> None:
+    """run.json (train and model configs, the data manifest) and the tokenizer; rank 0 only."""
+    if not run.par.main:
+        return
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    files.atomic_write_text(run.run_dir / RUN_FILE, json.dumps(
+        {"train": run.config.to_dict(), "model": run.model.config.to_dict(), "data": run.manifest},
+        indent=2) + "\n")
+    if run.tokenizer is not None:
+        with files.writing(run.run_dir / ckpt_io.TOKENIZER_FILE):
+            run.tokenizer.save(run.run_dir / ckpt_io.TOKENIZER_FILE)
+
+
+def check_new_run_dir(run_dir: str | os.PathLike) -> None:
+    """A new run writes run.json, metrics.jsonl and the tokenizer into `run_dir`: refuse a
+    directory whose run.json or metrics.jsonl are not a logitlab run's (nothing of the user's is
+    overwritten), and one that already holds checkpoints (that is a resume)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} exists and is not a directory")
+    if ckpt_io.latest_checkpoint(run_dir) is not None:
+        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
+    run_json, metrics = run_dir / RUN_FILE, run_dir / ckpt_io.METRICS_FILE
+    ours = False
+    if run_json.exists():
+        try:
+            payload = files.read_json(run_json)
+            ours = isinstance(payload, dict) and {"train", "model"} <= set(payload)
+        except ValueError:
+            ours = False
+        if not ours:
+            raise ValueError(f"{run_json} exists and is not a logitlab run's run.json; "
+                             f"nothing is overwritten: choose another --out-dir")
+    if metrics.exists() and not ours:
+        raise ValueError(f"{metrics} exists without a logitlab run.json beside it; "
+                         f"nothing is overwritten: choose another --out-dir")

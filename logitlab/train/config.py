@@ -1,0 +1,109 @@
+"""TrainConfig: every setting of a training run (the model's live in ModelConfig), frozen and
+validated; each field's help text feeds the CLI's flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from logitlab.model import layers
+from logitlab.model.transformer import check_field_types, config_from_dict
+from logitlab.train.optim import WarmupCosine
+
+
+def _f(default, help_text: str):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a training run (the model's live in ModelConfig)."""
+
+    data_dir: str | None = _f(None, "prepared token directory (logitlab prepare); default: prepare the stdlib corpus")
+    out_dir: str = _f("runs/run", "run directory: checkpoints, metrics.jsonl, plots")
+    steps: int = _f(1000, "optimizer steps")
+    batch_size: int = _f(16, "sequences per micro-step, summed over all ranks (B)")
+    grad_accum: int = _f(1, "micro-steps accumulated per optimizer step")
+    seq_len: int | None = _f(None, "tokens per sequence T (default: the model's context_length)")
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float | None = _f(None, "learning-rate floor of the cosine decay (default lr / 10)")
+    warmup_steps: int | None = _f(None, "linear warmup steps (default min(100, steps // 10))")
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
+    decay_embeddings: bool = _f(False, "also decay the embedding tables")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
+    eval_every: int = _f(100, "evaluate every N steps (0 = only at the end)")
+    eval_tokens: int = _f(65536, "validation tokens per evaluation (a fixed sequential pass)")
+    eval_at_start: bool = _f(True, "also evaluate the untrained model (a step-0 record; about ln V)")
+    save_every: int | None = _f(None, "checkpoint every N steps (default eval_every; 0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints kept besides the best by validation loss")
+    seed: int = _f(1337, "seed of the model init, data order and dropout")
+    device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps")
+    precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto = bf16 autocast on capable GPUs, else fp32")
+    bf16_matmul: Literal["auto", "native", "fp32"] = _f(
+        "auto", "bf16 matrix products on CPU: fp32 = float32 GEMMs over the bf16-rounded operands (same "
+        "values up to summation order), native = bf16 kernels, auto = the faster of the two, measured "
+        "(kernels.cpu_bf16)")
+    keep_freed_memory: Literal["auto", "on", "off"] = _f(
+        "auto", "CPU: let malloc keep freed tensor memory for reuse rather than page-faulting it in again "
+        "every step (glibc; process-wide and permanent, see kernels.allocator.keep_freed_memory); auto = "
+        "when compiling in fp32")
+    compile: bool = _f(False, "torch.compile the model")
+    parallel: Literal["none", "ddp", "fsdp"] = _f(
+        "ddp", "under torchrun: data parallel (ddp) or fully sharded (fsdp); none = ignore other ranks")
+    log_every: int = _f(1, "metrics record every N steps")
+    time_limit_s: float | None = _f(None, "stop (evaluate, save) after the step that passes this many seconds")
+    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+
+    def __post_init__(self) -> None:
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise ValueError(f"parallel must be 'none', 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+        if self.keep_freed_memory not in ("auto", "on", "off"):
+            raise ValueError(f"keep_freed_memory must be 'auto', 'on' or 'off', got {self.keep_freed_memory!r}")
+        if self.bf16_matmul not in layers.BF16_MATMUL_MODES:
+            raise ValueError(f"bf16_matmul must be one of {layers.BF16_MATMUL_MODES}, got {self.bf16_matmul!r}")
+        check_field_types(self)  # then types: a string "3e-4" for lr is named, and every float is finite
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_tokens", "keep_last", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "eval_every", "save_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("time_limit_s", "seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
+            raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
+                             f">= 0 and eps ({self.eps}) > 0")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        """Inverse of to_dict; unknown keys are an error naming them."""
+        return config_from_dict(cls, data)
+
+    def schedule(self) -> WarmupCosine:
+        min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
+        return WarmupCosine(self.lr, self.warmup_steps, self.steps, min_lr)
