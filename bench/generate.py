@@ -3,7 +3,7 @@
 Both sides get the same random weights (logitlab model -> logitlab.hf.save_pretrained ->
 transformers.AutoModelForCausalLM.from_pretrained), the same prompts (B x 32 random ids, no
 padding) and greedy decoding with a KV cache. logitlab runs twice: eager (no compilation, as
-transformers) and with its decode step through torch.compile (`generate(..., compile=True)`;
+transformers) and with its decode step through torch.compile (`generate(..., step=kernels.decode.compiled_decode_step(model, step=decode_step))`;
 the compile time is reported on its own, outside the timings). Each side is measured the same
 way from outside: prefill = the time to generate 1 token, decode tokens/s = B x (N - 1) /
 (time to generate N tokens - prefill). Runs alternate (eager, compiled, peer, ...) after a
@@ -40,8 +40,9 @@ from bench.common import (
     write_results,
 )
 from bench.roofline import bandwidths
-from logitlab.generate.loop import SampleConfig, generate
+from logitlab.generate import SampleConfig, decode_step, generate
 from logitlab.io.hf import load_pretrained, save_pretrained
+from logitlab.kernels.decode import compiled_decode_step
 from logitlab.model.families import PRESETS
 from logitlab.model.transformer import ModelConfig, Transformer
 
@@ -74,9 +75,11 @@ def runners(ours, peer, prompts: torch.Tensor):
     rows = prompts.tolist()
     mask = torch.ones_like(prompts)
 
+    compiled = compiled_decode_step(ours, step=decode_step)   # built once: its cache holds the graph
+
     def run(compile):
-        return lambda n: lambda: generate(ours, rows, SampleConfig(temperature=0, max_new_tokens=n),
-                                          compile=compile)
+        step = compiled if compile else decode_step
+        return lambda n: lambda: generate(ours, rows, SampleConfig(temperature=0, max_new_tokens=n), step=step)
 
     def run_peer(n):
         return lambda: peer.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=n,
@@ -266,8 +269,8 @@ def _peak_rss_child(spec: dict) -> int:
         loaded = reset_peak_rss()
         prompts = torch.randint(0, model.config.vocab_size, (spec["B"], spec["prompt"]), generator=g)
         if spec["side"] in ("ours", "compiled"):
-            generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]),
-                     compile=spec["side"] == "compiled")
+            step = compiled_decode_step(model, step=decode_step) if spec["side"] == "compiled" else decode_step
+            generate(model, prompts.tolist(), SampleConfig(temperature=0, max_new_tokens=spec["new"]), step=step)
         else:
             model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                            max_new_tokens=spec["new"], min_new_tokens=spec["new"], pad_token_id=0,

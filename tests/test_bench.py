@@ -226,3 +226,21 @@ def test_generate_memory_table_has_the_compiled_side_where_measured():
                                       bandwidth_gbs=10.0, results=[], memory=[row, old]))
     assert "| tiny | fp32 | 8 | 10 | 40 | 20 | 0.50 / 2.00 | 100 | 300 | 200 | 0.50 / 1.50 |" in text
     assert "| tiny | bf16 | 8 | 5 | - | 20 | 0.25 / - | 50 | - | 200 | 0.25 / - |" in text
+
+
+def test_generate_bench_runs_both_of_our_sides():
+    """bench.generate's runners call logitlab's generate as the library exposes it (eager and
+    through the compiled decode step), so an API change breaks this test, not the benchmark."""
+    from bench import generate as generate_bench
+    from logitlab.generate import generate
+
+    cfg = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=1, n_heads=2, norm="rmsnorm",
+                      mlp="swiglu", positions="rope", bias=False)
+    ours = Transformer(cfg).eval()
+    prompts = torch.randint(0, 64, (2, 4))
+    sides = generate_bench.runners(ours, None, prompts)
+    result = sides["ours"](3)()
+    assert [len(t) for t in result.tokens] == [3, 3]
+    assert result.tokens == generate(ours, prompts.tolist(), generate_bench.SampleConfig(temperature=0,
+                                                                                          max_new_tokens=3)).tokens
+    assert callable(sides["compiled"](3))   # built with the compiled step (compiles on first call)
