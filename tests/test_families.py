@@ -192,3 +192,15 @@ def test_key_maps_and_config_names_stay_importable_from_their_old_homes():
         assert getattr(families, name) is getattr(keymap, name)
     for name in ("ModelConfig", "RopeScaling", "config_from_dict", "check_field_types", "conform", "describe_type"):
         assert getattr(transformer, name) is getattr(config, name)
+
+
+def test_get_preset_takes_overrides_and_derives_again():
+    from logitlab.model import get_preset
+
+    base = get_preset("tiny")
+    cfg = get_preset("tiny", vocab_size=10_000, d_model=2 * base.d_model)
+    assert cfg.vocab_size == 10_000 and cfg.d_model == 2 * base.d_model
+    assert cfg.head_dim == cfg.d_model // cfg.n_heads          # derived from the new width
+    assert get_preset("tiny") == base                            # the preset itself is untouched
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['nope'\]"):
+        get_preset("tiny", nope=1)

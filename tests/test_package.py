@@ -31,3 +31,10 @@ def test_cli_lists_every_command():
     for command in ("tokenizer", "params", "convert", "prepare", "train", "plot", "export", "demo",
                     "generate", "chat", "inspect"):
         assert command in out.stdout, command
+
+
+def test_version_and_help_point_to_the_demo():
+    out = subprocess.run([sys.executable, "-m", "logitlab", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"logitlab {logitlab.__version__}"
+    out = subprocess.run([sys.executable, "-m", "logitlab", "--help"], capture_output=True, text=True)
+    assert "logitlab demo" in " ".join(out.stdout.split())

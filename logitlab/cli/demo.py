@@ -35,7 +35,8 @@ DEMO_PROMPT = "def main(argv=None):\n    "
 
 # What a demo run directory holds that the demo itself wrote; a rerun removes these and nothing
 # else (a Hugging Face export or a note a user put beside them stays).
-_DEMO_OUTPUTS = ("demo.json", "run.json", "metrics.jsonl", "loss.png", "tokenizer.logitlab.json", "data",
+_DEMO_OUTPUTS = ("demo.json", "run.json", "metrics.jsonl", "loss.png", "tokenizer.logitlab.json",
+                 "tokenizer.logitlab.vocab", "data",
                  "tensorboard")
 
 

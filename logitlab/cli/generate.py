@@ -365,7 +365,8 @@ def _print_inspect(report: dict) -> None:
                       *(("-",) * 3 if r.probability is None else
                         (_p(r.probability), f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}")))
         out.print(t)
-        out.print(f"{s.scored} tokens scored: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
+        scored = f"{s.scored} token{'' if s.scored == 1 else 's'} scored"
+        out.print(f"{scored}: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
                   f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}")
     n = report["next"]
     after = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())

@@ -29,10 +29,15 @@ def _error_text(exc: BaseException) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from logitlab import __version__
+
     parser = argparse.ArgumentParser(
         prog="logitlab",
-        description="Text -> token ids -> logits -> text, every step visible.",
+        description="Text -> token ids -> logits -> text, every step visible. New here? Start with "
+                    "`logitlab demo`: it trains a tokenizer and a small model on the Python standard "
+                    "library in a few minutes, then samples from it.",
     )
+    parser.add_argument("--version", action="version", version=f"logitlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in (tokenizer, model, train, demo, generate, chat):  # the order --help lists them in

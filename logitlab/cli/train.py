@@ -40,7 +40,7 @@ class _LiveProgress:
 
         if event == "start":
             if not self.quiet:
-                self.con.print(f"training on {r['device']} (autocast {r['amp']}), "
+                self.con.print(f"training on {r['device']} ({_precision(r['amp'])}), "
                                f"{r['tokens_per_step']:,} tokens/step -> {r['run_dir']}")
             if self.enabled:
                 self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=30),
@@ -69,6 +69,11 @@ class _LiveProgress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+def _precision(amp: str) -> str:
+    """The start event's autocast dtype as a reader says it: 'fp32', or 'bf16 autocast'."""
+    return "fp32" if amp in (None, "None") else f"{amp.removeprefix('torch.').replace('bfloat16', 'bf16')} autocast"
 
 
 def exit_code(result) -> int:
@@ -120,15 +125,9 @@ def _model_config(args, table: dict, tokenizer):
 
 
 def _underived(cfg) -> dict:
-    """cfg as a dict with the fields that ModelConfig derived (head_dim = D / H, ...) set back to
-    None, so that `--preset tiny --d-model 64` derives them again from the new values."""
-    from logitlab.model.transformer import ModelConfig
+    from logitlab.model.families import underived_fields
 
-    d = cfg.to_dict()
-    for name in ("n_kv_heads", "head_dim", "d_ff", "qkv_bias"):
-        if getattr(ModelConfig(**{**d, name: None}), name) == d[name]:
-            d[name] = None
-    return d
+    return underived_fields(cfg)
 
 
 def cmd_train(args) -> int:

@@ -78,12 +78,32 @@ PRESETS: dict[str, ModelConfig] = {
 PRESETS["llama-tiny"] = PRESETS["tiny"]
 
 
-def get_preset(name: str) -> ModelConfig:
-    """The ModelConfig of a named preset; an unknown name lists the known ones."""
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """The ModelConfig of a named preset, with any fields replaced: get_preset("tiny",
+    vocab_size=tok.vocab_size). Fields the preset derived (head_dim = D / H, d_ff, n_kv_heads,
+    qkv_bias) are derived again from the new values unless given. An unknown name lists the
+    known ones; an unknown field is named."""
     try:
-        return PRESETS[name]
+        config = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+    if not overrides:
+        return config
+    fields = underived_fields(config)
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown ModelConfig field(s) {unknown} for get_preset({name!r})")
+    return ModelConfig(**{**fields, **overrides})
+
+
+def underived_fields(config: ModelConfig) -> dict:
+    """config as a dict with the fields ModelConfig derived (head_dim = D / H, ...) set back to
+    None, so that new values of d_model or n_heads derive them again."""
+    d = config.to_dict()
+    for name in ("n_kv_heads", "head_dim", "d_ff", "qkv_bias"):
+        if getattr(ModelConfig(**{**d, name: None}), name) == d[name]:
+            d[name] = None
+    return d
 
 
 # --------------------------------------------------------------------------------------------
