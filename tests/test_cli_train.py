@@ -89,8 +89,9 @@ def test_train_toml_flags_resume_and_errors(tmp_path, capsys):
     assert latest_checkpoint(run).name == "ckpt-000003"
     assert cli.main(["train", "--resume", str(run), "--steps", "5", "--progress", "false"]) == 0
     assert latest_checkpoint(run).name == "ckpt-000005"
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5]  # (one document: no validation split, no step-0 record)
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # one document: validation is the tail of its token stream, so there is a step-0 record
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5] and "val_loss" in records[0]
     # a second run into the same directory is refused; prepare + --data-dir reuses the data
     assert cli.main(_train_args(tmp_path, "--out-dir", str(run))) == 2
     data_dir = tmp_path / "prep"
@@ -143,7 +144,8 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     def losses(run):
-        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in records if "loss" in r]  # (the step-0 record holds only val_loss)
 
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
     assert latest_checkpoint(tmp_path / "two").name == "ckpt-000003"
@@ -157,3 +159,43 @@ def test_demo_output_shows_sample_and_next_token_table(tmp_path, capsys):
     assert "sample" in text and "next-token probabilities" in text and "ln V" in text
     summary = json.loads((out / "demo.json").read_text())["result"]
     assert summary["val_loss_start"] > summary["val_loss"]
+
+
+def test_train_on_one_file_says_how_validation_was_made(tmp_path, capsys):
+    (tmp_path / "code.txt").write_text(TEXT)
+    run = tmp_path / "run"
+    assert cli.main(_train_args(tmp_path, "--val-fraction", "0.01", "--steps", "2", "--out-dir", str(run))) == 0
+    out = capsys.readouterr().out
+    note = [line for line in out.splitlines() if line.startswith("validation:")]
+    assert len(note) == 1 and "last" in note[0] and "tokens of the token stream" in note[0]
+    manifest = json.loads((run / "data" / "manifest.json").read_text())
+    assert manifest["val_rule"] == "tail of the token stream"
+    assert manifest["splits"]["val"]["tokens"] >= 33  # at least one window (T=32, +1)
+    assert "val loss" in out.split("done:")[-1]
+    assert cli.main(_train_args(tmp_path, "--val-fraction", "0", "--steps", "1",
+                                "--out-dir", str(tmp_path / "none"))) == 0
+    out = capsys.readouterr().out
+    assert "validation: none (val_fraction 0)" in out and "val loss" not in out
+
+
+def test_train_help_shows_the_tiny_presets_defaults_once_each(capsys, monkeypatch):
+    import re
+
+    from logitlab.model.families import get_preset
+
+    monkeypatch.setenv("COLUMNS", "300")
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    flags = dict(re.findall(r"^  (--[a-z0-9-]+)[^\n]*?\s{2,}(\S[^\n]*)$", text, re.M))
+    tiny = get_preset("tiny")
+    assert f"(default: {tiny.d_model})" in flags["--d-model"] and f"(default: {tiny.n_layers})" in flags["--n-layers"]
+    assert "(default: 4096)" in flags["--tokenizer-vocab"] and "default" in flags["--tokenizer-bytes"]
+    assert "768" not in flags["--d-model"] and "layernorm)" not in flags["--norm"]
+    assert not re.search(r"\(default: ([^)]*)\)[^\n]*\(default: \1\)", text)
+    assert not re.search(r"default[^\n]*\(default: ", text)  # each default said once
+    assert "examples:" in text
+    for sub in ("prepare", "plot", "export"):
+        with pytest.raises(SystemExit):
+            cli.main([sub, "--help"])
+        assert "example:" in capsys.readouterr().out

@@ -172,3 +172,42 @@ def test_eval_windows_are_sequential_and_fixed():
     r0 = [x for x, _ in data.eval_windows(toks, 10, 4, 100, rank=0, world_size=2)]
     r1 = [x for x, _ in data.eval_windows(toks, 10, 4, 100, rank=1, world_size=2)]
     assert sum(x.shape[0] for x in r0 + r1) == 10
+
+
+def test_one_file_holds_out_the_tail_of_the_token_stream(tmp_path):
+    tok = byte_tokenizer()
+    src = tmp_path / "one.txt"
+    text = "".join(DOCS)
+    src.write_text(text, encoding="utf-8")
+    manifest = data.prepare_corpus([src], tok, tmp_path / "out", val_fraction=0.01, workers=1, min_val_tokens=65)
+    n = len(text.encode("utf-8")) + 1
+    n_val = max(65, round(0.01 * n))
+    assert manifest["validation"] == "tail" and manifest["val_rule"] == "tail of the token stream"
+    assert manifest["val_tail_tokens"] == n_val
+    assert manifest["splits"]["val"]["tokens"] == n_val and manifest["splits"]["train"]["tokens"] == n - n_val
+    assert manifest["splits"]["val"]["documents"] == 0 and "last" in manifest["val_note"]
+    train, val = data.load_tokens(tmp_path / "out", "train"), data.load_tokens(tmp_path / "out", "val")
+    whole = tok.encode_ordinary(text) + [tok.eot_id]
+    assert train.tolist() + val.tolist() == whole  # disjoint: the tail, in order, after the rest
+    again = data.prepare_corpus([src], tok, tmp_path / "again", val_fraction=0.01, workers=2, min_val_tokens=65)
+    assert again["splits"] == manifest["splits"]
+    assert (tmp_path / "again" / "val.bin").read_bytes() == (tmp_path / "out" / "val.bin").read_bytes()
+
+
+def test_few_files_hold_out_the_tail_and_val_fraction_zero_says_none(tmp_path):
+    tok = byte_tokenizer()
+    src = _write_docs(tmp_path, DOCS[:10])
+    m = data.prepare_corpus([src], tok, tmp_path / "a", val_fraction=0.01, workers=1)
+    assert m["validation"] == "tail" and m["splits"]["val"]["tokens"] >= 1
+    assert m["splits"]["train"]["documents"] == 10
+    none = data.prepare_corpus([src], tok, tmp_path / "b", val_fraction=0.0, workers=1)
+    assert none["validation"] == "none" and none["splits"]["val"]["tokens"] == 0
+    assert "no validation" in none["val_note"]
+    docs = data.prepare_corpus([src], tok, tmp_path / "d", val_fraction=0.1, workers=1)
+    assert docs["validation"] == "documents" and docs["val_rule"] == data.DOCUMENT_RULE
+
+
+@pytest.mark.parametrize("n,f,window,expected", [(1000, 0.01, 0, 10), (1000, 0.01, 129, 129), (100, 0.01, 129, 1),
+                                                  (1000, 0.001, 0, 1), (1, 0.5, 0, 0), (300, 0.01, 129, 129)])
+def test_tail_size(n, f, window, expected):
+    assert data.tail_size(n, f, window) == expected

@@ -72,11 +72,15 @@ def flag_name(field_name: str, prefix: str = "") -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
-                     skip: tuple[str, ...] = ()) -> None:
+                     skip: tuple[str, ...] = (), shown_defaults: dict[str, Any] | None = None,
+                     description: str | None = None) -> None:
     """Add one flag per field of dataclass `cls`; defaults stay SUPPRESSED so that only the flags
-    a user typed override the TOML file and the dataclass defaults."""
+    a user typed override the TOML file and the dataclass defaults. Each help line states its
+    default once: the field help's own "default ..." wording when it has one, else "(default: X)".
+    `shown_defaults` (help text only) replaces the dataclass defaults a command does not use
+    (train's model fields come from the tiny preset); `description` heads the flag group."""
     hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(f"{cls.__name__} fields")
+    group = parser.add_argument_group(f"{cls.__name__} fields", description)
     for field in dataclasses.fields(cls):
         if not field.init or field.name in skip or field.name.startswith("_"):
             continue
@@ -85,7 +89,14 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
         default = field.default if field.default is not dataclasses.MISSING else None
         if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = field.default_factory()  # type: ignore[misc]
-        help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
+        if shown_defaults is not None and field.name in shown_defaults:
+            shown = shown_defaults[field.name]
+            if "default" not in help_text:
+                help_text = f"{help_text} (default: {shown})"
+            elif shown is not None:  # the field's own rule, which the preset replaces
+                help_text = f"{help_text} (preset: {shown})"
+        elif "default" not in help_text:
+            help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
         kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, dest=prefix + field.name,
                                       help=help_text)
         origin = get_origin(tp)

@@ -26,9 +26,12 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
                    help="text files, directories, globs, .jsonl or .parquet (default: the Python stdlib source)")
     p.add_argument("--text-field", default="text", help=".jsonl field holding the text (default: text)")
     p.add_argument("--column", default="text", help=".parquet column holding the text (default: text)")
-    p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of documents held out for validation; when that holds out no document (one "
+                   "file), the tail of the token stream instead; 0: no validation set (default: 0.01)")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: min(4, CPUs))")
-    p.add_argument("--max-bytes", type=int, default=None, help="stop after about this many characters of text")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="stop after about this many characters of text (default: all of it)")
 
 
 def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
@@ -42,12 +45,27 @@ def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
         task = bar.add_task("tok", total=None, docs=0, tokens=0)
         manifest = data.prepare_corpus(args.data, tokenizer, out_dir, val_fraction=args.val_fraction,
                                        workers=args.workers, text_field=args.text_field, column=args.column,
-                                       max_bytes=args.max_bytes,
+                                       max_bytes=args.max_bytes, min_val_tokens=_window_tokens(args),
                                        progress=lambda d, t: bar.update(task, docs=d, tokens=t))
     s = manifest["splits"]
     con.print(f"prepared {out_dir}: train {s['train']['tokens']:,} tokens / {s['train']['documents']} docs, "
               f"val {s['val']['tokens']:,} tokens / {s['val']['documents']} docs ({manifest['dtype']})")
+    con.print(manifest["val_note"], markup=False, highlight=False, soft_wrap=True)
     return manifest
+
+
+def _window_tokens(args) -> int:
+    """One evaluation window (seq_len + 1 tokens) of the run the data is for: --seq-len, else
+    --context-length, else the TOML's [train] seq_len / [model] context_length / preset, else the
+    tiny preset's context length. `prepare` alone (no model flags) also uses tiny's."""
+    from logitlab.model.families import get_preset
+
+    table = cli.read_toml(args.config) if getattr(args, "config", None) else {}
+    seq = (getattr(args, "seq_len", None) or table.get("train", {}).get("seq_len")
+           or getattr(args, "context_length", None) or table.get("model", {}).get("context_length"))
+    if not seq:
+        seq = get_preset(getattr(args, "preset", None) or table.get("preset") or "tiny").context_length
+    return int(seq) + 1
 
 
 def _train_tokenizer(sources, vocab_size: int, max_bytes: int, con, text_field="text", column="text"):

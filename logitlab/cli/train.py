@@ -312,41 +312,82 @@ def cmd_export(args) -> int:
 # registration
 # --------------------------------------------------------------------------------------------
 
+_EXAMPLES = {
+    "prepare": "example:\n  logitlab prepare --data corpus/ notes.jsonl --tokenizer tok.json --out data/",
+    "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out-dir runs/a\n"
+             "  logitlab train --data-dir data/ --preset tiny --d-model 256 --lr 1e-3\n"
+             "  logitlab train --config run.toml --lr 3e-4\n  logitlab train --resume runs/a --steps 4000",
+    "plot": "example:\n  logitlab plot runs/a            # writes runs/a/loss.png",
+    "export": "example:\n  logitlab export runs/a --hf hf/a --which best",
+}
+
+
+def _subparser(subparsers, name: str, summary: str, description: str):
+    import argparse
+
+    return subparsers.add_parser(name, help=summary, description=description, epilog=_EXAMPLES[name],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _model_help_defaults() -> dict:
+    """What train's model flags default to: the tiny preset's fields (V: the tokenizer's)."""
+    from logitlab.model.families import get_preset
+
+    shown = dict(_underived(get_preset("tiny")))
+    shown["vocab_size"] = "the tokenizer's"
+    return shown
+
+
 def register(subparsers) -> None:
     """Add prepare, train, plot and export to `subparsers`."""
     from logitlab.model.transformer import ModelConfig
     from logitlab.train.loop import TrainConfig
 
-    p = subparsers.add_parser("prepare", help="tokenize a corpus into train.bin / val.bin + manifest.json")
+    p = _subparser(subparsers, "prepare", "tokenize a corpus into train.bin / val.bin + manifest.json",
+                   "Tokenize text files, directories, globs, .jsonl or .parquet into train.bin / val.bin and "
+                   "manifest.json (the input of `logitlab train --data-dir`).")
     _add_data_flags(p)
-    p.add_argument("--tokenizer", required=True, help="tokenizer file (logitlab JSON)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", required=True, help="tokenizer file (logitlab JSON; required)")
+    p.add_argument("--out", required=True, help="output directory (required)")
     p.set_defaults(func=cmd_prepare)
 
-    p = subparsers.add_parser("train", help="train a model (flags override --config FILE.toml)")
-    p.add_argument("--config", help="TOML file: [train] and [model] tables, optional preset/tokenizer keys")
-    p.add_argument("--preset", help="model preset name (logitlab.families; default tiny unless the TOML "
-                   "has a [model] table); model flags override its fields")
-    p.add_argument("--tokenizer", help="tokenizer file; default: the data dir's, or train one")
-    p.add_argument("--tokenizer-vocab", type=int, default=4096, help="vocab size when training a tokenizer")
-    p.add_argument("--tokenizer-bytes", type=int, default=2_000_000, help="text used to train it")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    p = _subparser(subparsers, "train", "train a model (flags override --config FILE.toml)",
+                   "Train a model: trains a tokenizer and prepares --data unless given --tokenizer / "
+                   "--data-dir. Settings come from, in increasing priority: defaults, --config FILE.toml, flags.")
+    p.add_argument("--config", help="TOML file: [train] and [model] tables, optional preset/tokenizer keys "
+                   "(default: none)")
+    p.add_argument("--preset", help="model preset name (logitlab.families; model flags override its fields) "
+                   "(default: tiny, unless the TOML has a [model] table)")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the data dir's, or train one)")
+    p.add_argument("--tokenizer-vocab", type=int, default=4096,
+                   help="vocab size when training a tokenizer (default: 4096)")
+    p.add_argument("--tokenizer-bytes", type=int, default=2_000_000,
+                   help="characters of text used to train it (default: 2000000)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint (default: "
+                   "a new run)")
     cli.add_progress_flag(p)
     _add_data_flags(p)
     cli.add_config_flags(p, TrainConfig)
-    cli.add_config_flags(p, ModelConfig)
+    cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(),
+                         description="Defaults shown are the tiny preset's (the model without --preset or a "
+                         "[model] table); another preset sets its own, and a flag overrides either.")
     p.set_defaults(func=cmd_train)
 
-    p = subparsers.add_parser("plot", help="PNG of train/val loss, learning rate and grad norm")
-    p.add_argument("run_dir")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/loss.png)")
+    p = _subparser(subparsers, "plot", "PNG of train/val loss, learning rate and grad norm",
+                   "Plot a run's metrics.jsonl: train/validation loss, learning rate and gradient norm.")
+    p.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
+    p.add_argument("--out", help="PNG path (default: RUN_DIR/loss.png)")
     p.set_defaults(func=cmd_plot)
 
-    p = subparsers.add_parser("export", help="write a Hugging Face directory (model + tokenizer)")
+    p = _subparser(subparsers, "export", "write a Hugging Face directory (model + tokenizer)",
+                   "Write a Hugging Face directory (config.json, model.safetensors, tokenizer.json) that "
+                   "AutoModelForCausalLM / AutoTokenizer load.")
     p.add_argument("run_dir", help="run directory or checkpoint directory")
-    p.add_argument("--hf", required=True, metavar="OUT_DIR")
-    p.add_argument("--which", choices=["latest", "best"], default="latest")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="output Hugging Face directory (required)")
+    p.add_argument("--which", choices=["latest", "best"], default="latest",
+                   help="for a run directory: its latest checkpoint or the best by validation loss "
+                   "(default: latest)")
     p.add_argument("--overwrite", action="store_true", help="replace an OUT_DIR that logitlab exported "
                    "before (only its own files; anything else there is kept). Without it OUT_DIR must be "
-                   "new or empty; it may lie inside the run directory")
+                   "new or empty; it may lie inside the run directory (default: off)")
     p.set_defaults(func=cmd_export)

@@ -5,7 +5,13 @@ streaming (documents are read, encoded and appended a chunk at a time, so a larg
 in memory), into `train.bin` / `val.bin` (uint16 when every id fits, else uint32) plus
 `manifest.json`. Every document is followed by the end-of-text id. Document k (0-based, in source
 order) goes to validation when floor((k+1)·f) > floor(k·f) for f = val_fraction: deterministic,
-spread evenly, and the two splits never share a document. It also owns reading them back:
+spread evenly, and the two splits never share a document. When that rule would hold out no
+document (one file, or fewer than 1/f documents) and f > 0, the tail of the token stream is held
+out instead: the last max(1, round(f·N)) of the N tokens, at least `min_val_tokens` (one
+evaluation window) when the training part keeps as many, and never more than half. The manifest
+records which rule made validation ("validation": "documents", "tail" or "none") and a one-line
+"val_note" the CLI prints; with f = 0 there is no validation set and the note says so. It also
+owns reading them back:
 `read_manifest` and `load_tokens` (a read-only memory map, its size checked against the manifest
 before it is read). The batches drawn from them are batches.py's.
 
@@ -102,12 +108,14 @@ def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
 
 def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_dir: str | os.PathLike,
                    *, val_fraction: float = 0.01, workers: int | None = None, text_field: str = "text",
-                   column: str = "text", max_bytes: int | None = None,
+                   column: str = "text", max_bytes: int | None = None, min_val_tokens: int = 0,
                    progress: Callable[[int, int], None] | None = None) -> dict:
     """Tokenize `sources` (None: the standard library corpus) into `out_dir`/train.bin, val.bin
     and manifest.json; returns the manifest. `progress(documents, tokens)` is called after each
     chunk. `max_bytes` stops after about that many characters of text (a quick subset).
-    The manifest is written last, so a directory without one is incomplete."""
+    `min_val_tokens` (e.g. seq_len + 1, one evaluation window) is the smallest tail held out when
+    no document falls in validation. The manifest is written last, so a directory without one is
+    incomplete."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     eot = getattr(tokenizer, "eot_id", None)
@@ -122,7 +130,7 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
     # ours is replaced, anything else there is kept, and a directory we did not write is refused
     with files.atomic_directory(out, TOKENS_KIND, overwrite=True, legacy=_legacy_token_dir(out)) as tmp:
         manifest = _write_tokens(files_, default, sources, tokenizer, tmp, val_fraction, workers, text_field,
-                                 column, max_bytes, progress)
+                                 column, max_bytes, progress, min_val_tokens)
     return manifest
 
 
@@ -142,7 +150,7 @@ def _legacy_token_dir(out: Path) -> set[str] | None:
 
 
 def _write_tokens(files_list, default, sources, tokenizer, out: Path, val_fraction, workers, text_field, column,
-                  max_bytes, progress) -> dict:
+                  max_bytes, progress, min_val_tokens=0) -> dict:
     eot = tokenizer.eot_id
     tok_path = out / "tokenizer.logitlab.json"
     tokenizer.save(tok_path)
@@ -172,17 +180,63 @@ def _write_tokens(files_list, default, sources, tokenizer, out: Path, val_fracti
                 h.close()
     if counts["train"]["tokens"] == 0:
         raise ValueError(f"no training tokens: the sources hold {k} document(s)")
+    validation = _hold_out_tail(out, counts, dtype, val_fraction, min_val_tokens)
     manifest = {
         "format": "logitlab-tokens", "version": 1,
         "tokenizer_fingerprint": tokenizer.fingerprint(), "tokenizer_file": tok_path.name,
         "vocab_size": int(tokenizer.vocab_size), "eot_id": int(eot), "dtype": dtype.name,
-        "val_fraction": val_fraction, "val_rule": "document k is validation iff floor((k+1)*f) > floor(k*f)",
+        "val_fraction": val_fraction, **validation,
         "sources": ["<python stdlib>"] if default else [str(s) for s in sources],
         "files": len(files_list), "documents": k,
         "splits": {s: dict(file=SPLIT_FILES[s], **counts[s]) for s in SPLIT_FILES},
     }
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+DOCUMENT_RULE = "document k is validation iff floor((k+1)*f) > floor(k*f)"
+TAIL_RULE = "tail of the token stream"
+
+
+def tail_size(n_tokens: int, val_fraction: float, min_val_tokens: int = 0) -> int:
+    """Tokens held out from the end of an `n_tokens` stream: max(1, round(f·N)), raised to
+    `min_val_tokens` when the rest keeps at least as many, and at most half of the stream."""
+    n = max(1, round(val_fraction * n_tokens), min(min_val_tokens, n_tokens - min_val_tokens))
+    return min(n, n_tokens // 2)
+
+
+def _hold_out_tail(out: Path, counts: dict, dtype: np.dtype, val_fraction: float, min_val_tokens: int) -> dict:
+    """The manifest's validation fields; when the document rule held out nothing (f > 0), first
+    move the last tail_size tokens of train.bin to val.bin (their documents stay counted in train;
+    the tail may begin inside one)."""
+    train, val = counts["train"], counts["val"]
+    if val["documents"]:
+        note = (f"validation: {val['documents']} of {val['documents'] + train['documents']} documents "
+                f"({val['tokens']:,} tokens; every document k with floor((k+1)*f) > floor(k*f), f={val_fraction})")
+        if val["tokens"] < min_val_tokens:
+            note += f"; fewer than one window ({min_val_tokens:,} tokens): no validation loss"
+        return {"validation": "documents", "val_rule": DOCUMENT_RULE, "val_note": note}
+    if val_fraction == 0:
+        return {"validation": "none", "val_rule": "none (val_fraction 0)",
+                "val_note": "validation: none (val_fraction 0): no validation loss will be reported"}
+    n_val = tail_size(train["tokens"], val_fraction, min_val_tokens)
+    if n_val == 0:
+        return {"validation": "none", "val_rule": DOCUMENT_RULE,
+                "val_note": f"validation: none: {train['tokens']} token(s) are too few to hold any out"}
+    keep = (train["tokens"] - n_val) * dtype.itemsize
+    path = out / SPLIT_FILES["train"]
+    with path.open("r+b") as f, files.writing(path):
+        f.seek(keep)
+        tail = f.read()
+        f.truncate(keep)
+    with files.writing(out / SPLIT_FILES["val"]):
+        (out / SPLIT_FILES["val"]).write_bytes(tail)
+    train["tokens"] -= n_val
+    val["tokens"] = n_val
+    short = f"; fewer than one window ({min_val_tokens:,} tokens): no validation loss" if n_val < min_val_tokens else ""
+    return {"validation": "tail", "val_rule": TAIL_RULE, "val_tail_tokens": n_val,
+            "val_note": f"validation: the last {n_val:,} tokens of the token stream (no document fell in the "
+                        f"val_fraction={val_fraction} document split){short}"}
 
 
 def _map_chunks(tasks, tokenizer, workers: int) -> Iterator[list[np.ndarray]]:
