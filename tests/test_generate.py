@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from logitlab.generate.loop import (
+from logitlab.generate.sampling import (
     SampleConfig,
     apply_count_penalties,
     apply_repetition_penalty,
@@ -573,8 +573,8 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
     assert _cli_json(capsys, base[:3] + [""] + base[4:])["prompt_ids"] == [tok.eot_id]
     # streaming mode prints the prompt, the text and the timings line
     assert main(["generate", "--hf", str(hf_dir), "Hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
-    printed = capsys.readouterr().out
-    assert printed.startswith("Hi") and "tok/s" in printed and "stop: max_new_tokens" in printed
+    printed = capsys.readouterr()  # the text on stdout, the timings line on stderr
+    assert printed.out.startswith("Hi") and "tok/s" in printed.err and "stop: max_new_tokens" in printed.err
 
 
 def test_cli_checkpoint_dir_and_chat(hf_dir, tmp_path, capsys, monkeypatch):
@@ -732,3 +732,58 @@ def test_generation_does_not_change_the_model_it_is_given(model):
     assert seen and all(seen)             # never switched off, not even during a step
     assert (model.validate_inputs, model.training) == flags
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_cli_generate_footer_goes_to_stderr_and_explains_the_first_token(hf_dir, capsys):
+    from logitlab.cli.main import main
+
+    assert main(["generate", "--hf", str(hf_dir), "Hello, world", "--max-new-tokens", "5", "--seed", "0",
+                 "--logit-bias", f"{small_tokenizer().eot_id}=-inf"]) == 0
+    captured = capsys.readouterr()
+    assert "tok/s" not in captured.out and "prefill" not in captured.out  # `> out.txt` holds only the text
+    err = " ".join(captured.err.split())
+    n = len(small_tokenizer().encode("Hello, world"))
+    assert f"prompt {n} tokens" in err and "5 new tokens = 1 from the prefill + 4 decoded" in err
+    assert "stop: max_new_tokens" in err
+
+
+def test_cli_stop_ids_do_not_swallow_the_prompt(hf_dir, capsys):
+    import argparse
+
+    from logitlab.cli.generate import register, sample_config
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--hf", "d", "--stop-ids", "10", "def parse("])
+    assert args.prompt == "def parse(" and sample_config(args).stop_ids == (10,)
+    args = parser.parse_args(["generate", "--hf", "d", "--stop-ids", "10,13", "--stop-ids", "7", "x"])
+    assert args.prompt == "x" and sample_config(args).stop_ids == (10, 13, 7)
+    out = _cli_json(capsys, ["generate", "--hf", str(hf_dir), "--stop-ids", "10", "Hello", "--temperature",
+                             "0", "--max-new-tokens", "3", "--json"])
+    assert out["prompt"] == "Hello"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--hf", "d", "--stop-ids", "ten", "x"])
+    assert "argument --stop-ids: must be token ids separated by commas" in capsys.readouterr().err
+
+
+def test_cli_prompt_escapes_like_stop(hf_dir, capsys):
+    from logitlab.cli.generate import _unescape
+
+    assert _unescape(r"a\nb\tc\\n") == "a\nb\tc\\n"
+    out = _cli_json(capsys, ["generate", "--hf", str(hf_dir), r"Hello\nworld", "--temperature", "0",
+                             "--max-new-tokens", "2", "--json"])
+    assert out["prompt"] == "Hello\nworld" and out["prompt_ids"] == small_tokenizer().encode("Hello\nworld")
+
+
+def test_cli_prompt_is_dim_in_a_terminal_and_plain_when_piped(monkeypatch, capsys):
+    import io
+
+    from rich.console import Console
+
+    from logitlab.cli.generate import _write_prompt
+
+    term = io.StringIO()
+    _write_prompt(Console(file=term, force_terminal=True, color_system="standard"), "def f(")
+    assert "\x1b[2m" in term.getvalue() and "def f(" in term.getvalue()  # dim
+    _write_prompt(Console(file=io.StringIO(), force_terminal=False), "def f(")
+    assert capsys.readouterr().out == "def f("  # plain, no escape codes

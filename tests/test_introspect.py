@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from logitlab.generate.loop import SampleConfig
+from logitlab.generate.sampling import process_logits
 from logitlab.inspect.core import (
     embedding_neighbours,
     lens_logits,
@@ -70,6 +71,16 @@ def test_next_token_table_before_and_after(model):
     assert [c.id for c in table.after] == top.indices[:3].tolist()
     assert table.after[0].probability > table.before[0].probability
     assert abs(sum(c.probability for c in table.after) - 1) < 1e-5
+    # every row: the raw logit, softmax(logits) and the sampler's distribution
+    with torch.no_grad():
+        logits = model(torch.tensor([TEXT[:5]]))[0, -1]
+    sampler = process_logits(logits[None], SampleConfig(top_k=3, temperature=0.5))[0]
+    for c in table.before + table.after:
+        assert abs(c.logit - logits[c.id].item()) < 1e-4 and abs(c.model_probability - p[c.id].item()) < 1e-5
+        assert abs(c.sampler_probability - sampler[c.id].item()) < 1e-5
+    assert all(c.probability == c.model_probability for c in table.before)
+    assert all(c.probability == c.sampler_probability for c in table.after)
+    assert table.before[4].sampler_probability == 0  # cut by top-k 3
     with pytest.raises(ValueError, match="position 8"):
         next_token_table(model, TEXT, position=8)
 
@@ -193,3 +204,34 @@ def test_cli_inspect_ordinary(tmp_path, capsys):
         assert main(["inspect", "--checkpoint", str(d), text, "--json"] + flags) == 0
         assert json.loads(capsys.readouterr().out)["ids"] == ids
     assert tok.eot_id in tok.encode(text) and tok.eot_id not in tok.encode_ordinary(text)
+
+
+def test_cli_inspect_columns_first_token_line_and_titles(tmp_path, capsys, monkeypatch):
+    import json
+
+    from logitlab.cli.main import main
+
+    d, tok = _checkpoint(tmp_path)
+    assert main(["inspect", "--checkpoint", str(d), "The cat sat", "--top-k", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["next"]["before"][0]
+    assert {"logit", "model_probability", "sampler_probability"} <= set(row)
+    monkeypatch.setenv("COLUMNS", "60")  # narrow: titles are lines of their own, never wrapped into a table
+    assert main(["inspect", "--checkpoint", str(d), "The cat sat", "--top-k", "2", "--lens"]) == 0
+    out = capsys.readouterr().out
+    for column in ("logit", "model: softmax(logits)", "sampler: what is drawn from"):
+        assert column in out
+    assert "next token after position 7, ranked by the model (sampler: temperature=1.0 top-k=2" in \
+        " ".join(out.split())
+    assert "token 0 is not scored" in out and "--bos" in out
+    assert main(["inspect", "--checkpoint", str(d), "The cat", "--bos"]) == 0
+    assert "added by --bos" in capsys.readouterr().out
+
+
+def test_cli_inspect_text_escapes(tmp_path, capsys):
+    import json
+
+    from logitlab.cli.main import main
+
+    d, tok = _checkpoint(tmp_path)
+    assert main(["inspect", "--checkpoint", str(d), r"a\nb", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == tok.encode("a\nb")

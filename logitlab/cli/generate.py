@@ -1,10 +1,8 @@
 """Subcommands `generate` and `inspect` (registered by main.py): text in, text or tables out.
 
-This module joins the tokenizer (text <-> ids) to generate.py and introspect.py, which only see
-ids. It loads a model with its tokenizer (`--checkpoint DIR`: a run, checkpoint or logitlab
-model directory; `--hf DIR`: a Hugging Face directory), streams generated text as soon as it is
-valid UTF-8 (Tokenizer.decode_stream), holds back text that may be the start of a stop string,
-and formats timings and "seeing inside" results as rich tables or, with --json, one JSON object.
+Loads a model with its tokenizer (--checkpoint DIR or --hf DIR), streams generated text as soon as it
+is valid UTF-8, holding back a possible stop-string start, and renders timings and "seeing inside"
+results (inspect.core) as tables or, with --json, one JSON object.
 """
 
 from __future__ import annotations
@@ -17,18 +15,22 @@ import sys
 from pathlib import Path
 
 # SampleConfig fields with no flag of their own: --stop and --logit-bias fill them from text.
-_SKIP = ("logit_bias", "stop_sequences", "stop_bytes")
+# --stop-ids has its own flag (a list with nargs would swallow the positional prompt that follows it).
+_SKIP = ("logit_bias", "stop_sequences", "stop_bytes", "stop_ids")
 
 
 def register(subparsers) -> None:
     """Add `generate` and `inspect` to `subparsers` (`chat` is chat.py's)."""
     g = subparsers.add_parser("generate", help="continue a prompt, streaming the text",
                               description="Continue PROMPT with a model, printing text as it is generated, "
-                              "then the prefill time, decode tokens/s and why generation stopped. Special-token "
-                              "text in PROMPT such as <|endoftext|> becomes its id; --ordinary keeps it as text.")
+                              "then (on stderr, so `> out.txt` holds only the text) the prompt's token count, the "
+                              "prefill time, decode tokens/s and why generation stopped. Special-token "
+                              "text in PROMPT such as <|endoftext|> becomes its id; --ordinary keeps it as text. "
+                              "\\n and \\t in PROMPT and --stop are a newline and a tab (\\\\ is a backslash).")
     _model_flags(g)
     g.add_argument("prompt", help="the text to continue (empty: start from the end-of-text token); "
-                   "special-token text in it such as <|endoftext|> becomes its id unless --ordinary is given")
+                   "\\n and \\t are a newline and a tab, as in --stop; special-token text in it such as "
+                   "<|endoftext|> becomes its id unless --ordinary is given")
     g.add_argument("--ordinary", action="store_true", help="encode PROMPT as plain text: special-token text "
                    "such as <|endoftext|> stays text (default: it becomes the special token's id)")
     _sample_flags(g)
@@ -43,8 +45,8 @@ def register(subparsers) -> None:
                               "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
                               "rows.")
     _model_flags(i)
-    i.add_argument("text", help="the text to look at; special-token text in it such as <|endoftext|> becomes "
-                   "its id unless --ordinary is given")
+    i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); special-token text "
+                   "in it such as <|endoftext|> becomes its id unless --ordinary is given")
     i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "
                    "text (default: it becomes the special token's id)")
     i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
@@ -84,6 +86,14 @@ def _number(kind: type, rule: str, ok):
     return parse
 
 
+def _id_list(text: str) -> tuple[int, ...]:
+    """An argparse type for --stop-ids: "10" or "10,13" -> (10, 13)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"must be token ids separated by commas, got {text!r}")
+    return tuple(map(int, parts))
+
+
 def _model_flags(p) -> None:
     from logitlab.cli.common import add_dtype_flag
 
@@ -102,16 +112,19 @@ def _sample_flags(p) -> None:
 
     add_config_flags(p, SampleConfig, skip=_SKIP)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when the generated text contains TEXT (repeatable; \\n and \\t are escapes)")
+                   help="stop when the generated text contains TEXT (repeatable; \\n and \\t are escapes, "
+                   "\\\\ a backslash)")
+    p.add_argument("--stop-ids", action="append", default=[], type=_id_list, dest="stop_id_lists",
+                   metavar="ID[,ID...]",
+                   help="token ids that end generation besides end-of-text: comma-separated, repeatable "
+                   "(--stop-ids 10,13 or --stop-ids 10 --stop-ids 13); replaces [sample] stop_ids of --config")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
+# -------------------- Loading
 
 @dataclasses.dataclass
 class Loaded:
@@ -163,18 +176,22 @@ def sample_config(args, end_ids: tuple[int, ...] = ()):
         except ValueError:
             raise ValueError(f"--logit-bias expects ID=BIAS, got {item!r}") from None
     stops = tuple(_unescape(s).encode() for s in args.stop if s)
-    cfg = build_config(SampleConfig, args, table, **({"logit_bias": bias} if bias else {}))
+    overrides = {"logit_bias": bias} if bias else {}
+    if getattr(args, "stop_id_lists", None):  # the flag replaces the TOML list, as every flag does
+        overrides["stop_ids"] = tuple(i for group in args.stop_id_lists for i in group)
+    cfg = build_config(SampleConfig, args, table, **overrides)
     return dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + stops,
                                stop_ids=cfg.stop_ids + tuple(i for i in end_ids if i not in cfg.stop_ids))
 
 
 def _unescape(text: str) -> str:
-    return text.replace("\\n", "\n").replace("\\t", "\t")
+    """The escapes of PROMPT, --stop and --neighbours: \\n newline, \\t tab, \\\\ a backslash (others stay)."""
+    import re
+
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), "\\"), text)
 
 
-# --------------------------------------------------------------------------------------------
-# Streaming text
-# --------------------------------------------------------------------------------------------
+# -------------------- Streaming text
 
 class StopHoldBack:
     """Passes text through, holding back a tail that could be the start of a stop string, and
@@ -237,38 +254,50 @@ def _write_pieces(pieces, echo: bool) -> str:
     return "".join(out)
 
 
-def _timings(console, result) -> None:
-    r = result
-    console.print(f"\n[dim]prefill {r.prefill_seconds * 1e3:.1f} ms · decode {r.decode_tokens} tokens at "
-                  f"{r.decode_tokens_per_second:.1f} tok/s · stop: {r.stop_reasons[0]}[/dim]")
+def _timings(console, r, prompt_tokens: int | None = None, newline: bool = True) -> None:
+    """The stats footer: prompt tokens, new tokens (the first from the prefill), timings, stop reason."""
+    new = len(r.tokens[0]) if r.tokens else r.decode_tokens + 1
+    plural = lambda n, word: f"{n} {word}{'' if n == 1 else 's'}"  # noqa: E731
+    prompt = "" if prompt_tokens is None else f"prompt {plural(prompt_tokens, 'token')} · "
+    console.print(("\n" if newline else "") + f"{prompt}{plural(new, 'new token')} = {min(new, 1)} from the "
+                  f"prefill + {r.decode_tokens} decoded · prefill {r.prefill_seconds * 1e3:.1f} ms · decode at "
+                  f"{r.decode_tokens_per_second:.1f} tok/s · stop: {r.stop_reasons[0]}",
+                  style="dim", markup=False, highlight=False)
 
 
-# --------------------------------------------------------------------------------------------
-# generate
-# --------------------------------------------------------------------------------------------
+def _write_prompt(out, prompt: str) -> None:
+    """The prompt before the generated text: dim in a terminal, plain when piped or redirected."""
+    out.print(prompt, style="dim", end="", markup=False, highlight=False, soft_wrap=True) if out.is_terminal \
+        else sys.stdout.write(prompt)
+    (out.file if out.is_terminal else sys.stdout).flush()
+
+
+# -------------------- generate
 
 def _generate(args) -> int:
-    from logitlab.cli.common import console
+    from logitlab.cli.common import console, error_console
     from logitlab.generate.loop import stream
 
     m = load(args)
     cfg = sample_config(args, m.end_ids[1:])
-    ids = m.tokenizer.encode(args.prompt, allowed_special="none" if args.ordinary else "all")
+    prompt = _unescape(args.prompt)
+    ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all")
     if not ids and m.eot_id is not None:
         ids = [m.eot_id]  # an empty prompt starts from end-of-text, as GPT-2 samples unconditionally
     s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
                step=_decode_step(args, m.model))
+    out = console()
     if not args.json:
-        sys.stdout.write(args.prompt)
+        _write_prompt(out, prompt)
     text = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), not args.json)
     r = s.result
     if args.json:
-        print(json.dumps(dict(prompt=args.prompt, prompt_ids=ids, text=text, ids=r.tokens[0],
+        print(json.dumps(dict(prompt=prompt, prompt_ids=ids, text=text, ids=r.tokens[0],
                               stop_reason=r.stop_reasons[0], prefill_seconds=r.prefill_seconds,
                               decode_tokens=r.decode_tokens, decode_seconds=r.decode_seconds,
                               decode_tokens_per_second=r.decode_tokens_per_second), ensure_ascii=False))
     else:
-        _timings(console(), r)
+        _timings(error_console(), r, len(ids), newline=out.is_terminal)  # stderr: `> out.txt` is the text
     return 0
 
 
@@ -283,21 +312,10 @@ def _decode_step(args, model):
     return compiled_decode_step(model, step=decode_step)
 
 
-# --------------------------------------------------------------------------------------------
-# inspect
-# --------------------------------------------------------------------------------------------
-
-def _quoted(text: str | None):
-    """A token for a table: quoted, with escapes for newlines and other control characters."""
-    from rich.text import Text
-
-    return Text("" if text is None else json.dumps(text, ensure_ascii=False))
-
+# -------------------- inspect
 
 def _token_id(tokenizer, text: str) -> int:
-    if text.lstrip("-").isdigit():
-        return int(text)
-    ids = tokenizer.encode(_unescape(text), allowed_special="none")
+    ids = [int(text)] if text.lstrip("-").isdigit() else tokenizer.encode(_unescape(text), allowed_special="none")
     if len(ids) != 1:
         raise ValueError(f"--neighbours {text!r} encodes to {len(ids)} tokens {ids}; give one token or an id")
     return ids[0]
@@ -307,18 +325,16 @@ def _inspect(args) -> int:
     from logitlab.generate.loop import SampleConfig
     from logitlab.inspect import core as ins
 
-    m = load(args)
-    tok = m.tokenizer
-    ids = tok.encode(args.text, allowed_special="none" if args.ordinary else "all")
-    if args.bos:
-        if tok.eot_id is None:
-            raise ValueError("--bos needs a tokenizer with <|endoftext|>")
-        ids = [tok.eot_id] + ids
+    tok = (m := load(args)).tokenizer
+    ids = tok.encode(_unescape(args.text), allowed_special="none" if args.ordinary else "all")
+    if args.bos and tok.eot_id is None:
+        raise ValueError("--bos needs a tokenizer with <|endoftext|>")
+    ids = [tok.eot_id] + ids if args.bos else ids
     if not ids:
         raise ValueError("the text encodes to no tokens")
     label = lambda i: tok.decode([i])  # noqa: E731
     cfg = SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    report = dict(ids=ids)
+    report = dict(ids=ids, bos=bool(args.bos))
     if len(ids) >= 2:
         report["surprisal"] = ins.token_surprisals(m.model, ids, label)
     report["next"] = ins.next_token_table(m.model, ids, args.position, cfg, args.rows, label)
@@ -328,71 +344,55 @@ def _inspect(args) -> int:
         token = _token_id(tok, args.neighbours)
         nearest = ins.embedding_neighbours(m.model, token, args.rows, label)  # checks the id
         report["neighbours"] = dict(id=token, text=label(token), nearest=nearest)
-    if args.json:
-        print(json.dumps(_plain(report), ensure_ascii=False))
-    else:
-        _print_inspect(report)
+    print(json.dumps(report, default=dataclasses.asdict, ensure_ascii=False)) if args.json else _print_inspect(report)
     return 0
 
 
-def _plain(x):
-    if dataclasses.is_dataclass(x):
-        return _plain(dataclasses.asdict(x))
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
 def _p(p: float) -> str:
-    return f"{p:.4f}" if p >= 1e-3 else f"{p:.2e}"
+    return "0" if p == 0 else f"{p:.4f}" if p >= 1e-3 else f"{p:.2e}"
+
+
+def _cell(text: str | None) -> str:
+    """A token for print_table: quoted, control characters escaped, rich markup escaped."""
+    from rich.markup import escape
+    return escape("" if text is None else json.dumps(text, ensure_ascii=False))
 
 
 def _print_inspect(report: dict) -> None:
-    from rich.table import Table
-
-    from logitlab.cli.common import console
+    from logitlab.cli.common import console, print_table
 
     out = console()
     s = report.get("surprisal")
     if s is not None:
-        t = Table(title="per-token surprisal")
-        for col in ("pos", "id", "token", "p", "nats", "bits"):
-            t.add_column(col, justify="left" if col == "token" else "right")
-        for r in s.tokens:
-            t.add_row(str(r.position), str(r.id), _quoted(r.text),
-                      *(("-",) * 3 if r.probability is None else
-                        (_p(r.probability), f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}")))
-        out.print(t)
+        rows = [[str(r.position), str(r.id), _cell(r.text),
+                 *(("-",) * 3 if r.probability is None else
+                   (_p(r.probability), f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}"))] for r in s.tokens]
+        print_table(out, "per-token surprisal", ["pos", "id", "token", "p", "nats", "bits"], rows,
+                    right=(0, 1, 3, 4, 5))
         scored = f"{s.scored} token{'' if s.scored == 1 else 's'} scored"
         out.print(f"{scored}: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
-                  f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}")
+                  f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}", markup=False)
+    out.print("token 0 is the end-of-text token added by --bos: it is context, so the text's first token is "
+              "scored" if report.get("bos") else "token 0 is not scored: nothing before it predicts it (pass "
+              "--bos to put the end-of-text token first and score it too)", markup=False, highlight=False)
     n = report["next"]
-    after = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())
-    t = Table(title=f"next token after position {n.position}: before | after {after} ({n.kept} kept)")
-    for col in ("rank", "before", "p", "after", "p "):
-        t.add_column(col, justify="left" if col in ("before", "after") else "right")
-    for rank in range(max(len(n.before), len(n.after))):
-        b = n.before[rank] if rank < len(n.before) else None
-        a = n.after[rank] if rank < len(n.after) else None
-        t.add_row(str(rank + 1), _quoted(b.text if b else None), _p(b.probability) if b else "",
-                  _quoted(a.text if a else None), _p(a.probability) if a else "")
-    out.print(t)
+    settings = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())
+    columns = ["rank", "id", "token", "logit", "model: softmax(logits)", "sampler: what is drawn from"]
+    for ranked_by, rows in (("model", n.before), ("sampler", n.after)):
+        if ranked_by == "sampler" and [c.id for c in n.after] == [c.id for c in n.before][:len(n.after)]:
+            continue  # the same order: the model's table already shows it
+        rows = [[str(rank), str(c.id), _cell(c.text), f"{c.logit:.3f}", _p(c.model_probability),
+                 _p(c.sampler_probability)] for rank, c in enumerate(rows, start=1)]
+        print_table(out, f"next token after position {n.position}, ranked by the {ranked_by} (sampler: "
+                    f"{settings}; {n.kept} tokens kept)", columns, rows, right=(0, 1, 3, 4, 5))
     if "lens" in report:
-        t = Table(title=f"logit lens at position {n.position} (layer 0 = embeddings)")
-        for col in ("layer", "top token", "p", "p(actual next)"):
-            t.add_column(col, justify="left" if col == "top token" else "right")
-        for e in report["lens"]:
-            t.add_row(str(e.layer), _quoted(e.top[0].text), _p(e.top[0].probability),
-                      "-" if e.target_probability is None else _p(e.target_probability))
-        out.print(t)
+        rows = [[str(e.layer), _cell(e.top[0].text), _p(e.top[0].probability),
+                 "-" if e.target_probability is None else _p(e.target_probability)] for e in report["lens"]]
+        print_table(out, f"logit lens at position {n.position} (layer 0 = embeddings)",
+                    ["layer", "top token", "p", "p(actual next)"], rows, right=(0, 2, 3))
     if "neighbours" in report:
         nb = report["neighbours"]
         name = json.dumps(nb["text"], ensure_ascii=False)
-        t = Table(title=f"embedding neighbours of {name} (id {nb['id']})")
-        for col in ("id", "token", "cosine"):
-            t.add_column(col, justify="left" if col == "token" else "right")
-        for r in nb["nearest"]:
-            t.add_row(str(r.id), _quoted(r.text), f"{r.cosine:.4f}")
-        out.print(t)
+        rows = [[str(r.id), _cell(r.text), f"{r.cosine:.4f}"] for r in nb["nearest"]]
+        print_table(out, f"embedding neighbours of {name} (id {nb['id']})", ["id", "token", "cosine"], rows,
+                    right=(0, 2))

@@ -1,12 +1,12 @@
 """The prefill/decode loop: ids in, ids out.
 
-generate.py owns the loop that runs a model with a KV cache: prefill the prompt once, then
+loop.py owns the loop that runs a model with a KV cache: prefill the prompt once, then
 decode one token at a time using only the last position's logits. It never sees text: stop
 strings arrive as bytes together with a token -> bytes table, and turning ids into text
 is the tokenizer's job (the CLI joins the two).
 
-The pure logits -> probabilities -> id functions and SampleConfig live in sampling.py
-(re-exported here); this module runs the model.
+The pure logits -> probabilities -> id functions and SampleConfig live in sampling.py; this
+module runs the model. Both are re-exported by the package (`from logitlab.generate import ...`).
 
 Shapes: B batch, T positions in this call, S key/value length, V vocab.
 """
@@ -19,26 +19,16 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from logitlab.generate.sampling import (  # noqa: F401  (re-exported: the public API of generation)
+from logitlab.generate.sampling import (
     MODEL_CAUSE,
     SampleConfig,
     SamplingError,
     _check_id,
-    adjust_logits,
-    apply_count_penalties,
-    apply_repetition_penalty,
-    apply_temperature,
     bias_vector,
     invalid_cause,
     make_generator,
-    min_p_filter,
     next_token,
     pick,
-    process_logits,
-    sample,
-    softmax,
-    top_k_filter,
-    top_p_filter,
 )
 from logitlab.model.cache import KVCache
 

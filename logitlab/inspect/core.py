@@ -4,7 +4,8 @@ introspect.py owns the "look inside" views of a trained model, each a plain func
 returns plain data (dataclasses and lists) for the CLI to format or print as JSON:
   - per-token surprisal: the probability the model gave each actual token, -ln p in nats and
     bits, their total and mean (the cross-entropy) and the perplexity exp(mean);
-  - next-token tables: the top tokens at one position before and after the sampling settings;
+  - next-token tables: the top tokens at one position with the raw logit, softmax(logits) (the
+    model) and the distribution the sampler draws from after its settings;
   - the logit lens (nostalgebraist 2020): the final norm and LM head applied to each block's
     output, showing what the model would predict if it stopped at that layer;
   - embedding neighbours: the tokens whose embedding rows are most cosine-similar.
@@ -130,13 +131,29 @@ class Candidate:
 
 
 @dataclass
+class NextCandidate:
+    """One candidate next token, three ways: the model's raw `logit`, `model_probability` =
+    softmax(logits) (what the model says), and `sampler_probability`, the distribution the sampler
+    draws from after temperature / top-k / top-p / min-p (0 for a token the settings cut).
+    `probability` is the one its list is ranked by: model_probability in `before`,
+    sampler_probability in `after`."""
+
+    id: int
+    text: str | None
+    probability: float
+    logit: float
+    model_probability: float
+    sampler_probability: float
+
+
+@dataclass
 class NextTokenTable:
-    """The k most likely next tokens after `position`, as the model gives them (before) and after
-    the sampling settings (after); `kept` tokens have a non-zero probability after."""
+    """The k most likely next tokens after `position`, ranked by the model (before) and by the
+    sampler's distribution (after); `kept` tokens have a non-zero probability after the settings."""
 
     position: int
-    before: list[Candidate]
-    after: list[Candidate]
+    before: list[NextCandidate]
+    after: list[NextCandidate]
     kept: int
     settings: dict = field(default_factory=dict)
 
@@ -144,7 +161,8 @@ class NextTokenTable:
 def next_token_table(model, ids: Sequence[int], position: int = -1, config: SampleConfig = SampleConfig(),
                      k: int = 10, token_text: TokenText = None) -> NextTokenTable:
     """Top-k of the raw softmax and of process_logits (temperature / top-k / top-p / min-p, plus
-    bias and banned ids) at one position: the prediction for the token after ids[position]."""
+    bias and banned ids) at one position: the prediction for the token after ids[position]; each
+    row carries the logit and both probabilities."""
     _check_k(k)
     x = _ids_tensor(model, ids)
     pos = _position(position, x.shape[1])
@@ -152,13 +170,13 @@ def next_token_table(model, ids: Sequence[int], position: int = -1, config: Samp
         logits = model(x[:, :pos + 1])[:, -1].float()  # (1, V)
     if not bool(torch.isfinite(logits).all()):
         raise RuntimeError(f"the model's logits at position {pos} contain NaN or inf ({MODEL_CAUSE})")
-    raw = softmax(logits)[0]
-    processed = process_logits(logits, config, bias=bias_vector(config, logits.shape[-1]))[0]
+    raw = softmax(logits)[0]  # (V,)
+    processed = process_logits(logits, config, bias=bias_vector(config, logits.shape[-1]))[0]  # (V,)
 
-    def top(p: torch.Tensor) -> list[Candidate]:
+    def top(p: torch.Tensor) -> list[NextCandidate]:
         values, order = torch.topk(p, min(k, p.shape[-1]))
-        return [Candidate(i, _label(token_text, i), v) for v, i in zip(values.tolist(), order.tolist())
-                if v > 0]
+        return [NextCandidate(i, _label(token_text, i), v, float(logits[0, i]), float(raw[i]), float(processed[i]))
+                for v, i in zip(values.tolist(), order.tolist()) if v > 0]
 
     settings = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                     min_p=config.min_p)
