@@ -1,17 +1,22 @@
 """Subcommand `chat` (registered by main.py): an interactive prompt loop over a plain-text
-transcript. It reuses generate.py's model loading, sampling flags and streaming of text."""
+transcript. It reuses generate.py's model loading, sampling flags and streaming of text.
+
+The loop is a REPL: line editing and history with the arrow keys (Python's readline, loaded only
+when stdin is a terminal), an opening line naming the commands (/reset, /help, Ctrl-D), the prompt
+labelled "you> " and each reply "model: ". Ctrl-C at the prompt clears the line; Ctrl-C during a
+reply stops that reply (the part already shown stays in the transcript); Ctrl-D leaves (exit 0)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from logitlab.cli.generate import (
     _decode_step,
     _model_flags,
     _sample_flags,
     _timings,
-    _write_pieces,
     load,
     sample_config,
     stream_text,
@@ -23,7 +28,8 @@ def register(subparsers) -> None:
     c = subparsers.add_parser("chat", help="interactive prompt loop with history (Ctrl-D leaves)",
                               description="Each turn appends 'User: ...' and 'Assistant:' to a plain-text "
                               "transcript and continues it, stopping at the next 'User:'. The transcript is "
-                              "cut from the left to fit the context. /reset clears it; Ctrl-D leaves. What you type is "
+                              "cut from the left to fit the context. /reset clears it, /help lists the "
+                              "commands, Ctrl-C stops a reply, Ctrl-D leaves. What you type is "
                               "plain text: special-token text such as <|endoftext|> stays text (--no-ordinary "
                               "turns it into the special token's id).")
     _model_flags(c)
@@ -36,9 +42,65 @@ def register(subparsers) -> None:
     c.set_defaults(func=_chat)
 
 
+PROMPT = "you> "
+REPLY_LABEL = "model: "
+COMMANDS = ("/reset  clear the history (the transcript so far)",
+            "/help   list these commands",
+            "Ctrl-C  clear the line at the prompt; stop a reply while it is being written",
+            "Ctrl-D  leave")
+OPENING = "Chat with the model: type a message and press Enter. /reset clears the history, /help lists " \
+          "the commands, Ctrl-D leaves."
+
+
+def _line_editing() -> None:
+    """Arrow-key editing and history for input(): importing readline is enough. Only for a terminal
+    (a pipe or file has no keys to edit with), and only where the module exists (not on Windows)."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline  # noqa: F401  (importing it is what turns line editing on)
+    except ImportError:
+        pass
+
+
+def _read_line() -> str | None:
+    """The next line typed, or None at Ctrl-D / end of input. Ctrl-C discards the line and asks again."""
+    while True:
+        try:
+            return input(PROMPT)
+        except EOFError:
+            print()
+            return None
+        except KeyboardInterrupt:
+            print()  # the typed line is dropped; a fresh prompt follows
+
+
+def _write_reply(pieces) -> tuple[str, bool]:
+    """Write the reply's pieces as they come, after the label. Returns (text shown, stopped): stopped
+    is True when Ctrl-C ended the reply early. Any other failure ends the line first, so that the
+    error message starts on a line of its own."""
+    shown = []
+    sys.stdout.write(REPLY_LABEL)
+    sys.stdout.flush()
+    try:
+        for piece in pieces:
+            shown.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stdout.write("\n[reply stopped]\n")
+        sys.stdout.flush()
+        return "".join(shown), True
+    except BaseException:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        raise
+    return "".join(shown), False
+
+
 def _chat(args) -> int:
     from logitlab.cli.common import console
-    from logitlab.generate.loop import make_generator, stream
+    from logitlab.generate.loop import make_generator
 
     m = load(args)
     cfg = sample_config(args, m.end_ids[1:])
@@ -49,22 +111,42 @@ def _chat(args) -> int:
         raise ValueError(f"max_new_tokens ({cfg.max_new_tokens}) leaves no room in the context "
                          f"({m.model.config.context_length})")
     out = console()
-    history = (args.system.strip() + "\n") if args.system.strip() else ""
+    start = (args.system.strip() + "\n") if args.system.strip() else ""
+    history = start
+    _line_editing()
+    print(OPENING)
     while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            print()
+        line = _read_line()
+        if line is None:
             return 0
-        if line.strip() == "/reset":
-            history = (args.system.strip() + "\n") if args.system.strip() else ""
+        command = line.strip()
+        if command == "/reset":
+            history = start
+            print("history cleared")
             continue
-        if not line.strip():
+        if command == "/help":
+            print("\n".join(COMMANDS))
             continue
-        history += f"User: {line}\nAssistant:"
-        ids = m.tokenizer.encode(history, allowed_special="none" if args.ordinary else "all")[-room:]
-        s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
-                   generator=generator, step=_decode_step(args, m.model))
-        reply = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), True)
-        history += reply.rstrip() + "\n"
-        _timings(out, s.result)
+        if not command:
+            continue
+        try:
+            history = _turn(args, m, cfg, generator, room, out, history + f"User: {line}\nAssistant:")
+        except KeyboardInterrupt:  # Ctrl-C outside the reply itself (encoding, timings): the turn is dropped
+            print("\n[reply stopped]")
+
+
+def _turn(args, m, cfg, generator, room, out, history: str) -> str:
+    """One reply to the transcript `history`, written as it comes; returns the transcript with it."""
+    from logitlab.generate.loop import stream
+
+    ids = m.tokenizer.encode(history, allowed_special="none" if args.ordinary else "all")[-room:]
+    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
+               generator=generator, step=_decode_step(args, m.model))
+    reply, stopped = _write_reply(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes))
+    history += reply.rstrip() + "\n"
+    if not stopped:
+        try:
+            _timings(out, s.result)
+        except KeyboardInterrupt:
+            print()
+    return history
