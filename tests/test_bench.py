@@ -4,6 +4,7 @@ writers, the dispatcher."""
 from __future__ import annotations
 
 import platform
+import time
 
 import pytest
 import torch
@@ -121,8 +122,9 @@ def test_model_bench_kernel_floor_is_positive_and_keeps_the_bf16_mode(mode):
     layers.set_bf16_matmul("fp32")   # a non-default mode, to see that it is restored
     try:
         for autocast, bf16_matmul in ((False, None), (True, None), (True, "native")):
+            # wall time: a micro model's step can take less than the user-time clock's tick (0.0)
             assert model_bench.kernel_floor_s(model, 4, 32, mode, autocast, repeats=1,
-                                              bf16_matmul=bf16_matmul) > 0
+                                              bf16_matmul=bf16_matmul, timer=time.perf_counter) > 0
             assert layers.bf16_matmul_mode() == "fp32"
         with pytest.raises(ValueError, match="mode"):
             model_bench.kernel_floor_s(model, 2, 8, "backward", False)

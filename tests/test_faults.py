@@ -241,7 +241,7 @@ def test_a_nan_gradient_norm_stops_before_the_update(corpus, tmp_path):
 
 
 def test_the_gradient_check_catches_a_finite_loss_with_a_nan_gradient(corpus, tmp_path, monkeypatch):
-    """A loss that is finite while its gradient is NaN (the audit's lr 1e6 case at step 2)."""
+    """A loss that is finite while its gradient is NaN (as --lr 1e6 gives at step 2)."""
     import logitlab.train.loop as train_mod
 
     real = train_mod.clip_grad_norm
