@@ -51,7 +51,8 @@ def test_every_preset_builds_on_meta_and_adds_up(name):
     if name in EXACT:
         assert exact.total == EXACT[name]
     assert exact.total == acc.formula_count(cfg).total + sum(acc.explain_difference(cfg, exact).values())
-    assert exact.attention_per_layer * cfg.n_layers == exact.attention
+    assert exact.attention_per_layer * exact.n_attention_layers == exact.attention
+    assert exact.linear_attention_per_layer * exact.n_linear_layers == exact.linear_attention
 
 
 def test_exact_count_matches_a_real_model_by_storage():

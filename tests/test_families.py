@@ -101,9 +101,10 @@ def test_unexportable_configs_are_named(changes, match):
 @pytest.mark.parametrize("hf, match", [
     ({**GPT2, "architectures": ["FalconForCausalLM"]}, "unsupported architecture 'FalconForCausalLM'"),
     ({"model_type": "bert"}, "names no architecture"),
-    ({**LLAMA3_8B, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
-      "max_position_embeddings": 32768}, "sliding_window=4096"),
-    ({**QWEN3_06B, "use_sliding_window": True, "sliding_window": 4096}, "sliding_window=4096"),
+    ({**QWEN3_06B, "use_sliding_window": True, "sliding_window": 4096,
+      "layer_types": ["chunked_attention"] * 28}, "layer_types=\\['chunked_attention'\\]"),
+    ({"architectures": ["Qwen3_5ForCausalLM"], "attn_output_gate": False}, "attn_output_gate=False"),
+    ({"architectures": ["Qwen3_5ForConditionalGeneration"]}, "lacks required field 'text_config'"),
     ({**LLAMA3_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
     ({**LLAMA3_8B, "hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({**LLAMA3_8B, "attention_bias": True}, "attention_bias/mlp_bias"),

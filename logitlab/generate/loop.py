@@ -32,9 +32,7 @@ from logitlab.generate.sampling import (
 )
 from logitlab.model.cache import KVCache
 
-# --------------------------------------------------------------------------------------------
-# Stopping
-# --------------------------------------------------------------------------------------------
+# --- stopping --------------------------------------------------------------------------------
 
 STOP_REASONS = ("eot", "stop_id", "stop_sequence", "max_new_tokens", "context_length")
 
@@ -120,8 +118,9 @@ def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Ten
     return ids.masked_fill(~torch.isfinite(top), -1)                                       # (B,)
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]], model_config, max_new_tokens: int) -> int:
-    """Validate prompts; return how many new tokens fit in the context."""
+def _check_prompts(prompts: Sequence[Sequence[int]], model_config, max_new_tokens: int,
+                   streaming=None) -> int:
+    """Validate prompts; return how many new tokens fit in the context (all with StreamingLLM)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token id")
     V, ctx = model_config.vocab_size, model_config.context_length
@@ -131,6 +130,10 @@ def _check_prompts(prompts: Sequence[Sequence[int]], model_config, max_new_token
     longest = max(len(p) for p in prompts)
     if longest >= ctx:
         raise ValueError(f"prompt of {longest} tokens leaves no room in the context of {ctx} tokens")
+    if streaming is not None:
+        if len({len(p) for p in prompts}) > 1:  # eviction is by slot, which padding would shift
+            raise ValueError("streaming (StreamingLLM) generation needs prompts of one length")
+        return max_new_tokens
     return min(max_new_tokens, ctx - longest)
 
 
@@ -154,7 +157,8 @@ class _Batch:
     ones: torch.Tensor | None = None
 
 
-def _build_batch(model, prompts: Sequence[Sequence[int]], config: SampleConfig, budget: int) -> _Batch:
+def _build_batch(model, prompts: Sequence[Sequence[int]], config: SampleConfig, budget: int,
+                 streaming=None) -> _Batch:
     """Left padding + attn_mask (B, S) + per-row positions; call inside torch.inference_mode."""
     mc = model.config
     device, dtype = _device_dtype(model)
@@ -167,7 +171,8 @@ def _build_batch(model, prompts: Sequence[Sequence[int]], config: SampleConfig, 
     ids = ids.to(device)
     offsets = torch.tensor(pad, device=device)[:, None]  # (B, 1)
     positions = (torch.arange(S0, device=device)[None, :] - offsets).clamp_(min=0)  # (B, S0)
-    cache = KVCache.for_model(mc, batch_size=B, max_len=S0 + budget, dtype=dtype, device=device)
+    cache = KVCache.for_model(mc, batch_size=B, max_len=min(S0 + budget, mc.context_length), dtype=dtype,
+                              device=device, stream=streaming)
     mask = None
     if any(pad):  # (B, S_max) True = real key slot; only needed when rows are padded
         mask = torch.arange(S0 + budget, device=device)[None, :] >= offsets
@@ -220,19 +225,20 @@ def _record(new: list[int], active: list[bool], generated: list[list[int]], rule
 
 def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot_id: int | None,
            token_bytes, generator: torch.Generator | None, result: GenerationResult,
-           step: Callable = decode_step, trust_guards: bool = False) -> Iterator[list[int | None]]:
-    """The cached loop for B prompts: yields each step's ids per row (None for finished rows)
-    and fills `result` as it goes.
+           step: Callable = decode_step, trust_guards: bool = False,
+           streaming=None) -> Iterator[list[int | None]]:
+    """The cached loop for B prompts (streaming: see generate): yields each step's ids per row
+    (None for finished rows) and fills `result` as it goes.
 
     trust_guards: decode steps after the second go through step.trusted when the step has one
     (a compiled step), for a caller that runs no other code between steps (generate, not a Stream)."""
-    budget = _check_prompts(prompts, model.config, config.max_new_tokens)
+    budget = _check_prompts(prompts, model.config, config.max_new_tokens, streaming)
     generator = generator or make_generator(config.seed, _device_dtype(model)[0])
     rules = _StopRules(config, len(prompts), eot_id, token_bytes)
     # inference_mode rather than no_grad: no view or version-counter bookkeeping per op. Every
     # tensor made in the loop (cache, positions, counts) is only read and written inside these blocks.
     with torch.inference_mode():
-        batch = _build_batch(model, prompts, config, budget)
+        batch = _build_batch(model, prompts, config, budget, streaming)
         # Greedy with nothing to add to the logits: the step returns the argmax itself (inside
         # a compiled graph, cheaper than an eager argmax over (B, V) fp32 logits).
         in_step = config.greedy and all(v is None for v in batch.state.values())
@@ -246,7 +252,8 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
         logits = prefill(model, batch.ids, batch.cache, batch.positions,
                          None if batch.mask is None else batch.mask[:, :S0])
         token = pick(logits, config, generator, **batch.state)  # (B,), -1 where no token can be chosen
-        position = batch.positions[:, -1:] + 1  # (B, 1) position of the token fed next
+        # (B, 1) position of the token fed next; StreamingLLM: the cache's next slot (re-indexed)
+        position = batch.positions[:, -1:] + 1 if streaming is None else None
     generated: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
     for i in range(budget):
@@ -258,7 +265,8 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
             with torch.inference_mode():
                 fn = trusted if trusted is not None and i > 2 else step
                 token, logits = _decode(fn, model, token, position, batch, config, generator, in_step)
-                position += 1
+                if position is not None:
+                    position += 1
             new = token.tolist()
             result.decode_seconds += time.perf_counter() - t0
             result.decode_tokens += sum(active)
@@ -318,7 +326,8 @@ def stream(model, prompt_ids: Sequence[int], config: SampleConfig = SampleConfig
 
 def generate(model, prompt_ids, config: SampleConfig = SampleConfig(), *, eot_id: int | None = None,
              token_bytes=None, generator: torch.Generator | None = None,
-             use_cache: bool = True, step: Callable = decode_step) -> GenerationResult:
+             use_cache: bool = True, step: Callable = decode_step,
+             streaming: tuple[int, int] | None = None) -> GenerationResult:
     """Generate for one prompt (list of ids) or a batch (list of lists, any lengths).
 
     `eot_id` ends a row; `token_bytes` (id -> bytes, callable or sequence) is needed only for
@@ -328,8 +337,14 @@ def generate(model, prompt_ids, config: SampleConfig = SampleConfig(), *, eot_id
     step: the decode step, a callable with decode_step's signature (the default: decode_step,
     eager). A faster one is built outside generation and passed in, e.g. the compiled step,
     `step=kernels.decode.compiled_decode_step(model, step=decode_step)`; a step with a `trusted`
-    method (a compiled step) is called through it from the third decode step on."""
+    method (a compiled step) is called through it from the third decode step on.
+
+    streaming=(sink, window): StreamingLLM (Xiao et al. 2023) for models whose attention layers
+    are full attention: the cache keeps the first `sink` positions and the last `window`, positions
+    re-indexed inside it, so max_new_tokens may pass the context length with bounded memory."""
     prompts = _as_batch(prompt_ids)
+    if streaming is not None and not use_cache:
+        raise ValueError("streaming generation needs the cache (use_cache=True)")
     if not use_cache:
         results = [generate_reference(model, p, config, eot_id=eot_id, token_bytes=token_bytes,
                                       generator=generator) for p in prompts]
@@ -339,7 +354,7 @@ def generate(model, prompt_ids, config: SampleConfig = SampleConfig(), *, eot_id
                                 sum(r.decode_tokens for r in results))
     result = GenerationResult(tokens=[[] for _ in prompts], stop_reasons=[""] * len(prompts))
     for _ in _steps(model, prompts, config, eot_id=eot_id, token_bytes=token_bytes,
-                    generator=generator, result=result, step=step, trust_guards=True):
+                    generator=generator, result=result, step=step, trust_guards=True, streaming=streaming):
         pass
     return result
 

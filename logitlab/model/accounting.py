@@ -25,6 +25,10 @@ import functools
 from dataclasses import dataclass, field
 
 from logitlab.model.config import ModelConfig
+from logitlab.model.matmul_rate import (  # noqa: F401  (importable from here as before)
+    matmul_peak_flops,
+    measure_matmul_flops,
+)
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "int8": 1}
 
@@ -42,45 +46,65 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Exact parameter counts by component. Per-layer numbers are for one block (all blocks share
-    one shape); totals multiply by L. Norms include QK-norm weights; biases sit with their layer."""
+    """Exact parameter counts by component, summed over the layers; the per-layer numbers are
+    properties (attention per attention layer, Gated DeltaNet per linear layer; in a hybrid stack
+    norms_per_layer and per_layer are averages). Norms include QK-norm weights; biases sit with
+    their layer. linear_items itemises one Gated DeltaNet layer."""
 
     embeddings: int            # token embedding table (padded_vocab_size x D)
     positions: int             # learned position table (context_length x D), else 0
-    attention_per_layer: int   # q, k, v, o projections (+ biases)
-    mlp_per_layer: int         # gate/up/down (+ biases)
-    norms_per_layer: int       # attn_norm, mlp_norm, q_norm, k_norm
+    attention: int             # q, k, v, o projections (+ gate, sinks, biases), all attention layers
+    mlp: int                   # gate/up/down (+ biases), all layers
+    norms_in_blocks: int       # attn_norm, mlp_norm, q_norm, k_norm, all layers
     final_norm: int
     lm_head: int               # 0 when tied to the embedding
     n_layers: int
     tied: bool
     biases: int = 0            # all bias vectors outside the norms (already inside the groups above)
+    linear_attention: int = 0  # Gated DeltaNet layers, all of them
+    n_linear_layers: int = 0
+    linear_items: dict = field(default_factory=dict)
+
+    @property
+    def n_attention_layers(self) -> int:
+        return self.n_layers - self.n_linear_layers
+
+    @property
+    def attention_per_layer(self) -> int:
+        return self.attention // self.n_attention_layers if self.n_attention_layers else 0
+
+    @property
+    def linear_attention_per_layer(self) -> int:
+        return self.linear_attention // self.n_linear_layers if self.n_linear_layers else 0
+
+    @property
+    def mlp_per_layer(self) -> int:
+        return self.mlp // self.n_layers
+
+    @property
+    def norms_per_layer(self) -> int:
+        return self.norms_in_blocks // self.n_layers
 
     @property
     def per_layer(self) -> int:
-        return self.attention_per_layer + self.mlp_per_layer + self.norms_per_layer
-
-    @property
-    def attention(self) -> int:
-        return self.attention_per_layer * self.n_layers
-
-    @property
-    def mlp(self) -> int:
-        return self.mlp_per_layer * self.n_layers
+        return (self.attention + self.linear_attention + self.mlp + self.norms_in_blocks) // self.n_layers
 
     @property
     def norms(self) -> int:
-        return self.norms_per_layer * self.n_layers + self.final_norm
+        return self.norms_in_blocks + self.final_norm
 
     @property
     def total(self) -> int:
-        return (self.embeddings + self.positions + self.per_layer * self.n_layers + self.final_norm
-                + self.lm_head)
+        return (self.embeddings + self.positions + self.attention + self.linear_attention + self.mlp
+                + self.norms_in_blocks + self.final_norm + self.lm_head)
 
     def as_dict(self) -> dict:
         return dict(embeddings=self.embeddings, positions=self.positions,
                     attention_per_layer=self.attention_per_layer, mlp_per_layer=self.mlp_per_layer,
                     norms_per_layer=self.norms_per_layer, per_layer=self.per_layer, attention=self.attention,
+                    linear_attention=self.linear_attention,
+                    linear_attention_per_layer=self.linear_attention_per_layer,
+                    n_linear_layers=self.n_linear_layers, linear_items=dict(self.linear_items),
                     mlp=self.mlp, norms=self.norms, final_norm=self.final_norm, lm_head=self.lm_head,
                     biases=self.biases, n_layers=self.n_layers, tied=self.tied, total=self.total)
 
@@ -95,65 +119,70 @@ def meta_model(config: ModelConfig):
         return Transformer(config)
 
 
+_TOP = {"tok_emb": "embeddings", "pos_emb": "positions", "final_norm": "final_norm", "lm_head": "lm_head"}
+
+
+def _group(name: str) -> str:
+    """The accounting group of one parameter name (see ParamCount)."""
+    parts = name.split(".")
+    if parts[0] in _TOP:
+        return _TOP[parts[0]]
+    if parts[0] == "blocks" and len(parts) > 3:
+        sub = parts[2]
+        if sub.endswith("_norm") or parts[3].endswith("_norm"):
+            return "norms_in_blocks"
+        if sub in ("attn", "mlp", "linear_attn"):
+            return {"attn": "attention", "mlp": "mlp", "linear_attn": "linear_attention"}[sub]
+    raise ValueError(f"parameter {name!r} belongs to no accounting group")
+
+
 def count_parameters(model_or_config) -> ParamCount:
     """Exact counts from a built model (or a config, built on meta). Shared Parameters (a tied
     head) are counted once, under the name that owns them first (tok_emb)."""
     model = meta_model(model_or_config) if isinstance(model_or_config, ModelConfig) else model_or_config
     config = model.config
-    groups = dict(embeddings=0, positions=0, attention=0, mlp=0, norms=0, final_norm=0, lm_head=0)
-    biases = 0
+    groups = dict.fromkeys(("embeddings", "positions", "attention", "linear_attention", "mlp",
+                            "norms_in_blocks", "final_norm", "lm_head"), 0)
+    biases, items = 0, {}
     for name, p in model.named_parameters():  # remove_duplicate=True: a tied Parameter appears once
         n = p.numel()
+        group = _group(name)
+        groups[group] += n
         parts = name.split(".")
-        if parts[0] == "tok_emb":
-            groups["embeddings"] += n
-        elif parts[0] == "pos_emb":
-            groups["positions"] += n
-        elif parts[0] == "final_norm":
-            groups["final_norm"] += n
-        elif parts[0] == "lm_head":
-            groups["lm_head"] += n
-        elif parts[0] == "blocks":
-            sub = parts[2]
-            if sub.endswith("_norm") or (len(parts) > 3 and parts[3].endswith("_norm")):
-                groups["norms"] += n
-            elif sub == "attn":
-                groups["attention"] += n
-            elif sub == "mlp":
-                groups["mlp"] += n
-            else:
-                raise ValueError(f"parameter {name!r} belongs to no accounting group")
-            if parts[-1] == "bias" and not parts[-2].endswith("_norm"):
-                biases += n
-        else:
-            raise ValueError(f"parameter {name!r} belongs to no accounting group")
-    L = config.n_layers
-    for key in ("attention", "mlp", "norms"):
-        if groups[key] % L:
-            raise ValueError(f"{key} parameters ({groups[key]}) are not equal across {L} layers")
-    return ParamCount(embeddings=groups["embeddings"], positions=groups["positions"],
-                      attention_per_layer=groups["attention"] // L, mlp_per_layer=groups["mlp"] // L,
-                      norms_per_layer=groups["norms"] // L, final_norm=groups["final_norm"],
-                      lm_head=groups["lm_head"], n_layers=L, tied=config.tie_embeddings, biases=biases)
+        if group == "linear_attention":
+            items[parts[3]] = items.get(parts[3], 0) + n
+        if parts[-1] == "bias" and not parts[-2].endswith("_norm"):
+            biases += n
+    n_linear = sum(kind == "linear_attention" for kind in config.layer_kinds)
+    if n_linear:
+        items = {k: v // n_linear for k, v in items.items()}
+    return ParamCount(groups["embeddings"], groups["positions"], groups["attention"], groups["mlp"],
+                      groups["norms_in_blocks"], groups["final_norm"], groups["lm_head"], config.n_layers,
+                      config.tie_embeddings, biases, groups["linear_attention"], n_linear, items)
 
 
 @dataclass(frozen=True)
 class FormulaCount:
     """The back-of-envelope count (see the module docstring)."""
 
-    attention_per_layer: int   # 2·D·H·Dh + 2·D·Hkv·Dh
+    attention_per_layer: int   # 2·D·H·Dh + 2·D·Hkv·Dh (+ the output gate's D·H·Dh or D·H)
     mlp_per_layer: int         # 3·D·F (SwiGLU) or 2·D·F (GELU)
     embeddings: int            # V·D once (tied) or twice
     n_layers: int
     classic: int               # 12·D²·L
+    linear_per_layer: int = 0  # Gated DeltaNet: D·(2·Hk·Dk + Hv·Dv) + 2·D·Hv·Dv + 2·D·Hv + C·K
+    n_linear_layers: int = 0
 
     @property
     def per_layer(self) -> int:
+        """Attention + MLP of one attention layer (the uniform stack's layer)."""
         return self.attention_per_layer + self.mlp_per_layer
 
     @property
     def layers(self) -> int:
-        return self.per_layer * self.n_layers
+        n_attention = self.n_layers - self.n_linear_layers
+        return (self.attention_per_layer * n_attention + self.linear_per_layer * self.n_linear_layers
+                + self.mlp_per_layer * self.n_layers)
 
     @property
     def total(self) -> int:
@@ -161,6 +190,7 @@ class FormulaCount:
 
     def as_dict(self) -> dict:
         return dict(attention_per_layer=self.attention_per_layer, mlp_per_layer=self.mlp_per_layer,
+                    linear_per_layer=self.linear_per_layer, n_linear_layers=self.n_linear_layers,
                     per_layer=self.per_layer, layers=self.layers, embeddings=self.embeddings,
                     total=self.total, classic_12_D2_L=self.classic)
 
@@ -168,10 +198,15 @@ class FormulaCount:
 def formula_count(config: ModelConfig) -> FormulaCount:
     c = config
     D, H, Hkv, Dh, F, L, V = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.n_layers, c.vocab_size
-    attention = 2 * D * H * Dh + 2 * D * Hkv * Dh
+    gate = {"none": 0, "headwise": D * H, "elementwise": D * H * Dh}[c.attn_gate]
+    attention = 2 * D * H * Dh + 2 * D * Hkv * Dh + gate
     mlp = (3 if c.mlp == "swiglu" else 2) * D * F
     embeddings = V * D * (1 if c.tie_embeddings else 2)
-    return FormulaCount(attention, mlp, embeddings, L, 12 * D * D * L)
+    Hk, Hv, Dk, Dv = c.linear_n_k_heads, c.linear_n_v_heads, c.linear_k_head_dim, c.linear_v_head_dim
+    channels = 2 * Hk * Dk + Hv * Dv
+    linear = D * channels + 2 * D * Hv * Dv + 2 * D * Hv + channels * c.linear_conv_kernel
+    n_linear = c.layer_kinds.count("linear_attention")
+    return FormulaCount(attention, mlp, embeddings, L, 12 * D * D * L, linear if n_linear else 0, n_linear)
 
 
 def explain_difference(config: ModelConfig, exact: ParamCount | None = None) -> dict[str, int]:
@@ -179,8 +214,12 @@ def explain_difference(config: ModelConfig, exact: ParamCount | None = None) -> 
     exact = exact or count_parameters(config)
     c = config
     padding_rows = (c.padded_vocab_size - c.vocab_size) * c.d_model
+    n_linear = exact.n_linear_layers
+    linear_vectors = n_linear * sum(exact.linear_items.get(k, 0) for k in ("A_log", "dt_bias", "norm"))
+    sinks = (c.n_layers - n_linear) * c.n_heads if c.attn_sinks else 0
     items = {"norms": exact.norms, "biases": exact.biases, "learned positions": exact.positions,
-             "vocabulary padding rows": padding_rows * (1 if c.tie_embeddings else 2)}
+             "vocabulary padding rows": padding_rows * (1 if c.tie_embeddings else 2),
+             "Gated DeltaNet decay and output-norm vectors": linear_vectors, "attention sink logits": sinks}
     return {k: v for k, v in items.items() if v}
 
 
@@ -201,22 +240,50 @@ def explain_classic(config: ModelConfig) -> str:
 # FLOPs, memory, KV cache
 # --------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=64)
+def _block_matrix_params(config: ModelConfig) -> int:
+    """Weights of the blocks that multiply activations: every matrix (and the depthwise conv of
+    Gated DeltaNet), not the norms, biases, decay vectors or sink logits."""
+    model = meta_model(config)
+    return sum(p.numel() for name, p in model.named_parameters()
+               if name.startswith("blocks.") and p.dim() >= 2)
+
+
 def matmul_params(config: ModelConfig) -> int:
     """N_matmul: weights that multiply activations per token (blocks + LM head). The LM head's
-    vocabulary padding rows are never multiplied (Transformer._head uses its first V rows)."""
-    f = formula_count(config)
-    return f.layers + config.vocab_size * config.d_model
+    vocabulary padding rows are never multiplied (Transformer._head uses its first V rows).
+    For a uniform stack the block part is the formula's layer count exactly."""
+    if not config.is_hybrid and config.attn_gate == "none":
+        return formula_count(config).layers + config.vocab_size * config.d_model
+    return _block_matrix_params(config) + config.vocab_size * config.d_model
+
+
+def _keys_seen(kind: str, T: int, window: int | None) -> float:
+    """Keys a query reads on average over a context of T: T/2 with full attention (causal),
+    sum over t of min(t, W) / T with a sliding window of W."""
+    if kind == "sliding_attention" and window is not None and window < T:
+        return (window * (window + 1) / 2 + (T - window) * window) / T
+    return T / 2
 
 
 def flops_per_token(config: ModelConfig, context: int | None = None) -> dict[str, float]:
-    """Forward and training FLOPs per token at context T (default: context_length)."""
+    """Forward and training FLOPs per token at context T (default: context_length).
+
+    attention: QK^T and attention·V, 4·H·Dh FLOPs per key a query reads, per attention layer;
+    linear_state: a Gated DeltaNet layer's recall, write and read of its state, three Dk x Dv
+    products per value head, 6·Hv·Dk·Dv FLOPs whatever T is."""
     c = config
     T = context or c.context_length
     dense = 2 * matmul_params(c)
-    attention = 2 * c.n_layers * T * c.n_heads * c.head_dim
-    forward = dense + attention
-    return {"context": T, "dense": dense, "attention": attention, "forward": forward,
-            "training": 3 * forward}
+    kinds = c.layer_kinds
+    attention = sum(4 * _keys_seen(kind, T, c.sliding_window) * c.n_heads * c.head_dim
+                    for kind in kinds if kind != "linear_attention")
+    linear = 6 * c.linear_n_v_heads * c.linear_k_head_dim * c.linear_v_head_dim * kinds.count("linear_attention")
+    forward = dense + attention + linear
+    out = {"context": T, "dense": dense, "attention": attention, "forward": forward, "training": 3 * forward}
+    if linear:
+        out["linear_state"] = linear
+    return out
 
 
 def weight_bytes(n_params: int) -> dict[str, int]:
@@ -224,24 +291,45 @@ def weight_bytes(n_params: int) -> dict[str, int]:
 
 
 def kv_cache_bytes(config: ModelConfig, dtype: str = "bf16", tokens: int | None = None) -> dict[str, int]:
-    """K and V for every layer: 2·L·Hkv·Dh values per token (GQA shrinks it by H / Hkv)."""
+    """What decoding keeps per sequence. Full attention: K and V, 2·Hkv·Dh values per token per
+    layer (GQA shrinks it by H / Hkv); a sliding window keeps at most W tokens; a Gated DeltaNet
+    layer keeps a fixed state (Hv·Dk·Dv float32 plus its last K-1 conv inputs) at any length.
+    full_attention_equivalent is what the same shape with every layer full attention would hold."""
     c = config
-    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * dtype_bytes(dtype)
+    b = dtype_bytes(dtype)
     T = tokens or c.context_length
-    return {"per_token": per_token, "tokens": T, "total": per_token * T}
+    per_layer_token = 2 * c.n_kv_heads * c.head_dim * b
+    kinds = c.layer_kinds
+    n_full = kinds.count("full_attention")
+    window = min(T, c.sliding_window) if c.sliding_window else T
+    channels = 2 * c.linear_n_k_heads * c.linear_k_head_dim + c.linear_n_v_heads * c.linear_v_head_dim
+    state = (c.linear_n_v_heads * c.linear_k_head_dim * c.linear_v_head_dim * 4
+             + channels * (c.linear_conv_kernel - 1) * b)
+    fixed = kinds.count("linear_attention") * state + kinds.count("sliding_attention") * window * per_layer_token
+    total = n_full * per_layer_token * T + fixed
+    return {"per_token": n_full * per_layer_token, "tokens": T, "fixed": fixed, "total": total,
+            "full_attention_equivalent": c.n_layers * per_layer_token * T}
 
 
 def activation_elements_per_token(config: ModelConfig) -> int:
     """Values a training step keeps per token for the backward pass (fused attention, which
-    stores no T x T probabilities; no recomputation). Per layer: both norms' inputs and outputs
-    (4·D), q (H·Dh), k and v (2·Hkv·Dh), the attention output (H·Dh), QK-norm inputs when present,
-    and the MLP's hidden values (SwiGLU: gate, up, silu(gate), product = 4·F; GELU: 2·F);
-    then the final norm's input and output (2·D). Logits are counted separately (fp32)."""
+    stores no T x T probabilities; no recomputation). Per attention layer: both norms' inputs and
+    outputs (4·D), q (H·Dh), k and v (2·Hkv·Dh), the attention output (H·Dh), QK-norm inputs when
+    present, the output gate before and after its sigmoid when present; per Gated DeltaNet layer:
+    the norms (4·D), the conv's input and output (2·C), z, the rule's output and its normed value
+    (3·Hv·Dv), beta and g (2·Hv). Every layer adds the MLP's hidden values (SwiGLU: gate, up,
+    silu(gate), product = 4·F; GELU: 2·F); then the final norm's input and output (2·D). Logits
+    are counted separately (fp32)."""
     c = config
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    per_layer = 4 * c.d_model + 2 * q + 2 * kv + (q + kv if c.qk_norm else 0)
-    per_layer += (4 if c.mlp == "swiglu" else 2) * c.d_ff
-    return c.n_layers * per_layer + 2 * c.d_model
+    gate = {"none": 0, "headwise": c.n_heads, "elementwise": q}[c.attn_gate]
+    attention = 4 * c.d_model + 2 * q + 2 * kv + (q + kv if c.qk_norm else 0) + 2 * gate
+    channels = 2 * c.linear_n_k_heads * c.linear_k_head_dim + c.linear_n_v_heads * c.linear_v_head_dim
+    linear = 4 * c.d_model + 2 * channels + 3 * c.linear_n_v_heads * c.linear_v_head_dim + 2 * c.linear_n_v_heads
+    mlp = (4 if c.mlp == "swiglu" else 2) * c.d_ff
+    kinds = c.layer_kinds
+    n_linear = kinds.count("linear_attention")
+    return (c.n_layers - n_linear) * attention + n_linear * linear + c.n_layers * mlp + 2 * c.d_model
 
 
 @dataclass(frozen=True)
@@ -303,50 +391,3 @@ def plan_training(config: ModelConfig, batch_size: int = 1, context: int | None 
     limit = None if memory_gb is None else int(memory_gb * 2**30)
     return TrainingPlan(batch_size, T, dtype, N, 4 * N, 4 * N, 8 * N, activations, logits, limit,
                         flops_per_token(config, T)["training"] * tokens, matmul_flops_per_s)
-
-
-def measure_matmul_flops(dtype="fp32", n: int = 1024, seconds: float = 0.5, device="cpu") -> float:
-    """FLOP/s of an n x n x n matmul (2·n³ FLOPs each) on `device` in `dtype` (a name of
-    DTYPE_BYTES or a torch.dtype): the fastest of repeated timings for about `seconds` (at least
-    one) after two warm-up calls. Uncached; see matmul_peak_flops."""
-    import time
-
-    import torch
-
-    if not isinstance(dtype, torch.dtype):
-        dtype_bytes(dtype)  # validates the name
-        dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                 "float16": torch.float16}.get(dtype, torch.float32)
-    device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    g = torch.Generator().manual_seed(0)  # private: the global generators are not touched
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    for _ in range(2):  # warm-up
-        a @ b
-    sync()
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == float("inf"):
-        start = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
-@functools.lru_cache(maxsize=None)
-def _measured_peak(device: str, dtype: str, size: int) -> float:
-    import torch
-
-    return measure_matmul_flops(getattr(torch, dtype), size, 0.1, device)
-
-
-def matmul_peak_flops(device, dtype=None, size: int | None = None) -> float:
-    """Measured dense matmul throughput in FLOP/s (the best of a few square matmuls), cached per
-    (device, dtype, size) for the process: MFU = achieved model FLOP/s / this."""
-    import torch
-
-    device = torch.device(device)
-    dtype = dtype or torch.float32
-    size = size or (4096 if device.type == "cuda" else 1024)
-    return _measured_peak(str(device), str(dtype).removeprefix("torch."), size)

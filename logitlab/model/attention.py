@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from logitlab.model.norms import RMSNorm
+from logitlab.model.norms import make_norm
 from logitlab.model.rope import apply_rope
 
 ATTN_IMPLS = ("sdpa", "eager")
@@ -32,11 +32,14 @@ def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, n_groups, S, Dh).reshape(B, Hkv * n_groups, S, Dh)
 
 
-def eager_attention(q, k, v, mask=None, is_causal=False):
+def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None):
     """The reference path: softmax(q k^T / sqrt(Dh) + mask) v, softmax in float32.
 
     q (B, H, T, Dh); k, v (B, H, S, Dh); mask None or bool broadcastable to (B, H, T, S) with
     True = may attend; is_causal masks key s > query t (only valid when T == S).
+    sinks (H,) or None: a learned logit per head that joins each row's softmax denominator and
+    takes no value (gpt-oss): weights = exp(scores) / (sum exp(scores) + exp(sink)), so a head
+    can put its attention "nowhere" and the row's weights sum to less than 1.
     Returns (out (B, H, T, Dh), weights (B, H, T, S) in q's dtype)."""
     T, S, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(Dh)      # (B, H, T, S)
@@ -44,8 +47,33 @@ def eager_attention(q, k, v, mask=None, is_causal=False):
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        B, H = scores.shape[:2]
+        sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)   # (B, H, T, 1)
+        full = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+        weights = full[..., :S].to(q.dtype)                                # the sink's share dropped
     return torch.matmul(weights, v), weights
+
+
+def window_mask(q_slot, k_slot, window=None, attn_mask=None):
+    """Which key each query may read, from their slots on the sequence's timeline.
+
+    q_slot (T,) and k_slot (S,) int (a k_slot < 0 is an empty cache slot); window W or None;
+    attn_mask None or bool (B, S_all) over timeline slots (False = padding). Query t reads key s
+    when 0 <= k_slot[s] <= q_slot[t], and, with a window, k_slot[s] > q_slot[t] - W (W keys,
+    itself included). A query always reads its own slot, so no row is all masked.
+    Returns bool (1 or B, 1, T, S), True = may attend."""
+    qs, ks = q_slot[:, None], k_slot[None, :]                          # (T, 1), (1, S)
+    allowed = (ks >= 0) & (ks <= qs)                                   # (T, S)
+    if window is not None:
+        allowed = allowed & (ks > qs - window)
+    own = ks == qs
+    if attn_mask is None:
+        return (allowed | own)[None, None]                             # (1, 1, T, S)
+    pad = attn_mask[:, k_slot.clamp(min=0)]                            # (B, S)
+    return ((allowed[None] & pad[:, None, :]) | own[None])[:, None]    # (B, 1, T, S)
 
 
 class Attention(nn.Module):
@@ -54,29 +82,64 @@ class Attention(nn.Module):
     qkv_proj: D -> (H + 2*Hkv)*Dh, its output rows are q (H*Dh), then k (Hkv*Dh), then v
     (Hkv*Dh): one matrix product instead of three (GQA when Hkv < H). o_proj: H*Dh -> D.
     QK-norm (Qwen3) is an RMSNorm over Dh applied to each head of q and k before RoPE; without
-    it, q and k are rotated together in one pass over the first H + Hkv heads."""
+    it, q and k are rotated together in one pass over the first H + Hkv heads.
 
-    def __init__(self, config):
+    Variants, each a config switch:
+    - sliding window (a layer of type "sliding_attention"): a query reads only the last W keys;
+    - output gate (attn_gate, Qiu et al. 2025; Qwen3.5): out = attention(x) * sigmoid(gate_proj(x)),
+      per element (H*Dh gates) or per head (H gates), before o_proj;
+    - sinks (attn_sinks, gpt-oss): a learned logit per head in the softmax denominator."""
+
+    def __init__(self, config, layer_type: str = "full_attention"):
         super().__init__()
         D, H, Hkv, Dh = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.n_groups = H, Hkv, Dh, H // Hkv
+        self.window = config.sliding_window if layer_type == "sliding_attention" else None
         self.qkv_proj = nn.Linear(D, (H + 2 * Hkv) * Dh, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * Dh, D, bias=config.bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(Dh, config.norm_eps)
-            self.k_norm = RMSNorm(Dh, config.norm_eps)
+            self.q_norm = make_norm("rmsnorm", Dh, config.norm_eps, config.norm_zero_centered)
+            self.k_norm = make_norm("rmsnorm", Dh, config.norm_eps, config.norm_zero_centered)
         else:
             self.q_norm = self.k_norm = None
+        gates = {"none": 0, "headwise": H, "elementwise": H * Dh}[config.attn_gate]
+        self.gate_proj = nn.Linear(D, gates, bias=config.qkv_bias) if gates else None
+        self.sinks = nn.Parameter(torch.zeros(H)) if config.attn_sinks else None
 
     def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
-                impl: str = "sdpa", need_weights: bool = False):
+                impl: str = "sdpa", need_weights: bool = False, key_rope=None):
         """x (B, T, D) -> (out (B, T, D), weights (B, H, T, S) or None).
 
         rope: (cos, sin) each (B, T, 1, Dh) from RotaryEmbedding, or None (no rotary positions).
         cache: anything with `update(layer, k_new, v_new) -> (k_all, v_all)` of shape
         (B, Hkv, S, Dh), or None (then S = T). mask: bool (B or 1, 1, T, S), True = may attend,
         or None; is_causal: use the plain lower-triangular mask (only when T == S and mask is None).
+        A sliding window layer with a cache builds its own mask from the slots the cache returns
+        (cache.key_slots, mask then carries the padding as `(attn_mask, q_slot)`).
+        key_rope: (cos, sin) (1, S, 1, Dh) for caches that keep keys unrotated (cache.rotates_keys,
+        StreamingLLM): keys are then rotated after the cache, at their slots in it.
         need_weights forces the eager path and returns the attention weights."""
+        B, T, D = x.shape
+        H, Dh = self.n_heads, self.head_dim
+        q, k, v = self._project(x, None if key_rope is not None else rope)     # (B, H|Hkv, T, Dh)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)                       # (B, Hkv, S, Dh)
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            if key_rope is not None:                               # rotate at the slots of the cache
+                q = apply_rope(q.transpose(1, 2), *rope).transpose(1, 2).to(k.dtype)
+                k = apply_rope(k.transpose(1, 2), *key_rope).transpose(1, 2).to(q.dtype)
+        if self.window is not None:
+            mask, is_causal = self._window_mask(mask, cache, layer, T, k.shape[2], x.device)
+        out, weights = self._attend(q, k, v, mask, is_causal, impl, need_weights)   # (B, H, T, Dh)
+        out = out.transpose(1, 2).reshape(B, T, H * Dh)            # (B, H, T, Dh) -> (B, T, H*Dh)
+        if self.gate_proj is not None:
+            gate = torch.sigmoid(self.gate_proj(x))                # (B, T, H*Dh) or (B, T, H)
+            out = (out.view(B, T, H, Dh) * gate.view(B, T, H, -1)).view(B, T, H * Dh)
+        return self.o_proj(out), (weights if need_weights else None)
+
+    def _project(self, x, rope):
+        """x (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh): QK-norm and RoPE applied."""
         B, T, D = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, Dh)        # (B, T, H + 2*Hkv, Dh)
@@ -95,20 +158,27 @@ class Attention(nn.Module):
             q, k = qk.split((H, Hkv), dim=2)
         if q.dtype != dtype:                                       # rotated in float32 under autocast
             q, k = q.to(dtype), k.to(dtype)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, H|Hkv, T, Dh)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)                       # (B, Hkv, S, Dh) views
-            if k.dtype != dtype:
-                k, v = k.to(dtype), v.to(dtype)
-        weights = None
-        if need_weights or impl == "eager":
-            out, weights = eager_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
-                                           mask, is_causal)
-        elif _SDPA_GQA:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                 enable_gqa=self.n_groups > 1)      # (B, H, T, Dh)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _window_mask(self, mask, cache, layer, T, S, device):
+        """The sliding-window mask of this layer: (mask, is_causal) for SDPA / eager."""
+        slots = cache.key_slots(layer) if cache is not None else None
+        if isinstance(mask, tuple):                                # (attn_mask (B, S_all) or None, q_slot)
+            attn_mask, q_slot = mask
         else:
-            out = F.scaled_dot_product_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
-                                                 attn_mask=mask, is_causal=is_causal)
-        out = out.transpose(1, 2).reshape(B, T, H * Dh)            # (B, H, T, Dh) -> (B, T, H*Dh)
-        return self.o_proj(out), (weights if need_weights else None)
+            attn_mask, q_slot = None, torch.arange(S - T, S, device=device)
+        if slots is None:
+            slots = torch.arange(S, device=device)
+        return window_mask(q_slot, slots, self.window, attn_mask), False
+
+    def _attend(self, q, k, v, mask, is_causal, impl, need_weights):
+        """q (B, H, T, Dh), k, v (B, Hkv, S, Dh) -> (out (B, H, T, Dh), weights or None)."""
+        if need_weights or impl == "eager" or self.sinks is not None:
+            # sinks: SDPA has no extra softmax column, so the reference path computes them
+            return eager_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
+                                   mask, is_causal, self.sinks)
+        if _SDPA_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                  enable_gqa=self.n_groups > 1), None
+        return F.scaled_dot_product_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
+                                              attn_mask=mask, is_causal=is_causal), None

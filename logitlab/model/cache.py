@@ -1,11 +1,19 @@
-"""The key/value cache for incremental decoding: preallocated per layer, advanced explicitly.
+"""The cache for incremental decoding: one entry per layer, of the layer's kind, advanced explicitly.
 
-kv_cache.py owns the memory that holds past keys and values: one (B, Hkv, S_max, Dh) tensor
-for keys and one for values per layer, allocated once. A forward pass writes the new positions
-into slots [length, length + T) of each layer with `update` (a slice assignment, no new
-allocation) and reads the views over [0, length + T). The model calls `advance(T)` once, at
-the end of its forward, so `length` only changes in that one visible place. Only Hkv heads are
-stored: grouped-query attention shrinks the cache by G = H // Hkv.
+cache.py owns the memory that holds what past positions left behind. A forward pass hands each
+layer's new keys and values (or state) to its entry and the model calls `advance(T)` once, at the
+end of its forward, so `length` only changes in that one visible place. The entries:
+
+- FullKV (full attention): preallocated (B, Hkv, S_max, Dh) keys and values; new positions go to
+  slots [length, length + T) (a slice assignment, no new allocation). Only Hkv heads are stored:
+  grouped-query attention shrinks the cache by G = H // Hkv.
+- SlidingKV (sliding-window attention): a ring buffer of the last W positions; keys come back
+  with their slots on the timeline so the layer masks by distance. Memory stops growing at W.
+- LinearState (Gated DeltaNet): the conv inputs of the last K-1 positions (B, C, K-1) and the
+  recurrent state (B, Hv, Dk, Dv) float32. Constant memory, whatever the length.
+- StreamingKV (StreamingLLM, Xiao et al. 2023): the first `sink` positions plus a rolling window
+  of the last `window`; keys are kept unrotated and rotated at their slot in the cache, so
+  positions are re-indexed and generation can run past the context length.
 
 This module imports nothing of logitlab; `for_model` reads the config fields it needs.
 """
@@ -15,29 +23,159 @@ from __future__ import annotations
 import torch
 
 
+def _positive(owner: str, **values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+
+
+class FullKV:
+    """k, v: (B, Hkv, S_max, Dh); slots [0, length) are filled."""
+
+    key_slots = None  # keys come back in timeline order from slot 0: the model's own mask holds
+
+    def __init__(self, shape, dtype, device):
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, k_new, v_new, start: int):
+        """Write (B, Hkv, T, Dh) at slots [start, start + T); views over [0, start + T)."""
+        end = start + k_new.shape[2]
+        self.k[:, :, start:end] = k_new
+        self.v[:, :, start:end] = v_new
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def tensors(self):
+        return [self.k, self.v]
+
+
+class SlidingKV:
+    """A ring of W slots: k, v (B, Hkv, W, Dh); slot[i] is the timeline slot held at ring index i
+    (-1 = empty). Position p lives at ring index p % W."""
+
+    def __init__(self, shape, window: int, dtype, device):
+        B, Hkv, _, Dh = shape
+        self.window = window
+        self.k = torch.zeros(B, Hkv, window, Dh, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.slot = torch.full((window,), -1, dtype=torch.int64, device=device)
+        self.key_slots = None
+
+    def update(self, k_new, v_new, start: int):
+        """Keys and values of the ring before this call, then the T new ones: (B, Hkv, W + T, Dh),
+        their timeline slots in `key_slots` (W + T,). The last min(T, W) new positions then take
+        their places in the ring."""
+        T, W = k_new.shape[2], self.window
+        new_slots = torch.arange(start, start + T, device=self.slot.device)
+        k_all, v_all = torch.cat((self.k, k_new), dim=2), torch.cat((self.v, v_new), dim=2)
+        self.key_slots = torch.cat((self.slot, new_slots))
+        keep = slice(max(0, T - W), T)                         # the newest W at most
+        ring = new_slots[keep] % W
+        self.k[:, :, ring] = k_new[:, :, keep]
+        self.v[:, :, ring] = v_new[:, :, keep]
+        self.slot[ring] = new_slots[keep]
+        return k_all, v_all
+
+    def tensors(self):
+        return [self.k, self.v]
+
+
+class LinearState:
+    """conv (B, C, K-1) in the model's dtype, recurrent (B, Hv, Dk, Dv) float32."""
+
+    key_slots = None
+
+    def __init__(self, batch: int, channels: int, kernel: int, heads: int, dk: int, dv: int, dtype, device):
+        self.conv = torch.zeros(batch, channels, kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device)
+
+    def tensors(self):
+        return [self.conv, self.recurrent]
+
+
+class StreamingKV:
+    """The first `sink` positions and the last `window`, keys unrotated: k, v (B, Hkv, n, Dh)."""
+
+    key_slots = None
+
+    def __init__(self, shape, sink: int, window: int, dtype, device):
+        B, Hkv, _, Dh = shape
+        self.sink, self.window = sink, window
+        self.k = torch.zeros(B, Hkv, 0, Dh, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k_new, v_new, start: int):
+        self.k = torch.cat((self.k[:, :, :start], k_new), dim=2)
+        self.v = torch.cat((self.v[:, :, :start], v_new), dim=2)
+        return self.k, self.v
+
+    def evict(self) -> None:
+        """Keep slots [0, sink) and the last `window`: the re-indexed cache."""
+        n = self.k.shape[2]
+        if n > self.sink + self.window:
+            keep = lambda t: torch.cat((t[:, :, :self.sink], t[:, :, n - self.window:]), dim=2)  # noqa: E731
+            self.k, self.v = keep(self.k), keep(self.v)
+
+    def tensors(self):
+        return [self.k, self.v]
+
+
 class KVCache:
-    """k[i], v[i]: (B, Hkv, S_max, Dh) for layer i; `length` slots [0, length) are filled."""
+    """One entry per layer (see the module docstring); `length` timeline slots are filled.
+
+    KVCache(L, B, Hkv, S_max, Dh) caches L full-attention layers. layer_types (one of
+    "full_attention", "sliding_attention", "linear_attention" per layer) with `window` (the
+    sliding window W) and `linear` (dict channels, kernel, heads, dk, dv of the Gated DeltaNet
+    layers) build a hybrid model's cache; `for_model` fills these in from a config. stream=(sink,
+    window) turns the full-attention layers into StreamingLLM entries (`rotates_keys`: the model
+    rotates cached keys at their slots; `length` then stays at most sink + window)."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device=None):
-        for name, value in (("n_layers", n_layers), ("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
-                            ("max_len", max_len), ("head_dim", head_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KVCache: {name} must be a positive integer, got {value!r}")
+                 dtype: torch.dtype = torch.float32, device=None, *, layer_types=None, window=None,
+                 linear=None, stream=None):
+        _positive("KVCache", n_layers=n_layers, batch_size=batch_size, n_kv_heads=n_kv_heads,
+                  max_len=max_len, head_dim=head_dim)
         self.n_layers, self.batch_size, self.n_kv_heads = n_layers, batch_size, n_kv_heads
         self.max_len, self.head_dim = max_len, head_dim
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.layer_types = tuple(layer_types or ("full_attention",) * n_layers)
+        if len(self.layer_types) != n_layers:
+            raise ValueError(f"KVCache: {len(self.layer_types)} layer_types for {n_layers} layers")
+        self.rotates_keys = stream is not None
+        if stream is not None:
+            _positive("KVCache", sink=stream[0], window=stream[1])
+            if "sliding_attention" in self.layer_types:
+                raise ValueError("KVCache: a StreamingLLM cache needs full-attention layers, "
+                                 "not sliding_attention ones (their window already bounds memory)")
+        self.layers = [self._entry(kind, batch_size, dtype, device, window, linear, stream)
+                       for kind in self.layer_types]
         self.length = 0
+        self.seen = 0  # positions ever written (differs from length once a streaming cache evicts)
+
+    def _entry(self, kind, B, dtype, device, window, linear, stream):
+        shape = (B, self.n_kv_heads, self.max_len, self.head_dim)
+        if kind == "full_attention":
+            if stream is not None:
+                return StreamingKV(shape, stream[0], stream[1], dtype, device)
+            return FullKV(shape, dtype, device)
+        if kind == "sliding_attention":
+            if window is None:
+                raise ValueError("KVCache: sliding_attention layers need the window W")
+            return SlidingKV(shape, min(window, self.max_len), dtype, device)
+        if kind == "linear_attention":
+            if linear is None:
+                raise ValueError("KVCache: linear_attention layers need their state shapes")
+            return LinearState(B, linear["channels"], linear["kernel"], linear["heads"], linear["dk"],
+                               linear["dv"], dtype, device)
+        raise ValueError(f"KVCache: unknown layer type {kind!r}")
 
     @classmethod
     def for_model(cls, config, batch_size: int, max_len: int | None = None, dtype=None,
-                  device=None) -> "KVCache":
+                  device=None, stream: tuple[int, int] | None = None) -> "KVCache":
         """A cache shaped for `config` (a ModelConfig, or a model with a `.config`).
 
         max_len defaults to config.context_length. dtype/device default to those of the model's
-        parameters when a model is given, else float32 on the default device."""
+        parameters when a model is given, else float32 on the default device. stream=(sink,
+        window): a StreamingLLM cache (see the class docstring)."""
         model = None
         if hasattr(config, "config") and hasattr(config, "parameters"):
             model, config = config, config.config
@@ -46,56 +184,104 @@ class KVCache:
             dtype = param.dtype if dtype is None else dtype
             device = param.device if device is None else device
         max_len = config.context_length if max_len is None else max_len
-        if max_len > config.context_length:
+        if max_len > config.context_length and stream is None:
             raise ValueError(f"KVCache: max_len ({max_len}) exceeds the model's context_length "
                              f"({config.context_length})")
+        if stream is not None and sum(stream) > config.context_length:
+            raise ValueError(f"KVCache: sink + window ({sum(stream)}) exceeds the model's context_length "
+                             f"({config.context_length})")
+        layer_types = getattr(config, "layer_kinds", None)
+        linear = None
+        if layer_types and "linear_attention" in layer_types:
+            linear = dict(channels=2 * config.linear_n_k_heads * config.linear_k_head_dim
+                          + config.linear_n_v_heads * config.linear_v_head_dim,
+                          kernel=config.linear_conv_kernel, heads=config.linear_n_v_heads,
+                          dk=config.linear_k_head_dim, dv=config.linear_v_head_dim)
         return cls(config.n_layers, batch_size, config.n_kv_heads, max_len, config.head_dim,
-                   dtype=torch.float32 if dtype is None else dtype, device=device)
+                   dtype=torch.float32 if dtype is None else dtype, device=device, layer_types=layer_types,
+                   window=getattr(config, "sliding_window", None), linear=linear, stream=stream)
+
+    @property
+    def k(self) -> list:
+        """Each layer's key storage (None for a Gated DeltaNet layer)."""
+        return [getattr(e, "k", None) for e in self.layers]
+
+    @property
+    def v(self) -> list:
+        return [getattr(e, "v", None) for e in self.layers]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
+        return next(t for e in self.layers for t in e.tensors()).dtype if self.layers else torch.float32
 
     @property
     def device(self) -> torch.device:
-        return self.k[0].device
+        return self.layers[0].tensors()[0].device
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all keys and values: 2 * L * B * Hkv * S_max * Dh * itemsize."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes held by every layer's entry (keys, values, conv and recurrent state)."""
+        return sum(t.numel() * t.element_size() for e in self.layers for t in e.tensors())
 
     def update(self, layer: int, k_new: torch.Tensor,
                v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k_new, v_new (B, Hkv, T, Dh) into slots [length, length + T) of `layer`.
+        """Hand k_new, v_new (B, Hkv, T, Dh) of slots [length, length + T) to `layer`'s entry.
 
-        Returns views (B, Hkv, S, Dh) over slots [0, S), S = length + T. `length` is NOT moved
-        here (every layer writes at the same slots); the model calls `advance(T)` after the
-        last layer."""
+        Returns the keys and values the layer attends over, (B, Hkv, S, Dh): for full attention
+        views over slots [0, S), S = length + T; for a sliding window the ring and the new
+        positions, their slots in key_slots(layer). `length` is NOT moved here (every layer
+        writes at the same slots); the model calls `advance(T)` after the last layer."""
         T = k_new.shape[2]
         start, end = self.length, self.length + T
-        if end > self.max_len:
+        entry = self.layers[layer]
+        if isinstance(entry, FullKV) and end > self.max_len:
             raise ValueError(f"KVCache is full: writing {T} position(s) at length {start} would pass "
                              f"max_len ({self.max_len})")
         if k_new.shape != (self.batch_size, self.n_kv_heads, T, self.head_dim) or v_new.shape != k_new.shape:
             raise ValueError(f"KVCache.update: k_new {tuple(k_new.shape)} / v_new {tuple(v_new.shape)} do "
                              f"not fit the cache (B={self.batch_size}, Hkv={self.n_kv_heads}, Dh={self.head_dim})")
-        k, v = self.k[layer], self.v[layer]
-        k[:, :, start:end] = k_new
-        v[:, :, start:end] = v_new
-        return k[:, :, :end], v[:, :, :end]
+        if not hasattr(entry, "update"):
+            raise ValueError(f"KVCache.update: layer {layer} is {self.layer_types[layer]}, not attention")
+        return entry.update(k_new, v_new, start)
+
+    def key_slots(self, layer: int):
+        """The timeline slots (S,) of the keys the last update of `layer` returned, or None when
+        they are simply 0 .. S-1."""
+        return self.layers[layer].key_slots
+
+    def linear_state(self, layer: int) -> LinearState:
+        entry = self.layers[layer]
+        if not isinstance(entry, LinearState):
+            raise ValueError(f"KVCache: layer {layer} is {self.layer_types[layer]}, not linear_attention")
+        return entry
 
     def advance(self, n: int) -> None:
-        """Mark n more slots as filled (called once per forward, by the model)."""
-        if self.length + n > self.max_len:
+        """Mark n more slots as filled (called once per forward, by the model). A streaming
+        cache then evicts down to sink + window slots."""
+        if not self.rotates_keys and self.length + n > self.max_len and "full_attention" in self.layer_types:
             raise ValueError(f"KVCache.advance({n}) at length {self.length} passes max_len ({self.max_len})")
         self.length += n
+        self.seen += n
+        if self.rotates_keys:
+            for entry in self.layers:
+                if isinstance(entry, StreamingKV):
+                    entry.evict()
+                    self.length = entry.k.shape[2]
 
     def reset(self) -> None:
         """Forget every position (the memory is kept and overwritten by the next prefill)."""
-        self.length = 0
+        self.length = self.seen = 0
+        for entry in self.layers:
+            if isinstance(entry, SlidingKV):
+                entry.slot.fill_(-1)
+            elif isinstance(entry, LinearState):
+                entry.conv.zero_()
+                entry.recurrent.zero_()
+            elif isinstance(entry, StreamingKV):
+                entry.k, entry.v = entry.k[:, :, :0], entry.v[:, :, :0]
 
     def __repr__(self) -> str:
+        kinds = sorted(set(self.layer_types))
         return (f"KVCache(L={self.n_layers}, B={self.batch_size}, Hkv={self.n_kv_heads}, "
-                f"S_max={self.max_len}, Dh={self.head_dim}, length={self.length}, dtype={self.dtype}, "
-                f"{self.nbytes / 2**20:.1f} MiB)")
+                f"S_max={self.max_len}, Dh={self.head_dim}, length={self.length}, layers={kinds}, "
+                f"dtype={self.dtype}, {self.nbytes / 2**20:.1f} MiB)")

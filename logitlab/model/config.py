@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+
 
 def _help(text: str):
     return field(default=None, metadata={"help": text})
@@ -81,6 +83,23 @@ class ModelConfig:
     tie_embeddings: bool = field(default=True, metadata={"help": "LM head shares the embedding table"})
     vocab_pad_multiple: int = field(
         default=1, metadata={"help": "pad the embedding/LM head rows to a multiple of this (1 = no padding)"})
+    # --- attention variants and hybrid stacks (Mistral, gpt-oss, Qwen3-Next, Qwen3.5) ---
+    layer_types: tuple[LayerType, ...] | None = _help(
+        "token mixer of each layer: full_attention, sliding_attention or linear_attention (null: all full)")
+    sliding_window: int | None = _help("keys a sliding_attention query reads, itself included (W)")
+    attn_gate: Literal["none", "headwise", "elementwise"] = field(
+        default="none", metadata={"help": "sigmoid gate on the attention output before o_proj (Qwen3.5)"})
+    attn_sinks: bool = field(
+        default=False, metadata={"help": "a learned per-head sink logit in the softmax denominator (gpt-oss)"})
+    partial_rotary_factor: float = field(
+        default=1.0, metadata={"help": "share of each head's dimensions that RoPE rotates (0.25 in Qwen3.5)"})
+    norm_zero_centered: bool = field(
+        default=False, metadata={"help": "RMSNorm weights stored as w - 1: y = x / rms(x) * (1 + w) (Qwen3.5)"})
+    linear_n_k_heads: int | None = _help("Gated DeltaNet query/key heads (default n_kv_heads)")
+    linear_n_v_heads: int | None = _help("Gated DeltaNet value heads, a multiple of the key heads (default n_heads)")
+    linear_k_head_dim: int | None = _help("Gated DeltaNet query/key head width Dk (default head_dim)")
+    linear_v_head_dim: int | None = _help("Gated DeltaNet value head width Dv (default head_dim)")
+    linear_conv_kernel: int = field(default=4, metadata={"help": "Gated DeltaNet causal conv1d kernel size"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on residual branches during training"})
     init_std: float = field(default=0.02, metadata={"help": "std of the normal weight initialisation"})
 
@@ -125,6 +144,56 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.init_std <= 0:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        self._check_layer_types(fix)
+
+    def _check_layer_types(self, fix) -> None:
+        """layer_types, sliding_window, the rotary share and the Gated DeltaNet shapes."""
+        if self.layer_types is not None and set(self.layer_types) == {"full_attention"}:
+            fix("layer_types", None)                               # the default, stored as such
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but n_layers is {self.n_layers}")
+        if "sliding_attention" in self.layer_kinds:
+            if self.sliding_window is None or self.sliding_window <= 0:
+                raise ValueError("layer_types has sliding_attention layers: sliding_window must be a positive "
+                                 f"integer, got {self.sliding_window!r}")
+        elif self.sliding_window is not None:
+            raise ValueError(f"sliding_window={self.sliding_window} is set but no layer is sliding_attention "
+                             "(set layer_types)")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.positions == "rope" and self.rotary_dim % 2:
+            raise ValueError(f"RoPE rotates int(head_dim * partial_rotary_factor) = {self.rotary_dim} "
+                             "dimensions per head, which must be even")
+        if self.norm_zero_centered and self.norm != "rmsnorm":
+            raise ValueError(f"norm_zero_centered needs norm='rmsnorm', got norm={self.norm!r}")
+        defaults = dict(linear_n_k_heads=self.n_kv_heads, linear_n_v_heads=self.n_heads,
+                        linear_k_head_dim=self.head_dim, linear_v_head_dim=self.head_dim)
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                fix(name, default)
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.linear_n_v_heads % self.linear_n_k_heads:
+            raise ValueError(f"linear_n_v_heads ({self.linear_n_v_heads}) must be divisible by "
+                             f"linear_n_k_heads ({self.linear_n_k_heads})")
+        if self.linear_conv_kernel <= 0:
+            raise ValueError(f"linear_conv_kernel must be a positive integer, got {self.linear_conv_kernel}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The token mixer of every layer: layer_types, or all "full_attention" when it is None
+        (an all-full layer_types is stored as None, so n_layers can change alone)."""
+        return self.layer_types or ("full_attention",) * self.n_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layer is not full attention."""
+        return self.layer_types is not None
 
     @property
     def padded_vocab_size(self) -> int:

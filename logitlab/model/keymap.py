@@ -28,6 +28,12 @@ def hf_architecture(config: ModelConfig) -> str:
 
     if c.norm_placement != "pre":
         bad("norm_placement", c.norm_placement, "model")
+    if c.attn_sinks:
+        bad("attn_sinks", True, "causal-LM")
+    if c.norm_zero_centered or c.attn_gate != "none" or "linear_attention" in c.layer_kinds:
+        return _qwen3_5(c, bad)
+    if c.partial_rotary_factor != 1.0:
+        bad("partial_rotary_factor", c.partial_rotary_factor, "GPT-2 or Llama-style")
     if c.positions == "learned" and c.norm == "layernorm" and c.mlp == "gelu":
         arch = "GPT2LMHeadModel"
         if not (c.bias and c.qkv_bias):
@@ -37,6 +43,7 @@ def hf_architecture(config: ModelConfig) -> str:
         return arch
     if c.positions != "rope" or c.norm != "rmsnorm" or c.mlp != "swiglu":
         bad("positions/norm/mlp", (c.positions, c.norm, c.mlp), "GPT-2 or Llama-style")
+    kinds = set(c.layer_kinds)
     if c.qk_norm:
         if c.bias or c.qkv_bias:
             bad("bias/qkv_bias", (c.bias, c.qkv_bias), "Qwen3ForCausalLM")
@@ -45,11 +52,30 @@ def hf_architecture(config: ModelConfig) -> str:
         return "Qwen2ForCausalLM"
     if c.bias != c.qkv_bias:
         bad("bias/qkv_bias", (c.bias, c.qkv_bias), "LlamaForCausalLM")
+    if kinds == {"sliding_attention"}:
+        return "MistralForCausalLM"
+    if kinds != {"full_attention"}:  # a mix of full and sliding layers: Qwen2's per-layer types
+        bad("layer_types", sorted(kinds), "Llama or Mistral (every layer alike)")
     return "LlamaForCausalLM"
 
 
+def _qwen3_5(c: ModelConfig, bad) -> str:
+    """Qwen3.5's text model: zero-centred RMSNorm, QK-norm, an element-wise output gate, Gated
+    DeltaNet and full attention layers, no biases."""
+    arch = "Qwen3_5ForCausalLM"
+    need = dict(norm_zero_centered=True, qk_norm=True, attn_gate="elementwise", bias=False, qkv_bias=False,
+                positions="rope", norm="rmsnorm", mlp="swiglu", rope_scaling=None)
+    for field, value in need.items():
+        if getattr(c, field) != value:
+            bad(field, getattr(c, field), arch)
+    if not set(c.layer_kinds) <= {"linear_attention", "full_attention"}:
+        bad("layer_types", sorted(set(c.layer_kinds)), arch)
+    return arch
+
+
 # Keys of buffers that old checkpoints carry and that hold no learned state.
-_IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+_IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$"
+                      r"|^(mtp|model\.visual|visual)\.")  # Qwen3.5: the multi-token head, the vision tower
 
 _LLAMA_BLOCK = {  # Hugging Face suffix under model.layers.{i}. -> logitlab suffix under blocks.{i}.
     "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
@@ -69,7 +95,8 @@ _GPT2_CONV1D = ("c_attn", "c_proj", "c_fc")  # Conv1D weights are stored (in, ou
 
 
 def key_layout(config: ModelConfig) -> str:
-    """"gpt2" or "llama": which Hugging Face naming scheme `config` uses."""
+    """"gpt2" or "llama": which Hugging Face naming scheme `config` uses (Qwen3.5 is llama's, with
+    linear_attn.* tensors and the output gate's rows inside q_proj)."""
     return "gpt2" if hf_architecture(config) == "GPT2LMHeadModel" else "llama"
 
 
@@ -92,6 +119,8 @@ def hf_key_to_logitlab(key: str, layout: str) -> str | None:
         return f"blocks.{m.group(1)}.{block[m.group(2)]}.{leaf}"
     if m and layout == "llama" and m.group(2) in _LLAMA_PART:
         return None
+    if m and layout == "llama" and m.group(2).split(".")[0] == "linear_attn":   # Gated DeltaNet: same names
+        return f"blocks.{m.group(1)}.{m.group(2)}.{leaf}"
     raise ValueError(f"unexpected tensor {key!r} in a {layout}-layout checkpoint")
 
 
@@ -108,6 +137,9 @@ def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
     learned state dropped, a missing "transformer." / "model." prefix restored, and a tied
     lm_head (which some checkpoints store as a copy of the embedding) dropped."""
     layout = key_layout(config)
+    # the text model of a Qwen3.5 image-text checkpoint lives under model.language_model.
+    hf_state = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
+                for k, v in hf_state.items()}
     state = _normalise_prefix({k: v for k, v in hf_state.items() if not _IGNORED.search(k)}, layout)
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)
@@ -132,6 +164,9 @@ def hf_tensors_to_logitlab(items, config: ModelConfig):
         if name is None:  # llama layout: one part of qkv_proj or gate_up_proj
             i, sub = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module).groups()
             fused, j, n = _LLAMA_PART[sub]
+            if sub == "self_attn.q_proj" and config.attn_gate == "elementwise":
+                tensor, gate = _split_gated_q(tensor, config)
+                yield f"blocks.{i}.attn.gate_proj.{leaf}", gate
             name = f"blocks.{i}.{fused}.{leaf}"
             parts = pending.setdefault(name, {})
             parts[j] = tensor
@@ -149,6 +184,24 @@ def hf_tensors_to_logitlab(items, config: ModelConfig):
                    if j not in pending[name]]
         raise ValueError(f"checkpoint lacks {', '.join(map(repr, lacking))}, needed with the rest of "
                          f"{name!r}")
+
+
+def _split_gated_q(tensor, config: ModelConfig):
+    """Qwen3.5's q_proj rows hold, head by head, Dh query rows then Dh gate rows:
+    (2*H*Dh, ...) -> (q rows (H*Dh, ...), gate rows (H*Dh, ...))."""
+    H, Dh = config.n_heads, config.head_dim
+    pairs = tensor.reshape(H, 2, Dh, *tensor.shape[1:])           # (H, [q, gate], Dh, ...)
+    return (pairs[:, 0].reshape(H * Dh, *tensor.shape[1:]).contiguous(),
+            pairs[:, 1].reshape(H * Dh, *tensor.shape[1:]).contiguous())
+
+
+def _join_gated_q(q, gate, config: ModelConfig):
+    """Inverse of _split_gated_q: q, gate (H*Dh, ...) -> Qwen3.5's q_proj (2*H*Dh, ...)."""
+    import torch
+
+    H, Dh = config.n_heads, config.head_dim
+    rest = q.shape[1:]
+    return torch.stack((q.reshape(H, Dh, *rest), gate.reshape(H, Dh, *rest)), dim=1).reshape(2 * H * Dh, *rest)
 
 
 def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
@@ -180,8 +233,15 @@ def state_dict_to_hf(state: dict, config: ModelConfig) -> dict:
             out[f"{inverse_top[module]}.{leaf}"] = tensor.contiguous()
             continue
         i, sub = m.groups()
+        if sub == "attn.gate_proj":                                # joined into q_proj with the queries
+            continue
+        if sub.split(".")[0] == "linear_attn":
+            out[f"{block_prefix}{i}.{sub}.{leaf}"] = tensor.contiguous()
+            continue
         if layout == "llama" and sub in _LLAMA_FUSED:
             for part, rows in zip(_LLAMA_FUSED[sub], tensor.split(fused_rows[sub], dim=0), strict=True):
+                if part == "self_attn.q_proj" and config.attn_gate == "elementwise":
+                    rows = _join_gated_q(rows, state[f"blocks.{i}.attn.gate_proj.{leaf}"], config)
                 out[f"{block_prefix}{i}.{part}.{leaf}"] = rows.contiguous()
             continue
         if sub not in inverse_block:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from logitlab.model.attention import ATTN_IMPLS, Attention, eager_attention, repeat_kv
+from logitlab.model.deltanet import GatedDeltaNet
 from logitlab.model.mlp import GeluMLP, SwiGLU, gelu, make_mlp
 from logitlab.model.norms import LayerNorm, RMSNorm, make_norm
 from logitlab.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
@@ -53,35 +54,51 @@ def bf16_matmul_mode() -> str:
 # ------------------------------------------------------------------------------------------
 
 class Block(nn.Module):
-    """One Transformer block: attention then MLP, each with a norm and a residual add.
+    """One Transformer block: a token mixer then an MLP, each with a norm and a residual add.
 
-    pre-norm (GPT-2, Llama):  x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
-    post-norm (Vaswani et al. 2017): x = attn_norm(x + attn(x));  x = mlp_norm(x + mlp(x))
-    Dropout (config.dropout, training only) acts on each sublayer's output before the add."""
+    pre-norm (GPT-2, Llama):  x = x + mix(attn_norm(x));  x = x + mlp(mlp_norm(x))
+    post-norm (Vaswani et al. 2017): x = attn_norm(x + mix(x));  x = mlp_norm(x + mlp(x))
+    The mixer is attention (`attn`; a sliding window for layer type "sliding_attention") or, for
+    "linear_attention", Gated DeltaNet (`linear_attn`, deltanet.py): the one difference between
+    the blocks of a hybrid stack. Dropout (config.dropout, training only) acts on each sublayer's
+    output before the add."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_type: str = "full_attention"):
         super().__init__()
+        self.layer_type = layer_type
         self.post_norm = config.norm_placement == "post"
-        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        zc = config.norm_zero_centered
+        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc)
+        if layer_type == "linear_attention":
+            self.attn, self.linear_attn = None, GatedDeltaNet(config)
+        else:
+            self.attn, self.linear_attn = Attention(config, layer_type), None
+        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc)
         self.mlp = make_mlp(config)
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else None
 
     def _drop(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.dropout is None or not self.training else self.dropout(t)
 
+    def _mix(self, x, rope, cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record):
+        if self.linear_attn is not None:
+            return self.linear_attn(x, cache=cache, layer=layer, pad=pad, impl=impl, record=record), None
+        return self.attn(x, rope, cache=cache, layer=layer, mask=mask, is_causal=is_causal, impl=impl,
+                         need_weights=need_weights, key_rope=key_rope)
+
     def forward(self, x, rope, *, cache=None, layer=0, mask=None, is_causal=False, impl="sdpa",
-                need_weights=False):
-        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
+                need_weights=False, pad=None, key_rope=None, record=None):
+        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None).
+
+        pad (B, T) bool or None: the padding of this call's positions (Gated DeltaNet zeroes
+        them); key_rope: see Attention.forward; record: a dict for Gated DeltaNet's g and beta."""
+        args = (cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record)
         if self.post_norm:
-            a, weights = self.attn(x, rope, cache=cache, layer=layer, mask=mask, is_causal=is_causal,
-                                   impl=impl, need_weights=need_weights)
+            a, weights = self._mix(x, rope, *args)
             x = self.attn_norm(x + self._drop(a))
             x = self.mlp_norm(x + self._drop(self.mlp(x)))
         else:
-            a, weights = self.attn(self.attn_norm(x), rope, cache=cache, layer=layer, mask=mask,
-                                   is_causal=is_causal, impl=impl, need_weights=need_weights)
+            a, weights = self._mix(self.attn_norm(x), rope, *args)
             x = x + self._drop(a)
             x = x + self._drop(self.mlp(self.mlp_norm(x)))
         return x, weights

@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                       # (..., dim) -> (..., dim)
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form on
         # a float32 input (the weight goes in too: the same products). Other dtypes are normalised
         # in float32 and rounded to x's dtype before the weight, as Hugging Face does (handing
@@ -30,6 +30,43 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * (1 + weight), the weight stored as an offset from 1 and
+    initialised to zeros (Qwen3-Next, Qwen3.5): weight decay then pulls the scale towards 1, not 0.
+
+    The whole product is taken in float32 and only then rounded to x's dtype (where RMSNorm rounds
+    before the weight), which is the order those checkpoints were trained with."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                       # (..., dim) -> (..., dim)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = weight * x / rms(x) * silu(z): the output norm of a Gated DeltaNet head, gated by a
+    projection z of the layer's input. Statistics in float32, rounded before the weight as RMSNorm."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:     # x, z (..., dim)
+        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return (normed * F.silu(z.float())).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -54,10 +91,11 @@ class LayerNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
 
-def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """`kind` is ModelConfig.norm: "rmsnorm" or "layernorm"."""
+def make_norm(kind: str, dim: int, eps: float, zero_centered: bool = False) -> nn.Module:
+    """`kind` is ModelConfig.norm: "rmsnorm" or "layernorm"; zero_centered (rmsnorm only) is
+    ModelConfig.norm_zero_centered."""
     if kind == "rmsnorm":
-        return RMSNorm(dim, eps)
+        return ZeroCenteredRMSNorm(dim, eps) if zero_centered else RMSNorm(dim, eps)
     if kind == "layernorm":
         return LayerNorm(dim, eps)
     raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")

@@ -92,7 +92,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Compiled, the same products and sums are written half by half into one concatenation,
     [x1*c + x2*(-s), x2*c + x1*s]: inductor then writes each half of the result in place instead
     of materialising the swapped copy of x first (small-Llama fp32 training step, the rotation's
-    fused kernels forward + backward 24 -> 16 ms)."""
+    fused kernels forward + backward 24 -> 16 ms).
+
+    Partial rotary (ModelConfig.partial_rotary_factor < 1): tables of width R < Dh rotate the first
+    R dimensions of each head and pass the other Dh - R through unchanged."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:                                           # partial rotary: the first R dims turn
+        x_rot, x_pass = x.split((R, x.shape[-1] - R), dim=-1)     # (B, T, heads, R), (..., Dh - R)
+        return torch.cat((apply_rope(x_rot, cos, sin), x_pass.to(torch.result_type(x_rot, cos))), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)                                   # (B, T, heads, Dh/2) each
     if torch.compiler.is_compiling():
         (c, _), (s_neg, s) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.model.attention import Attention
 from logitlab.model.cache import KVCache
 from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's old home)
     ModelConfig,
@@ -52,8 +53,9 @@ from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's o
     conform,
     describe_type,
 )
+from logitlab.model.deltanet import GatedDeltaNet
 from logitlab.model.layers import ATTN_IMPLS, Block
-from logitlab.model.norms import LayerNorm, RMSNorm, make_norm
+from logitlab.model.norms import LayerNorm, RMSNorm, ZeroCenteredRMSNorm, make_norm
 from logitlab.model.rope import RotaryEmbedding
 
 
@@ -83,10 +85,10 @@ class Transformer(nn.Module):
         V, D = config.padded_vocab_size, config.d_model
         self.tok_emb = nn.Embedding(V, D)
         self.pos_emb = nn.Embedding(config.context_length, D) if config.positions == "learned" else None
-        self.rope = (RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
+        self.rope = (RotaryEmbedding(config.rotary_dim, config.context_length, config.rope_theta,
                                      config.rope_scaling) if config.positions == "rope" else None)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.final_norm = make_norm(config.norm, D, config.norm_eps)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds)
+        self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered)
         self.lm_head = nn.Linear(D, V, bias=False)
         # The padded head's product h @ weight[:V]^T; a kernel installed from outside may replace
         # it (kernels.cpu_bf16.install) with a function computing the same values.
@@ -128,20 +130,24 @@ class Transformer(nn.Module):
         - every Linear weight and both embedding tables ~ Normal(0, init_std);
         - the residual output projections (attn.o_proj, mlp.down_proj) ~ Normal(0, init_std /
           sqrt(2L)), so the residual stream's variance does not grow with depth (2 adds per block);
-        - every bias zeros; every norm weight ones (LayerNorm bias zeros).
+        - every bias zeros; every norm weight ones (LayerNorm bias zeros; a zero-centred RMSNorm's
+          stored offset zeros); attention sink logits zeros; Gated DeltaNet's decay and conv as
+          GatedDeltaNet.reset_parameters (its out_proj scaled as o_proj).
         A tied LM head is the embedding table and is initialised once, as the embedding."""
         std, L = self.config.init_std, self.config.n_layers
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                scaled = name.endswith("o_proj") or name.endswith("down_proj")
+                scaled = name.endswith(("o_proj", "down_proj", "out_proj"))
                 if not (module is self.lm_head and self.config.tie_embeddings):
                     nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * L) if scaled else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, (RMSNorm, LayerNorm)):
-                module.reset_parameters()
+            elif isinstance(module, (RMSNorm, LayerNorm, ZeroCenteredRMSNorm, GatedDeltaNet)):
+                module.reset_parameters()                          # GatedDeltaNet: its decay, conv, norm
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -206,8 +212,10 @@ class Transformer(nn.Module):
             return self.lm_head(h)                                 # (B, T, V)
         return self.head_matmul(h, weight[:V])                     # (B, T, V)
 
-    def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False, check_values=True):
-        """Embeddings and blocks: -> (h (B, T, D) before the final norm, hidden list, weights list)."""
+    def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False, check_values=True,
+             records=None):
+        """Embeddings and blocks: -> (h (B, T, D) before the final norm, hidden list, weights list).
+        records: a list that receives one dict per Gated DeltaNet layer (its g and beta)."""
         cfg = self.config
         self._check_ids(ids, check_values)
         B, T = ids.shape
@@ -223,18 +231,23 @@ class Transformer(nn.Module):
         else:
             positions = self._check_positions(positions, B, T, check_values)
         mask, is_causal = self._mask(attn_mask, B, T, past, ids.device)
+        # sliding-window layers mask by slot distance; Gated DeltaNet zeroes padded positions
+        window = (attn_mask, torch.arange(past, S, device=ids.device))
+        pad = attn_mask[:, past:S] if attn_mask is not None else None
 
         x = self.tok_emb(ids)                                      # (B, T, D)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
-        rope = None
-        if self.rope is not None:                                  # cos, sin: (B|1, T, 1, Dh)
-            cos, sin = self.rope(positions)
-            rope = (cos, sin) if cos.dtype == x.dtype else (cos.to(x.dtype), sin.to(x.dtype))
+        rope, key_rope = self._rope_tables(positions, cache, S, x.dtype)
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, rope, cache=cache, layer=i, mask=mask, is_causal=is_causal,
-                         impl=self.attn_impl, need_weights=want_weights)
+            record = {} if records is not None and block.linear_attn is not None else None
+            x, w = block(x, rope, cache=cache, layer=i,
+                         mask=window if block.layer_type == "sliding_attention" else mask,
+                         is_causal=is_causal, impl=self.attn_impl, need_weights=want_weights, pad=pad,
+                         key_rope=key_rope, record=record)
+            if record is not None:
+                records.append({"layer": i, **record})
             if want_weights:
                 weights.append(w)
             if want_hidden and i < len(self.blocks) - 1:
@@ -242,6 +255,18 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(T)  # the one place the cache moves
         return x, hidden, weights
+
+    def _rope_tables(self, positions, cache, S, dtype):
+        """(cos, sin) for the queries' positions, in the residual stream's dtype, and for a cache
+        that keeps keys unrotated (StreamingLLM) the tables of its slots 0 .. S-1."""
+        if self.rope is None:
+            return None, None
+        cos, sin = self.rope(positions)                            # (B|1, T, 1, R)
+        rope = (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
+        if cache is None or not getattr(cache, "rotates_keys", False):
+            return rope, None
+        kcos, ksin = self.rope(torch.arange(S, device=positions.device).unsqueeze(0))   # (1, S, 1, R)
+        return rope, (kcos.to(dtype), ksin.to(dtype))
 
     @staticmethod
     def _mask(attn_mask, B, T, past, device):
