@@ -172,7 +172,10 @@ class Attention(nn.Module):
         return window_mask(q_slot, slots, self.window, attn_mask), False
 
     def _attend(self, q, k, v, mask, is_causal, impl, need_weights):
-        """q (B, H, T, Dh), k, v (B, Hkv, S, Dh) -> (out (B, H, T, Dh), weights or None)."""
+        """q (B, H, T, Dh), k, v (B, Hkv, S, Dh) -> (out (B, H, T, Dh), weights or None).
+
+        Fast paths installed from outside (kernels.triton_install) override this method: keep its
+        signature."""
         if need_weights or impl == "eager" or self.sinks is not None:
             # sinks: SDPA has no extra softmax column, so the reference path computes them
             return eager_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
