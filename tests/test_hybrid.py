@@ -386,3 +386,39 @@ def test_a_tiny_hybrid_trains():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Seeing inside
+# --------------------------------------------------------------------------------------------
+
+def test_sink_shares_and_the_linear_trace():
+    from logitlab.inspect import linear_trace, sink_shares
+
+    torch.manual_seed(0)
+    model = Transformer(_config(layer_types=("linear_attention", "full_attention") * 2, attn_gate="elementwise"))
+    model.eval()
+    ids = list(range(1, 13))
+    shares = sink_shares(model, ids, k=3)
+    assert [s.layer for s in shares] == [1, 3]                     # attention layers only
+    with torch.no_grad():
+        _, weights = model.forward_with_attention(torch.tensor([ids]))
+    w = weights[1][0]
+    torch.testing.assert_close(torch.tensor(shares[0].first), w[:, 1:, 0].mean(1))
+    assert all(0 < a <= b <= 1 for a, b in zip(shares[0].first, shares[0].first_k))
+    traces = linear_trace(model, ids)
+    assert [t.layer for t in traces] == [0, 2]
+    trace = traces[0]
+    assert len(trace.decay) == 12 and len(trace.decay[0]) == 4     # T positions x Hv heads
+    assert all(0 < a <= 1 for row in trace.decay for a in row) and all(0 < b < 1 for row in trace.beta for b in row)
+    # the state norm after the last position is the norm of the rule's final state
+    layer = model.blocks[0].linear_attn
+    records: list = []
+    with torch.no_grad():
+        model._run(torch.tensor([ids]), None, None, None, records=records)
+    r = records[0]
+    _, final = gated_delta_rule_reference(r["q"], r["k"], r["v"], r["g"], r["beta"])
+    assert layer is not None
+    torch.testing.assert_close(torch.tensor(trace.state_norm[-1]), final[0].flatten(1).norm(dim=-1))
+    with pytest.raises(ValueError, match="k \\(12\\) must be smaller"):
+        sink_shares(model, ids, k=12)

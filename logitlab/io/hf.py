@@ -266,21 +266,21 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
     # generate stops on a wrong token or never. Without a tokenizer's end-of-text id the model
     # has none that we know of: null, and transformers' generate runs to max_new_tokens.
     eot = tokenizer.eot_id if tokenizer is not None else None
-    hf_config.update(bos_token_id=eot, eos_token_id=eot)
+    end_of_turn = tokenizer.special_tokens.get("<|im_end|>") if tokenizer is not None else None
+    # a chat model ends its turn with <|im_end|>: transformers' generate stops on either
+    eos = [end_of_turn, eot] if end_of_turn is not None and eot is not None else eot
+    hf_config.update(bos_token_id=eot, eos_token_id=eos)
     state = families.state_dict_to_hf(model.state_dict(), config)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     directory = Path(directory)
     save_file(state, str(directory / SAFETENSORS), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if tokenizer is not None:
+        from logitlab.tokenizer.chat import write_hf_tokenizer_config
+
         tokenizer.save_hf(directory / "tokenizer.json")
-        special, eot = {}, "<|endoftext|>"
-        if tokenizer.eot_id is not None:
-            special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
-        (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.context_length,
-                   "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
-        (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        # the chat template (when the tokenizer has one, or ChatML's markers) and the special tokens
+        write_hf_tokenizer_config(tokenizer, directory, config.context_length)
 
 
 HF_KIND = "Hugging Face model"

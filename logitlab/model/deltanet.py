@@ -102,21 +102,30 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = CHUNK):
     lower = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
     decay = ratio.masked_fill(~lower, float("-inf")).exp()                # G_t / G_s for s <= t, else 0
     kb = k * beta[..., None]                                              # beta_t k_t
-    A = (kb @ k.transpose(-1, -2)) * decay                                # diagonal ignored below
+    eye = torch.eye(C, dtype=torch.bool, device=k.device)
+    A = ((kb @ k.transpose(-1, -2)) * decay).masked_fill(eye, 1.0)        # I + A: A strictly lower
     rhs = torch.cat((v * beta[..., None], kb * logG.exp()[..., None]), dim=-1)   # (.., C, Dv + Dk)
-    YW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # (I + A)^-1 rhs
+    # the diagonal written as ones rather than unitriangular=True, and the batch flattened to one
+    # dimension: the same solve, and on CPU 2.5x and 2x faster (256 systems of 64 x 64, 128 columns)
+    YW = torch.linalg.solve_triangular(A.reshape(-1, C, C), rhs.reshape(-1, C, Dv + Dk),
+                                       upper=False).view(B, H, N, C, Dv + Dk)   # (I + A)^-1 rhs
     Y, W = YW.split((Dv, Dk), dim=-1)                                     # (.., C, Dv), (.., C, Dk)
     P = (q @ k.transpose(-1, -2)) * decay                                 # (B, H, N, C, C)
     qG = q * logG.exp()[..., None]                                        # G_t q_t
     kG = k * (logG[..., -1:] - logG).exp()[..., None]                     # k_s G_C / G_s
     GC = logG[..., -1].exp()[..., None, None]                             # (B, H, N, 1, 1)
     S = torch.zeros(B, H, Dk, Dv, device=v.device) if state is None else state.float()
-    out = torch.empty(B, H, N, C, Dv, device=v.device)
-    for n in range(N):
-        U = Y[:, :, n] - W[:, :, n] @ S                                   # (B, H, C, Dv)
-        out[:, :, n] = qG[:, :, n] @ S + P[:, :, n] @ U
-        S = GC[:, :, n] * S + kG[:, :, n].transpose(-1, -2) @ U
-    out = out.reshape(B, H, N * C, Dv)[:, :, :T].transpose(1, 2)          # (B, T, H, Dv)
+    # one product reads S for W and for G q at once: (B, H, N, 2C, Dk) @ (B, H, Dk, Dv)
+    reads = torch.cat((W, qG), dim=-2)
+    outs = []
+    # unbind (not [:, :, n]): backward then stacks the chunks' gradients once instead of adding
+    # N zero-filled copies of each tensor
+    for Y_n, reads_n, P_n, kG_n, GC_n in zip(*(t.unbind(2) for t in (Y, reads, P, kG.transpose(-1, -2), GC))):
+        WS, qS = (reads_n @ S).split(C, dim=-2)                           # (B, H, C, Dv) each
+        U = Y_n - WS                                                      # the corrections
+        outs.append(qS + P_n @ U)
+        S = GC_n * S + kG_n @ U
+    out = torch.stack(outs, dim=2).reshape(B, H, N * C, Dv)[:, :, :T].transpose(1, 2)   # (B, T, H, Dv)
     return out, S
 
 
@@ -177,8 +186,8 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).float())                                     # (B, T, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         o = self._rule(q, k, v, g, beta, state, impl)                                       # (B, T, Hv, Dv)
-        if record is not None:
-            record.update(g=g.detach(), beta=beta.detach())
+        if record is not None:  # what inspect.mixers reads: the rule's inputs per value head
+            record.update(g=g.detach(), beta=beta.detach(), q=q.detach(), k=k.detach(), v=v.float().detach())
         z = self.in_proj_z(x).view(B, T, self.Hv, self.Dv)
         o = self.norm(o.to(x.dtype), z)                                                     # (B, T, Hv, Dv)
         return self.out_proj(o.reshape(B, T, self.Hv * self.Dv))
