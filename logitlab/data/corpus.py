@@ -1,23 +1,65 @@
 """Finding documents: the first step of "corpus -> token files -> batches".
 
-corpus.py owns where documents come from and how they are read: text files, directories, globs,
-`.jsonl` (one document per line, a named text field) and `.parquet` (one document per row, a named
-column; pyarrow is imported only when a parquet file is read). With no sources, the default corpus
-is the Python standard library's own `*.py` source (`default_corpus_files`); `spread_files` and
-`limit_chars` take a quick subset of it that still spans all of it. Errors name the file (and line).
-It imports nothing from logitlab.
+corpus.py owns where documents come from and how they are read, streaming: text files,
+directories, globs, `.jsonl` / `.jsonl.gz` / `.jsonl.zst` (one document per line, a named text
+field) and `.parquet` (one document per row, a named column, read one row group at a time; pyarrow
+and zstandard are imported only when such a file is read). `iter_records` yields `Document`s that
+keep their metadata (source name, document id = file and line or row); `iter_documents` yields the
+texts alone. A source may be named (`web=crawl/`, see `parse_source`). With no sources, the default
+corpus is the Python standard library's own `*.py` source (`default_corpus_files`); `spread_files`
+and `limit_chars` take a quick subset of it that still spans all of it. Errors name the file (and
+line). It imports nothing from logitlab.
 """
 
 from __future__ import annotations
 
 import glob as globlib
+import gzip
+import io
 import json
 import os
+import re
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text", "")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document and where it came from: `source` (the source's name) and `doc_id`
+    (`file`, `file:LINE` for JSON lines, `file:rowN` for parquet rows)."""
+
+    text: str
+    source: str
+    doc_id: str
+
+
+def file_kind(path: Path) -> str:
+    """"jsonl", "jsonl.gz", "jsonl.zst", "parquet" or "text", from the file name."""
+    name = path.name
+    for suffix in JSONL_SUFFIXES:
+        if name.endswith(suffix):
+            return suffix[1:]
+    return "parquet" if name.endswith(".parquet") else "text"
+
+
+def _readable(path: Path) -> bool:
+    return not path.name.startswith(".") and (file_kind(path) != "text" or path.suffix in TEXT_SUFFIXES)
+
+
+def parse_source(spec: str | os.PathLike) -> tuple[str, str]:
+    """"NAME=PATH" -> (NAME, PATH); a plain PATH is its own name. A path that exists as written
+    is never split (a file may contain "=")."""
+    s = str(spec)
+    name, eq, rest = s.partition("=")
+    if eq and rest and _NAME.fullmatch(name) and not Path(s).exists():
+        return name, rest
+    return s, s
 
 
 def default_corpus_files(root: str | os.PathLike | None = None) -> list[Path]:
@@ -52,21 +94,21 @@ def spread_files(files: Sequence[Path], max_bytes: int, offset: int = 0) -> list
 
 
 def resolve_sources(sources: Sequence[str | os.PathLike]) -> list[Path]:
-    """Expand files, directories (recursively: text-like, .jsonl and .parquet files) and globs
-    into a sorted, de-duplicated list of files in the order given."""
+    """Expand files, directories (recursively: text-like, .jsonl(.gz/.zst) and .parquet files)
+    and globs, each optionally named (NAME=PATH, see parse_source), into a sorted, de-duplicated
+    list of files in the order given."""
     files: list[Path] = []
     for src in sources:
-        s = str(src)
+        s = parse_source(src)[1]
         if any(ch in s for ch in "*?["):
             matches = sorted(Path(p) for p in globlib.glob(s, recursive=True) if Path(p).is_file())
             if not matches:
                 raise FileNotFoundError(f"glob {s!r} matched no files")
             files.extend(matches)
         elif Path(s).is_dir():
-            found = sorted(p for p in Path(s).rglob("*") if p.is_file() and not p.name.startswith(".")
-                           and (p.suffix in (".jsonl", ".parquet") or p.suffix in TEXT_SUFFIXES))
+            found = sorted(p for p in Path(s).rglob("*") if p.is_file() and _readable(p))
             if not found:
-                raise FileNotFoundError(f"directory {s} holds no text, .jsonl or .parquet files")
+                raise FileNotFoundError(f"directory {s} holds no text, .jsonl(.gz/.zst) or .parquet files")
             files.extend(found)
         elif Path(s).is_file():
             files.append(Path(s))
@@ -78,34 +120,63 @@ def resolve_sources(sources: Sequence[str | os.PathLike]) -> list[Path]:
 
 def iter_documents(files: Iterable[Path], text_field: str = "text", column: str = "text",
                    skip_undecodable: bool = False) -> Iterator[str]:
-    """Yield documents: a whole text file, one `.jsonl` line's `text_field`, or one parquet row's
-    `column`. Errors name the file (and line)."""
+    """Yield documents' texts: a whole text file, one JSON line's `text_field`, or one parquet
+    row's `column`. Errors name the file (and line)."""
     for path in files:
-        path = Path(path)
-        if path.suffix == ".jsonl":
-            with path.open("r", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError as exc:
-                        raise ValueError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
-                    if not isinstance(record, dict) or text_field not in record:
-                        raise ValueError(f"{path}:{lineno}: no field {text_field!r} (use --text-field)")
-                    yield str(record[text_field])
-        elif path.suffix == ".parquet":
-            yield from _iter_parquet(path, column)
-        else:
-            try:
-                yield path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                if skip_undecodable:
-                    continue
+        for doc in iter_records(Path(path), str(path), text_field, column, skip_undecodable):
+            yield doc.text
+
+
+def iter_records(path: Path, source: str, text_field: str = "text", column: str = "text",
+                 skip_undecodable: bool = False) -> Iterator[Document]:
+    """The documents of one file, streamed, with their metadata (see `Document`)."""
+    kind = file_kind(path)
+    if kind == "parquet":
+        for row, text in _iter_parquet(path, column):
+            yield Document(text, source, f"{path}:row{row}")
+    elif kind != "text":
+        with _open_lines(path, kind) as f:
+            for lineno, line in enumerate(f, 1):
+                text = _json_text(path, lineno, line, text_field)
+                if text is not None:
+                    yield Document(text, source, f"{path}:{lineno}")
+    else:
+        try:
+            yield Document(path.read_text(encoding="utf-8"), source, str(path))
+        except UnicodeDecodeError as exc:
+            if not skip_undecodable:
                 raise ValueError(f"{path} is not valid UTF-8: {exc}") from exc
 
 
-def _iter_parquet(path: Path, column: str) -> Iterator[str]:
+def _open_lines(path: Path, kind: str):
+    """A text stream over the lines of a (compressed) JSON-lines file."""
+    if kind == "jsonl.gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    if kind == "jsonl.zst":
+        try:
+            import zstandard
+        except ImportError as exc:
+            raise ValueError(f"reading {path} needs zstandard: pip install zstandard") from exc
+        raw = zstandard.ZstdDecompressor().stream_reader(path.open("rb"), closefd=True)
+        return io.TextIOWrapper(raw, encoding="utf-8")
+    return path.open("r", encoding="utf-8")
+
+
+def _json_text(path: Path, lineno: int, line: str, text_field: str) -> str | None:
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
+    if not isinstance(record, dict) or text_field not in record:
+        raise ValueError(f"{path}:{lineno}: no field {text_field!r} (use --text-field)")
+    value = record[text_field]
+    return None if value is None else str(value)
+
+
+def _iter_parquet(path: Path, column: str) -> Iterator[tuple[int, str]]:
+    """(row number, text) of each non-null row, one row group in memory at a time."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -113,10 +184,12 @@ def _iter_parquet(path: Path, column: str) -> Iterator[str]:
     pf = pq.ParquetFile(path)
     if column not in pf.schema_arrow.names:
         raise ValueError(f"{path}: no column {column!r} (columns: {pf.schema_arrow.names}; use --column)")
-    for batch in pf.iter_batches(columns=[column], batch_size=1024):
-        for value in batch.column(0).to_pylist():
+    row = 0
+    for group in range(pf.num_row_groups):
+        for value in pf.read_row_group(group, columns=[column]).column(0).to_pylist():
             if value is not None:
-                yield str(value)
+                yield row, str(value)
+            row += 1
 
 
 def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:

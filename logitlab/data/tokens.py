@@ -12,8 +12,9 @@ evaluation window) when the training part keeps as many, and never more than hal
 records which rule made validation ("validation": "documents", "tail" or "none") and a one-line
 "val_note" the CLI prints; with f = 0 there is no validation set and the note says so. It also
 owns reading them back:
-`read_manifest` and `load_tokens` (a read-only memory map, its size checked against the manifest
-before it is read). The batches drawn from them are batches.py's.
+`read_manifest` and `load_tokens` (a read-only memory map, or for the sharded layout that
+merge.py writes a `shards.ShardedTokens` view across train-NNNNN.bin files; every file's size is
+checked against the manifest before it is read). The batches drawn from them are batches.py's.
 
 It imports nothing from logitlab but the file primitives (files.py) and its siblings; the tokenizer
 is passed in (anything with encode_ordinary or encode, eot_id, vocab_size, fingerprint, save/load).
@@ -273,31 +274,53 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
     try:
         np.dtype(manifest["dtype"])
         ok = isinstance(manifest["vocab_size"], int) and isinstance(splits, dict) and all(
-            isinstance(v, dict) and isinstance(v.get("file"), str) and isinstance(v.get("tokens"), int)
+            isinstance(v, dict) and isinstance(v.get("tokens"), int) and (
+                isinstance(v.get("file"), str) or _valid_shards(v.get("shards"), v["tokens"]))
             for v in splits.values())
     except (KeyError, TypeError):
         ok = False
     if not ok:
-        raise ValueError(f"{path}: malformed manifest (needs dtype, vocab_size and splits with file and tokens)")
+        raise ValueError(f"{path}: malformed manifest (needs dtype, vocab_size and splits with tokens and a "
+                         f"file or a shard list whose tokens add up)")
     return manifest
 
 
-def load_tokens(data_dir: str | os.PathLike, split: str) -> np.memmap:
-    """The token file of `split` ("train" or "val") as a read-only memory map."""
+def _valid_shards(shards, total: int) -> bool:
+    """A list of {"file": a plain file name in the directory, "tokens": int} adding up to total."""
+    return isinstance(shards, list) and all(
+        isinstance(s, dict) and isinstance(s.get("file"), str) and Path(s["file"]).name == s["file"]
+        and isinstance(s.get("tokens"), int) for s in shards) and sum(s["tokens"] for s in shards) == total
+
+
+def _checked_file(data_dir: Path, name: str, tokens: int, dtype: np.dtype) -> Path:
+    """data_dir/name, its size checked against the manifest's `tokens`."""
+    path = data_dir / name
+    expected = int(tokens) * dtype.itemsize
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing ({data_dir / MANIFEST_FILE} lists it)")
+    size = path.stat().st_size
+    if size != expected:
+        raise ValueError(f"{path} holds {size:,} bytes, but {data_dir / MANIFEST_FILE} says "
+                         f"{int(tokens):,} {dtype.name} tokens = {expected:,} bytes: the file is "
+                         f"truncated or was replaced; prepare the data again")
+    return path
+
+
+def load_tokens(data_dir: str | os.PathLike, split: str):
+    """The tokens of `split` ("train" or "val"), read-only and not loaded: a memory map of the
+    single-file layout (train.bin), or a `ShardedTokens` view over train-NNNNN.bin shards. Each
+    file's size is checked against the manifest first."""
+    from logitlab.data.shards import ShardedTokens
+
     manifest = read_manifest(data_dir)
     if split not in manifest["splits"]:
         raise ValueError(f"unknown split {split!r}; have {sorted(manifest['splits'])}")
-    info = manifest["splits"][split]
-    path = Path(data_dir) / info["file"]
+    info, data_dir = manifest["splits"][split], Path(data_dir)
     dtype = np.dtype(manifest["dtype"])
-    expected = int(info["tokens"]) * dtype.itemsize
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing ({Path(data_dir) / MANIFEST_FILE} lists it)")
-    size = path.stat().st_size
-    if size != expected:
-        raise ValueError(f"{path} holds {size:,} bytes, but {Path(data_dir) / MANIFEST_FILE} says "
-                         f"{int(info['tokens']):,} {dtype.name} tokens = {expected:,} bytes: the file is "
-                         f"truncated or was replaced; prepare the data again")
+    if "shards" in info:
+        paths = [_checked_file(data_dir, s["file"], s["tokens"], dtype) for s in info["shards"]]
+        return ShardedTokens(paths, [s["tokens"] for s in info["shards"]], dtype)
+    path = _checked_file(data_dir, info["file"], info["tokens"], dtype)
     if info["tokens"] == 0:
         return np.zeros(0, dtype=dtype)  # an empty split cannot be memory-mapped
     return np.memmap(path, dtype=dtype, mode="r", shape=(info["tokens"],))
