@@ -1,5 +1,7 @@
 """Subcommand `chat` (registered by main.py): an interactive prompt loop over a plain-text
-transcript. It reuses generate.py's model loading, sampling flags and streaming of text.
+transcript, or, when the tokenizer has a chat template (or ChatML's <|im_start|> / <|im_end|>
+tokens, as after `logitlab sft`), over a list of messages rendered by that template. It reuses
+generate.py's model loading, sampling flags and streaming of text.
 
 The loop is a REPL: line editing and history with the arrow keys (Python's readline, loaded only
 when stdin is a terminal), an opening line naming the commands (/reset, /help, Ctrl-D), the prompt
@@ -111,6 +113,8 @@ def _chat(args) -> int:
         raise ValueError(f"max_new_tokens ({cfg.max_new_tokens}) leaves no room in the context "
                          f"({m.model.config.context_length})")
     out = console()
+    if _uses_template(m.tokenizer):
+        return _chat_with_template(args, m, cfg, generator, room, out)
     start = (args.system.strip() + "\n") if args.system.strip() else ""
     history = start
     _line_editing()
@@ -150,3 +154,60 @@ def _turn(args, m, cfg, generator, room, out, history: str) -> str:
         except KeyboardInterrupt:
             print()
     return history
+
+
+# --------------------------------------------------------------------------------------------
+# a tokenizer with a chat template (or ChatML's markers): messages, not a transcript
+# --------------------------------------------------------------------------------------------
+
+def _uses_template(tok) -> bool:
+    return getattr(tok, "chat_template", None) is not None or {"<|im_start|>", "<|im_end|>"} <= set(tok.special_tokens)
+
+
+def _chat_with_template(args, m, cfg, generator, room, out) -> int:
+    """The loop over a messages list rendered by the tokenizer's chat template; each reply stops at
+    the end-of-turn token, and the oldest turns are dropped (and said to be) when the context is full."""
+    from logitlab.tokenizer.chat import end_of_turn_id
+
+    end = end_of_turn_id(m.tokenizer)
+    cfg = dataclasses.replace(cfg, stop_ids=tuple(cfg.stop_ids) + ((end,) if end is not None else ()),
+                              stop_bytes=tuple(b for b in cfg.stop_bytes if b != b"\nUser:"))
+    start = [{"role": "system", "content": args.system.strip()}] if args.system.strip() else []
+    messages = list(start)
+    _line_editing()
+    print(OPENING)
+    while True:
+        line = _read_line()
+        if line is None:
+            return 0
+        command = line.strip()
+        if command in ("/reset", "/help") or not command:
+            if command == "/reset":
+                messages = list(start)
+                print("history cleared")
+            elif command == "/help":
+                print("\n".join(COMMANDS))
+            continue
+        try:
+            messages = _template_turn(args, m, cfg, generator, room, out, messages + [{"role": "user",
+                                                                                       "content": line}])
+        except KeyboardInterrupt:
+            print("\n[reply stopped]")
+
+
+def _template_turn(args, m, cfg, generator, room, out, messages: list) -> list:
+    from logitlab.generate.loop import stream
+    from logitlab.tokenizer.chat import fit_history
+
+    ids, dropped = fit_history(m.tokenizer, messages, room)
+    if dropped:
+        print(f"[{dropped} earliest message(s) left out to fit the context]")
+    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
+               generator=generator, step=_decode_step(args, m.model))
+    reply, stopped = _write_reply(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes))
+    if not stopped:
+        try:
+            _timings(out, s.result)
+        except KeyboardInterrupt:
+            print()
+    return messages + [{"role": "assistant", "content": reply.strip()}]

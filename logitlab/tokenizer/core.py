@@ -54,6 +54,8 @@ from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage
     uncovered_error,
 )
 from logitlab.tokenizer.reference import bpe, bpe_plain, encode_pieces, merge_table, utf8
+from logitlab.tokenizer.special import place_specials
+from logitlab.tokenizer.special import prefix_overlap as _prefix_overlap
 
 
 class Tokenizer:
@@ -113,30 +115,10 @@ class Tokenizer:
         self._fast_path_ok: bool | None = None  # computed on first use (about 1 s for 50k tokens)
         self._tiktoken = None
         self._token_lengths: list[int] | None = None  # bytes per id, for _check_fast_covered
+        self.chat_template: str | None = None  # Jinja source; None: ChatML (chat.py)
 
     # ---------------------------------------------------------------- construction details
-    @staticmethod
-    def _place_specials(special_tokens, others: dict[int, bytes], next_id: int) -> dict[str, int]:
-        if special_tokens is None:
-            special_tokens = []
-        if isinstance(special_tokens, dict):
-            check_special_tokens(special_tokens)
-            specials = {s: int(i) for s, i in special_tokens.items()}
-        else:
-            specials = {}
-            by_bytes = {t: i for i, t in sorted(others.items(), reverse=True)}
-            for s in check_special_tokens(special_tokens):
-                i = by_bytes.get(s.encode("utf-8"))
-                if i is None:
-                    i, next_id = next_id, next_id + 1
-                specials[s] = i
-        for i, tok in others.items():
-            if i not in specials.values():
-                raise ValueError(f"vocab id {i} ({tok!r}) is neither a byte, a merge result "
-                                 f"nor a special token")
-        if len(set(specials.values())) != len(specials):
-            raise ValueError(f"special tokens share ids: {specials}")
-        return specials
+    _place_specials = staticmethod(place_specials)  # special.py: ids for the special tokens
 
     @property
     def fast_path_ok(self) -> bool:
@@ -281,6 +263,8 @@ class Tokenizer:
 
     def encode_ordinary(self, text: str, fast: bool | None = None) -> list[int]:
         """Encode untrusted text: special-token strings are ordinary text."""
+        if fast is not False and type(text) is str and self.pattern_name is not None and self.fast_path_ok:
+            return self._fast().encode_ordinary(text)  # encode's checks cost more than short texts do
         return self.encode(text, allowed_special="none", fast=fast)
 
     def _split_special(self, text: str, allowed: set[str]) -> Iterator[tuple[str, int | None]]:
@@ -348,6 +332,19 @@ class Tokenizer:
         if tail:
             yield tail
 
+    # ---------------------------------------------------------------- chat (chat.py)
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True):
+        """Messages [{"role", "content"}, ...] -> ids (or the text, tokenize=False), as transformers'."""
+        from logitlab.tokenizer.chat import apply_chat_template
+
+        return apply_chat_template(self, messages, add_generation_prompt, tokenize)
+
+    def chat_turns(self, messages) -> list[tuple[str, list[int]]]:
+        """(role, ids) per piece of the rendered chat; the ids concatenate to the whole chat."""
+        from logitlab.tokenizer.chat import chat_turns
+
+        return chat_turns(self, messages)
+
     # ---------------------------------------------------------------- formats
     def fingerprint(self) -> str:
         from logitlab.tokenizer.formats import fingerprint
@@ -392,9 +389,3 @@ class Tokenizer:
         return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
                 f"special_tokens={list(self._special)}, pattern={self.pattern_name or self.pattern!r})")
 
-
-def _prefix_overlap(specials: set[str]) -> bool:
-    """True when one special token is a prefix of another: tiktoken's alternation order is then
-    unspecified, so we cut at special tokens ourselves (longest first)."""
-    items = sorted(specials)
-    return any(b.startswith(a) for a, b in zip(items, items[1:]))

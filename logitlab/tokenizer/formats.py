@@ -169,6 +169,8 @@ def save_logitlab(tok, path) -> None:
         "merges": [[a.hex(), b.hex()] for a, b in tok.merges],
         "fingerprint": tok.fingerprint(),
     }
+    if getattr(tok, "chat_template", None) is not None:
+        data["chat_template"] = tok.chat_template  # not in the fingerprint: it changes no id
     listing = path.with_suffix(".vocab")
     if listing == path:
         raise ValueError(f"cannot save the tokenizer as {path}: the readable listing goes beside it as "
@@ -210,6 +212,10 @@ def load_logitlab(cls, path):
     if expected is not None and expected != tok.fingerprint():
         raise ValueError(f"{path}: fingerprint mismatch (file says {expected}, contents give "
                          f"{tok.fingerprint()}); the file was edited or damaged")
+    template = data.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: field 'chat_template' must be str, got {type(template).__name__}")
+    tok.chat_template = template
     return tok
 
 
@@ -339,7 +345,11 @@ def load_hf(cls, path):
     for added in data.get("added_tokens") or []:
         specials[added["content"]] = added["id"]
         vocab.pop(added["id"], None)
-    return _build(cls, vocab, merges, str(path), specials, pattern)
+    tok = _build(cls, vocab, merges, str(path), specials, pattern)
+    from logitlab.tokenizer.chat import read_hf_chat_template  # the tokenizer_config.json beside it
+
+    tok.chat_template = read_hf_chat_template(Path(path).parent)
+    return tok
 
 
 # ------------------------------------------------------------------------------ tiktoken ranks

@@ -1,0 +1,241 @@
+"""Chat templates: a conversation [{"role": ..., "content": ...}, ...] -> the text a chat model
+reads -> ids.
+
+chat.py owns rendering conversations. Two templates exist:
+
+* ChatML (the default, when a tokenizer has no template): each message is
+  `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and the generation prompt is
+  `<|im_start|>assistant\\n`. `render_chatml` writes it in plain Python; CHATML_TEMPLATE is the
+  same thing as a Jinja template, the form written to a Hugging Face tokenizer_config.json (a
+  test checks that the two agree).
+* a Jinja template (`Tokenizer.chat_template`), e.g. read from a Hugging Face
+  tokenizer_config.json's "chat_template" (`read_hf_chat_template`). It is rendered the way
+  transformers renders it: the jinja2 sandbox, trim_blocks and lstrip_blocks, the loop-controls
+  extension, a `tojson` filter that does not escape HTML, `raise_exception` and `strftime_now`,
+  and the tokenizer's bos/eos tokens as variables. The rendered text is encoded with every
+  special-token string as its id, as transformers does, so the ids equal
+  `PreTrainedTokenizerFast.apply_chat_template` for the same template and vocabulary.
+
+`chat_turns` cuts a rendered conversation into pieces, one per message, so SFT can put its loss
+on the assistant's pieces only: the piece of an assistant message is what the message adds after
+the generation prompt (its content and end-of-turn token), and the generation prompt is a piece
+of its own (role GENERATION_PROMPT). Pieces are found by rendering growing prefixes of the
+conversation, which needs a template whose output for messages[:i] is a prefix of its output for messages[:i+1] (true
+of ChatML and of most published templates; otherwise a ValueError says so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from logitlab.tokenizer.special import ENDOFTEXT, IM_END, IM_START
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+GENERATION_PROMPT = "generation_prompt"  # chat_turns' role for the header before an assistant message
+
+
+def check_messages(messages) -> list[dict]:
+    """A conversation: a list of {"role": str, "content": str} (other keys kept for the template).
+    ValueError naming the message and the field otherwise."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+    for n, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"message {n} must be an object with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"message {n}: field {key!r} must be a string, got {m.get(key)!r}")
+        if not m["role"]:
+            raise ValueError(f"message {n}: field 'role' is empty")
+    return list(messages)
+
+
+def render_chatml(messages, add_generation_prompt: bool = False) -> str:
+    """ChatML in plain Python: the reference the Jinja CHATML_TEMPLATE must equal."""
+    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in check_messages(messages))
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+@lru_cache(maxsize=16)
+def _compiled(template: str):
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise RuntimeError("Jinja chat templates need the jinja2 package (pip install jinja2)") from exc
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        from datetime import datetime
+
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template does not parse (line {exc.lineno}): {exc.message}") from None
+
+
+def template_variables(tok) -> dict[str, str]:
+    """The special tokens a template reads, as written to tokenizer_config.json (so transformers
+    passes the same ones): bos_token the end of text, eos_token the end of a turn (<|im_end|>
+    when the tokenizer has it, else the end of text)."""
+    specials, found = tok.special_tokens, {}
+    if ENDOFTEXT in specials:
+        found = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT}
+    if IM_END in specials:
+        found["eos_token"] = IM_END
+    return found
+
+
+def render(tok, messages, add_generation_prompt: bool = False) -> str:
+    """The conversation's text through `tok.chat_template` (ChatML when it is None)."""
+    messages = check_messages(messages)
+    template = getattr(tok, "chat_template", None)
+    if template is None:
+        return render_chatml(messages, add_generation_prompt)
+    import jinja2
+
+    try:
+        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          **template_variables(tok))
+    except jinja2.exceptions.TemplateError as exc:
+        raise ValueError(f"chat template failed: {exc}") from None
+
+
+def _check_specials(tok, text: str) -> None:
+    """ChatML's markers must be special tokens; else they would be split into ordinary pieces."""
+    missing = [s for s in (IM_START, IM_END) if s in text and s not in tok.special_tokens]
+    if missing:
+        raise ValueError(f"the chat uses {missing} but the tokenizer has no such special token(s); "
+                         f"add them first (logitlab tokenizer add-special)")
+
+
+def apply_chat_template(tok, messages, add_generation_prompt: bool = False, tokenize: bool = True):
+    """-> ids of the rendered conversation (or its text, tokenize=False)."""
+    text = render(tok, messages, add_generation_prompt)
+    if not tokenize:
+        return text
+    _check_specials(tok, text)
+    return tok.encode(text)
+
+
+def chat_turns(tok, messages) -> list[tuple[str, list[int]]]:
+    """-> [(role, ids), ...]: one piece per message, and before each assistant message its
+    generation prompt (role GENERATION_PROMPT, e.g. `<|im_start|>assistant\\n`), whose ids
+    concatenate to the conversation's. Each piece is encoded alone, so no BPE token crosses from
+    one message into the next."""
+    messages = check_messages(messages)
+    pieces, done = [], ""
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            upto = render(tok, messages[:i], add_generation_prompt=True)
+            if upto.startswith(done) and upto != done:
+                pieces.append((GENERATION_PROMPT, upto[len(done):]))
+                done = upto
+        full = render(tok, messages[:i + 1])
+        if not full.startswith(done):
+            raise ValueError(f"chat template is not prefix-consistent at message {i}: rendering "
+                             f"messages[:{i + 1}] does not extend messages[:{i}]; cannot cut turns")
+        pieces.append((m["role"], full[len(done):]))
+        done = full
+    _check_specials(tok, done)
+    return [(role, tok.encode(text)) for role, text in pieces if text]
+
+
+def fit_history(tok, messages, budget: int) -> tuple[list[int], int]:
+    """The prompt for the next reply within `budget` tokens: -> (ids with the generation prompt,
+    messages dropped). Whole messages are dropped from the oldest on, never a leading system
+    message, and the kept history starts at a user message; ValueError when even the last user
+    message does not fit (a chat loop says so and asks for a shorter one)."""
+    messages = check_messages(messages)
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    rest = messages[len(system):]
+    for drop in range(len(rest) + 1):
+        if drop < len(rest) and rest[drop]["role"] == "assistant":
+            continue
+        ids = apply_chat_template(tok, system + rest[drop:], add_generation_prompt=True)
+        if len(ids) <= budget:
+            return ids, drop
+    raise ValueError(f"the last message does not fit in {budget} tokens with the template "
+                     f"({len(apply_chat_template(tok, system + rest[-1:], True))} needed)")
+
+
+def read_hf_chat_template(path: str | os.PathLike) -> str | None:
+    """The "chat_template" of a Hugging Face tokenizer_config.json (a file, or a directory holding
+    one, or a chat_template.jinja beside it); a list of named templates gives the "default" one.
+    None when there is none."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json" if path.is_dir() else path
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config}: not JSON ({exc})") from None
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{config}: 'chat_template' must be a string or a list of {{name, template}}")
+    return template
+
+
+def end_of_turn_id(tok) -> int | None:
+    """The id that ends an assistant turn: <|im_end|> when the tokenizer has it, else the end of
+    text (a stop token for generation and the last id SFT trains on in each assistant turn)."""
+    return tok.special_tokens.get(IM_END, tok.eot_id)
+
+
+def hf_tokenizer_config(tok, model_max_length: int) -> dict:
+    """tokenizer_config.json for transformers' AutoTokenizer: the chat template (ChatML when the
+    tokenizer has none and holds ChatML's markers), the special tokens and the end of turn as eos."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+              "clean_up_tokenization_spaces": False, "add_bos_token": False}
+    specials = tok.special_tokens
+    config.update(template_variables(tok))
+    if ENDOFTEXT in specials:
+        config["unk_token"] = ENDOFTEXT
+    template = getattr(tok, "chat_template", None)
+    if template is None and IM_START in specials and IM_END in specials:
+        template = CHATML_TEMPLATE
+    if template is not None:
+        config["chat_template"] = template
+    extra = sorted(s for s in specials if s != ENDOFTEXT)
+    if extra:
+        config["additional_special_tokens"] = extra
+    return config
+
+
+def write_hf_tokenizer_config(tok, directory: str | os.PathLike, model_max_length: int) -> Path:
+    """Write (atomically) directory/tokenizer_config.json and special_tokens_map.json for `tok`."""
+    from logitlab.io.files import atomic_write_text
+
+    config = hf_tokenizer_config(tok, model_max_length)
+    keys = ("bos_token", "eos_token", "unk_token", "additional_special_tokens")
+    special_map = {k: config[k] for k in keys if k in config}
+    directory = Path(directory)
+    atomic_write_text(directory / "special_tokens_map.json", json.dumps(special_map, indent=2) + "\n")
+    return atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
