@@ -1,0 +1,346 @@
+"""The HTTP server: an ASGI app (starlette) speaking OpenAI's completions and chat API over the
+batching engine, with server-sent events for streaming, a health check and the explorer page.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and the
+explorer's GET / and POST /v1/explore (explorer.py). Every request is checked before anything is
+queued (protocol.py): a bad field, an unknown model, a prompt longer than the context, malformed
+JSON or a body over max_body_bytes is a 4xx with OpenAI's error object naming the field. Each
+prompt becomes one engine request; its events cross from the engine's thread into the event loop
+through an asyncio queue. A client that goes away (a closed stream, or a dropped connection while
+waiting) cancels its requests, which frees their rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from logitlab.serve import explorer
+from logitlab.serve.engine import DoneEvent, Engine, TokenEvent
+from logitlab.serve.protocol import (
+    MAX_TOP_LOGPROBS,
+    ApiError,
+    TextStream,
+    boolean,
+    chat_prompt,
+    completion_prompts,
+    integer,
+    parse_json,
+    sampling,
+    token_text,
+)
+
+MAX_N = 8
+
+
+@dataclass
+class Served:
+    """What the routes share: the engine, the tokenizer, the model's name and limits."""
+
+    engine: Engine
+    tokenizer: object
+    name: str
+    max_body_bytes: int = 1 << 20
+    end_ids: tuple[int, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context(self) -> int:
+        return self.engine.context
+
+
+@dataclass
+class _Job:
+    """One prompt's generation as the route follows it."""
+
+    prompt: list[int]
+    text: TextStream
+    request: object = None
+    tokens: list[TokenEvent] = field(default_factory=list)
+    done: DoneEvent | None = None
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _body(request: Request, served: Served) -> dict:
+    """The JSON body, refused past max_body_bytes (413) before or while reading it."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > served.max_body_bytes:
+        raise ApiError(413, f"the request body ({declared} bytes) is larger than the limit of "
+                       f"{served.max_body_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > served.max_body_bytes:
+            raise ApiError(413, f"the request body is larger than the limit of {served.max_body_bytes} bytes")
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+def _check_model(body: dict, served: Served) -> None:
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise ApiError(400, "'model' is required (a string; GET /v1/models lists them)", "model")
+    if name != served.name:
+        raise ApiError(404, f"the model {name!r} does not exist; this server has {served.name!r}", "model",
+                       "model_not_found")
+
+
+def _check_prompt(ids: list[int], served: Served, param: str) -> None:
+    if len(ids) >= served.context:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens long; the model's context is {served.context} "
+                       f"tokens, which leaves no room to generate", param, "context_length_exceeded")
+    V = served.engine.model.config.vocab_size
+    if any(not 0 <= i < V for i in ids):
+        raise ApiError(400, f"the prompt holds a token id outside the vocabulary (0..{V - 1})", param)
+
+
+def _submit(served: Served, jobs: list[_Job], config, top: int) -> asyncio.Queue:
+    """Queue every job; events arrive on the returned queue as (job index, event). The served
+    end ids (a Hugging Face model's eos ids) end a generation too."""
+    extra = tuple(i for i in served.end_ids if i not in config.stop_ids and i != served.engine.eot_id)
+    config = replace(config, stop_ids=config.stop_ids + extra) if extra else config
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    for i, job in enumerate(jobs):
+        def emit(event, i=i):
+            loop.call_soon_threadsafe(queue.put_nowait, (i, event))
+
+        job.request = served.engine.submit(job.prompt, config, emit, top_logprobs=top)
+    return queue
+
+
+def _cancel(served: Served, jobs: list[_Job]) -> None:
+    for job in jobs:
+        if job.request is not None and job.done is None:
+            served.engine.cancel(job.request)
+
+
+async def _collect(request: Request, served: Served, jobs: list[_Job], queue: asyncio.Queue) -> bool:
+    """Wait for every job to finish -> False when the client went away first (jobs cancelled)."""
+    try:
+        while any(job.done is None for job in jobs):
+            try:
+                i, event = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    _cancel(served, jobs)
+                    return False
+                continue
+            _record(jobs[i], event)
+    except asyncio.CancelledError:
+        _cancel(served, jobs)
+        raise
+    return True
+
+
+def _record(job: _Job, event) -> str:
+    """Keep an event on its job -> the text it adds."""
+    if isinstance(event, TokenEvent):
+        job.tokens.append(event)
+        return job.text.feed(event.token)
+    job.done = event
+    return job.text.finish()
+
+
+def _finish_reason(job: _Job) -> str:
+    reason = job.done.finish_reason if job.done else "length"
+    return "stop" if reason == "stop" or job.text.done else reason
+
+
+def _usage(jobs: list[_Job]) -> dict:
+    prompt = sum(len(j.prompt) for j in jobs)
+    done = sum(len(j.tokens) for j in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def _server_error(jobs: list[_Job]) -> ApiError | None:
+    failed = [j.done.error for j in jobs if j.done is not None and j.done.finish_reason == "error"]
+    return ApiError(500, failed[0]) if failed else None
+
+
+# -------------------- the routes
+
+async def health(request: Request) -> JSONResponse:
+    served: Served = request.app.state.served
+    return JSONResponse({"status": "ok", "model": served.name, "running": served.engine.running,
+                         "waiting": served.engine.waiting})
+
+
+async def models(request: Request) -> JSONResponse:
+    served: Served = request.app.state.served
+    return JSONResponse({"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                                     "owned_by": "logitlab"}]})
+
+
+def _sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(served: Served, jobs: list[_Job], queue: asyncio.Queue, chunk, final, usage: bool):
+    """Server-sent events: chunk(index, job, piece, event) per token, final(index, job) per job, then
+    the usage chunk when asked, then [DONE]. Closing the stream cancels what is still running."""
+    try:
+        while any(job.done is None for job in jobs):
+            i, event = await queue.get()
+            piece = _record(jobs[i], event)
+            if isinstance(event, TokenEvent) or piece:
+                yield _sse(chunk(i, jobs[i], piece, event))
+            if jobs[i].done is not None:
+                error = _server_error([jobs[i]])
+                if error is not None:
+                    yield _sse(error.body())
+                    continue
+                yield _sse(final(i, jobs[i]))
+        if usage:
+            yield _sse({**final(0, jobs[0]), "choices": [], "usage": _usage(jobs)})
+        yield _sse("[DONE]")
+    finally:
+        _cancel(served, jobs)
+
+
+def _completion_logprobs(tokenizer, events: list[TokenEvent], offset: int) -> dict:
+    tokens = [token_text(tokenizer, e.token) for e in events]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{token_text(tokenizer, i): lp for i, lp in e.top} for e in events],
+            "text_offset": offsets}
+
+
+async def completions(request: Request):
+    served: Served = request.app.state.served
+    try:
+        body = await _body(request, served)
+        _check_model(body, served)
+        config, stops = sampling(body, served.engine.model.config.vocab_size, 16)
+        logprobs = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        n = integer(body, "n", 1, 1, MAX_N)
+        if boolean(body, "echo"):
+            raise ApiError(400, "'echo' is not supported", "echo")
+        stream = boolean(body, "stream")
+        prompts = completion_prompts(body, served.tokenizer)
+        for p in prompts:
+            _check_prompt(p, served, "prompt")
+    except ApiError as exc:
+        return _error(exc)
+    hidden = set(served.end_ids) | set(config.stop_ids)
+    jobs = [_Job(p, TextStream(served.tokenizer, stops, hidden)) for p in prompts for _ in range(n)]
+    queue = _submit(served, jobs, config, logprobs or 0)
+    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": ident, "object": "text_completion", "created": created, "model": served.name}
+
+    def choice(i, job, text, events, reason):
+        lp = None if logprobs is None else _completion_logprobs(served.tokenizer, events, 0)
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    if stream:
+        chunk = lambda i, job, piece, ev: {**head, "choices": [choice(  # noqa: E731
+            i, job, piece, [ev] if isinstance(ev, TokenEvent) else [], None)]}
+        final = lambda i, job: {**head, "choices": [choice(i, job, "", [], _finish_reason(job))]}  # noqa: E731
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream(served, jobs, queue, chunk, final, usage), media_type="text/event-stream")
+    if not await _collect(request, served, jobs, queue):
+        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+    error = _server_error(jobs)
+    if error is not None:
+        return _error(error)
+    return JSONResponse({**head, "choices": [choice(i, j, j.text.text, j.tokens, _finish_reason(j))
+                                             for i, j in enumerate(jobs)], "usage": _usage(jobs)})
+
+
+def _chat_logprobs(tokenizer, events: list[TokenEvent]) -> dict:
+    def entry(token, lp):
+        raw = tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
+
+    return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top]}
+                        for e in events]}
+
+
+async def chat_completions(request: Request):
+    served: Served = request.app.state.served
+    try:
+        body = await _body(request, served)
+        _check_model(body, served)
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        ids, template_stops, stop_ids = chat_prompt(served.tokenizer, body.get("messages"))
+        _check_prompt(ids, served, "messages")
+        config, stops = sampling(body, served.engine.model.config.vocab_size, served.context, field)
+        want_logprobs = boolean(body, "logprobs")
+        top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if want_logprobs else 0
+        n = integer(body, "n", 1, 1, MAX_N)
+        stream = boolean(body, "stream")
+    except ApiError as exc:
+        return _error(exc)
+    config = replace(config, stop_ids=config.stop_ids + tuple(stop_ids),
+                     stop_bytes=config.stop_bytes + tuple(s.encode() for s in template_stops))
+    hidden = set(served.end_ids) | set(config.stop_ids)
+    jobs = [_Job(ids, TextStream(served.tokenizer, stops + template_stops, hidden)) for _ in range(n)]
+    queue = _submit(served, jobs, config, top)
+    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def lp(events):
+        return _chat_logprobs(served.tokenizer, events) if want_logprobs else None
+
+    if stream:
+        head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": served.name}
+        started: set[int] = set()
+
+        def chunk(i, job, piece, ev):
+            delta = {"content": piece} if i in started else {"role": "assistant", "content": piece}
+            started.add(i)
+            return {**head, "choices": [{"index": i, "delta": delta, "finish_reason": None,
+                                         "logprobs": lp([ev] if isinstance(ev, TokenEvent) else [])}]}
+
+        final = lambda i, job: {**head, "choices": [{"index": i, "delta": {}, "logprobs": None,  # noqa: E731
+                                                     "finish_reason": _finish_reason(job)}]}
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream(served, jobs, queue, chunk, final, usage), media_type="text/event-stream")
+    if not await _collect(request, served, jobs, queue):
+        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+    error = _server_error(jobs)
+    if error is not None:
+        return _error(error)
+    choices = [{"index": i, "message": {"role": "assistant", "content": j.text.text}, "logprobs": lp(j.tokens),
+                "finish_reason": _finish_reason(j)} for i, j in enumerate(jobs)]
+    return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": served.name,
+                         "choices": choices, "usage": _usage(jobs)})
+
+
+def create_app(model, tokenizer, *, name: str = "logitlab", max_batch: int = 16, max_body_bytes: int = 1 << 20,
+               end_ids: tuple[int, ...] | None = None, engine: Engine | None = None) -> Starlette:
+    """The ASGI app for `model` (in eval mode) and `tokenizer`, served as `name`. end_ids end a
+    generation besides the tokenizer's <|endoftext|>. The engine's thread starts with the app
+    (lifespan) and stops with it; pass `engine` to share or drive one yourself."""
+    eot = tokenizer.eot_id
+    ends = tuple(end_ids if end_ids is not None else ((eot,) if eot is not None else ()))
+    engine = engine or Engine(model, eot_id=eot, token_bytes=tokenizer.token_bytes, max_batch=max_batch)
+    served = Served(engine, tokenizer, name, max_body_bytes, ends)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.close()
+
+    routes = [Route("/health", health), Route("/v1/models", models),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]), *explorer.routes()]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.served = served
+    return app

@@ -1,0 +1,120 @@
+"""The explorer page in a real browser: headless Chromium through selenium loads the page from a
+uvicorn server, types text, and checks the token count and the top next token against the API; then
+moves the temperature slider and checks the distribution shown is the one generate.sampling
+computes. Screenshots go to tmp_path (or to $LOGITLAB_SCREENSHOTS when set). Skips, with the
+reason, where selenium, chromium or chromedriver is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+selenium = pytest.importorskip("selenium", reason="selenium is not installed (pip install selenium)")
+uvicorn = pytest.importorskip("uvicorn")
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+from logitlab.generate import SampleConfig, process_logits  # noqa: E402
+from logitlab.model import ModelConfig, Transformer  # noqa: E402
+from logitlab.serve.app import create_app  # noqa: E402
+from logitlab.tokenizer.core import Tokenizer  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+DRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
+                                reason="no chromium and chromedriver on PATH (Debian: apt-get install chromium "
+                                       "chromium-driver)")
+TEXT = "the other theme there"
+
+
+@pytest.fixture(scope="module")
+def site():
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges = [(b"t", b"h"), (b"th", b"e"), (b" ", b"the"), (b"e", b"r")]
+    for k, (a, b) in enumerate(merges):
+        vocab[256 + k] = a + b
+    tok = Tokenizer(vocab, merges, special_tokens={"<|endoftext|>": 256 + len(merges)})
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2,
+                                    n_heads=4)).eval()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(model, tok, name="tiny"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,1800"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield dict(driver=driver, url=f"http://127.0.0.1:{port}/", model=model, tok=tok)
+    driver.quit()
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _shot(driver, tmp_path: Path, name: str) -> None:
+    folder = Path(os.environ.get("LOGITLAB_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(folder / f"explorer-{name}.png"))
+
+
+def _bars(driver) -> dict[int, float]:
+    """token id -> the sampler probability the page shows, read in one script (the page may be
+    redrawing the bars while they are read)."""
+    pairs = driver.execute_script("return Array.from(document.querySelectorAll('#bars rect[data-id]'))"
+                                  ".map((r) => [r.dataset.id, r.dataset.probability]);")
+    return {int(i): float(p) for i, p in pairs}
+
+
+def test_the_page_shows_tokens_and_reshapes_the_distribution_as_the_sampler_does(site, tmp_path):
+    driver, model, tok = site["driver"], site["model"], site["tok"]
+    driver.get(site["url"])
+    box = driver.find_element(By.ID, "text")
+    box.clear()
+    box.send_keys(TEXT)
+    driver.find_element(By.ID, "look").click()
+    wait = WebDriverWait(driver, 30)
+    ids = tok.encode(TEXT)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tokens span")) == len(ids))
+    assert driver.find_element(By.ID, "summary").text.startswith(f"{len(ids)} tokens")
+    wait.until(lambda d: _bars(d))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0, -1:].float()                           # (1, V)
+    assert next(iter(_bars(driver))) == int(logits.argmax())                         # the model's top next token
+    _shot(driver, tmp_path, "tokens")
+
+    shown = _bars(driver)
+    driver.execute_script("const s = document.getElementById('temperature'); s.value = '0.5';"
+                          "s.dispatchEvent(new Event('input'));")
+    wait.until(lambda d: _bars(d) != shown)
+    want = process_logits(logits, SampleConfig(temperature=0.5))[0]
+    for token, p in _bars(driver).items():
+        assert p == pytest.approx(float(want[token]), abs=1e-4)
+    driver.execute_script("const s = document.getElementById('top_k'); s.value = '3';"
+                          "s.dispatchEvent(new Event('input'));")
+    wait.until(lambda d: d.find_element(By.ID, "next-title").get_attribute("data-kept") == "3")
+    kept = {t: p for t, p in _bars(driver).items() if p > 0}
+    want = process_logits(logits, SampleConfig(temperature=0.5, top_k=3))[0]
+    assert set(kept) == set(want.nonzero()[:, 0].tolist())
+    _shot(driver, tmp_path, "sampler")
+    lens_rows = driver.find_elements(By.CSS_SELECTOR, "#lens tr")
+    assert len(lens_rows) == model.config.n_layers + 2                               # a header, then L + 1 layers
+    driver.find_elements(By.CSS_SELECTOR, "#tokens span")[1].click()                # the token " " (id 32)
+    wait.until(lambda d: d.find_element(By.ID, "neighbours").text.startswith('" " (32):'))
+    assert driver.find_element(By.ID, "next-title").text.startswith("next token after position 1 ")
