@@ -1,0 +1,215 @@
+"""One call that parallelises a built Transformer by a ParallelPlan, in a fixed order (as
+torchtitan's parallelize_llama does): pipeline stages cut first (each rank keeps its layers),
+then tensor/sequence parallelism, activation checkpointing, torch.compile, and data parallelism
+last (FSDP2 over the dp dimensions of the mesh, or DDP / ZeRO-1 in a pure data-parallel job).
+
+    par = parallelize(model, ParallelPlan(tp=2, dp_shard=2), info)
+    optimizer = par.build_optimizer(lr=3e-4, weight_decay=0.1)
+    loss = par.forward_backward(x, y)    # this replica's rows of the step: x, y (B, T)
+    norm = par.clip_grad_norm(1.0); optimizer.step(); optimizer.zero_grad()
+    mean = par.global_loss(loss)         # the whole global batch's loss, on every rank
+
+The fused q|k|v and gate|up projections are always split into their parts first (see
+tensor.py), so the parameter names are the same whatever the layout: a sharded checkpoint
+written by one layout loads into any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from logitlab.parallel import pipeline as pp_mod
+from logitlab.parallel.activation import apply_activation_checkpointing
+from logitlab.parallel.mesh import ParallelPlan, build_mesh, dp_coordinates, dp_mesh
+from logitlab.parallel.setup import DistInfo, current_info
+from logitlab.parallel.tensor import (
+    apply_tensor_parallel,
+    loss_parallel_context,
+    split_fused_projections,
+    vocab_parallel_loss,
+)
+from logitlab.parallel.wrap import sync_gradients
+from logitlab.parallel.zero import _broadcast_from_rank0, _param_groups, apply_zero, build_zero_optimizer
+
+
+@dataclass
+class Parallelized:
+    """A model parallelised by `parallelize`: what this rank runs and how to step it."""
+
+    plan: ParallelPlan
+    info: DistInfo
+    mesh: object
+    modules: list[nn.Module]             # what this rank trains: the wrapped model, or its pipeline stages
+    dp: DistInfo                         # this rank's data-parallel coordinates (for shard_for_rank)
+    schedule: object = None
+    stages: list = field(default_factory=list)
+    timers: list = field(default_factory=list)
+
+    @property
+    def model(self) -> nn.Module:
+        """The (single) wrapped module; under pipeline parallelism the first of this rank's stages."""
+        return self.modules[0]
+
+    @property
+    def pipelined(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether this rank computes the loss (every rank, or the last pipeline stage's)."""
+        return not self.pipelined or any(i == self.n_stages - 1 for i, _ in self.stages)
+
+    @property
+    def n_stages(self) -> int:
+        return self.plan.pp * self.plan.virtual_stages
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for module in self.modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def build_optimizer(self, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8):
+        """AdamW over this rank's parameters (ZeroRedundancyOptimizer for parallel='zero1')."""
+        stage = self.plan.parallel if self.info.distributed and self.plan.dp > 1 else "ddp"
+        holder = nn.ModuleList(self.modules) if len(self.modules) > 1 else self.modules[0]
+        return build_zero_optimizer(holder, stage, lr, weight_decay, betas, eps,
+                                    param_groups=_param_groups(holder, weight_decay))
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool = True,
+                         scale: float = 1.0) -> torch.Tensor | None:
+        """Forward and backward of this replica's rows x, y (B, T); gradients accumulate (scaled
+        by `scale`, e.g. 1 / grad_accum); `sync=False` skips the data-parallel reduction (all but
+        the last micro-step). -> the mean loss of these rows (None on pipeline ranks without the last stage)."""
+        device = self.info.device
+        x, y = x.to(device), y.to(device)
+        if self.pipelined:
+            with _pipeline_sync(self.modules, sync):
+                losses = pp_mod.run_schedule(self.schedule, self.stages, self.n_stages, x, y, scale)
+            return torch.stack(losses).mean() if losses else None
+        model = self.model
+        with sync_gradients(model, sync), loss_parallel_context(_inner(model)):
+            loss = vocab_parallel_loss(model(x), y)
+            (loss * scale).backward()
+        return loss.detach()
+
+    def global_loss(self, local: torch.Tensor | None) -> float:
+        """The mean of the loss over the global batch, on every rank (every rank calls it)."""
+        if not self.info.distributed:
+            return float(local)
+        value = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        if local is not None and self.has_loss:
+            value += float(local)
+        dist.all_reduce(value)
+        return float(value) / (self.plan.dp * self.plan.tp)
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        group = self.mesh["pp"].get_group() if self.pipelined else None
+        return clip_grad_norm_nd(self.parameters(), max_norm, group)
+
+
+@contextlib.contextmanager
+def _pipeline_sync(modules: list[nn.Module], sync: bool):
+    """The data-parallel gradient sync of a pipeline step's stages on or off (sync_gradients for each)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(sync_gradients(module, sync))
+        yield
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _mp_policy(mixed_precision: bool, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _data_parallel(module: nn.Module, plan: ParallelPlan, mesh, info: DistInfo, mixed_precision: bool):
+    if plan.dp == 1:
+        return module
+    policy = _mp_policy(mixed_precision, info.device)
+    if plan.parallel in ("ddp", "zero1"):
+        return apply_zero(module, plan.parallel, info)
+    return apply_zero(module, plan.parallel, info, mesh=dp_mesh(plan, mesh), mp_policy=policy)
+
+
+def _shard_one(module: nn.Module, plan: ParallelPlan, mesh, seq_len: int | None) -> nn.Module:
+    if plan.tp > 1:
+        apply_tensor_parallel(module, mesh["tp"], plan.sequence_parallel, seq_len, sharded_logits=plan.pp == 1)
+    apply_activation_checkpointing(module, plan.activation_checkpointing)
+    if plan.compile:
+        for block in (module.blocks.values() if isinstance(module.blocks, nn.ModuleDict) else module.blocks):
+            block.compile()
+    return module
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, info: DistInfo | None = None, *,
+                seq_len: int | None = None, mixed_precision: bool = False) -> Parallelized:
+    """Apply `plan` to a built model (same weights expected on every rank: rank 0's are
+    broadcast first), in the order pipeline, TP, activation checkpointing, compile, data parallel.
+    Build the optimizer afterwards (Parallelized.build_optimizer)."""
+    info = info or current_info()
+    plan = plan.resolve(info.world_size)
+    model = split_fused_projections(model.to(info.device))
+    if not info.distributed:
+        _shard_one(model, plan, None, seq_len)   # resolve() made every dimension 1
+        return Parallelized(plan, info, None, [model], DistInfo())
+    _broadcast_from_rank0(model)
+    mesh = build_mesh(plan, info)
+    dp = dp_coordinates(plan, mesh)
+    if plan.pp == 1:
+        module = _data_parallel(_shard_one(model, plan, mesh, seq_len), plan, mesh, info, mixed_precision)
+        return Parallelized(plan, info, mesh, [module], dp)
+    if plan.tp > 1 and plan.sequence_parallel:
+        raise ValueError("sequence parallel inside pipeline stages is not supported here; use --pp with plain --tp")
+    pp_rank = mesh["pp"].get_local_rank()
+    stages = pp_mod.build_stages(model, pp_rank, plan.pp, plan.virtual_stages)
+    wrapped = [(i, _data_parallel(_shard_one(m, plan, mesh, seq_len), plan, mesh, info, mixed_precision))
+               for i, m in stages]
+    timers = [pp_mod.StageTimer(m) for _, m in wrapped]
+    schedule = pp_mod.build_schedule(wrapped, plan.pp * plan.virtual_stages, plan.pp_schedule,
+                                     plan.microbatches(), info.device, mesh["pp"].get_group())
+    return Parallelized(plan, info, mesh, [m for _, m in wrapped], dp, schedule, wrapped, timers)
+
+
+@torch.no_grad()
+def clip_grad_norm_nd(params, max_norm: float | None, pp_group=None) -> float:
+    """Clip to a global L2 norm over every rank's gradients, whatever their layout (plain,
+    DTensors on different meshes, pipeline stages on different ranks), and return the norm
+    before clipping; torch's clip_grad_norm_ formula (coefficient max_norm / (norm + 1e-6), at most 1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict = {}
+    for g in grads:
+        key = (id(g.device_mesh), tuple(g.placements)) if hasattr(g, "device_mesh") else "plain"
+        groups.setdefault(key, []).append(g)
+    device = grads[0].device if grads else current_info().device
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        total_sq += norm.double() ** 2
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = float(total_sq.sqrt())
+    if max_norm and max_norm > 0:
+        coef = min(max_norm / (total + 1e-6), 1.0)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total
+
+
+__all__ = ["Parallelized", "clip_grad_norm_nd", "parallelize"]
