@@ -1,17 +1,22 @@
-"""Tokenizer benchmark: BPE training time and peak memory vs Hugging Face `tokenizers`, and
-encode throughput of both our encoders vs tiktoken and `tokenizers`.
+"""Tokenizer benchmark: BPE training time and peak memory vs Hugging Face `tokenizers` and rustbpe,
+and encode throughput of both our encoders vs tiktoken and `tokenizers`.
 
     python3 -m bench.tokenizer            # all cases (about 2-3 minutes on 2 idle cores)
     python3 -m bench.tokenizer --quick    # tinyshakespeare only
 
-Training: each side trains in its own fresh subprocess (same files, same vocab size, the same
-special token, GPT-2 pre-tokenization), which reports its wall time around the training call
+Training: each side trains in its own fresh subprocess (same files, same number of merges, GPT-2
+pre-tokenization; logitlab and `tokenizers` reserve one id for a special token, rustbpe, which has
+none, gets a vocabulary one smaller; rustbpe is skipped when it is not installed), which reports its wall time around the training call
 and its peak resident memory (VmHWM of the process; for logitlab plus nproc times the largest
-worker's ru_maxrss, an upper bound: forked workers share pages with their parent). Sides alternate A B A B after one warm-up pair. The stdlib
+worker's ru_maxrss, an upper bound: forked workers share pages with their parent). Sides alternate
+A B C A B C after one warm-up round. The stdlib
 corpus is the standard library's *.py files that are valid UTF-8 (`tokenizers` refuses the others).
 
 Encoding: GPT-2's vocabulary from ../shared/data/gpt2 (the same ranks for all four encoders),
 single-threaded, whole text per call; the reference path's cache is cleared before each run.
+Then a 32k vocabulary that logitlab trains on the stdlib corpus without special tokens, our
+`encode_ordinary` against tiktoken's `encode_ordinary` with the same ranks, on short strings
+(many calls, per-call overhead) and on 1 and 8 MB texts.
 """
 
 from __future__ import annotations
@@ -42,6 +47,20 @@ def _train_child(side: str, list_file: str, vocab_size: int) -> None:
         vocab, _ = train_bpe(files, vocab_size, [EOT])
         seconds = time.perf_counter() - start
         size = len(vocab)
+    elif side == "rustbpe":
+        import rustbpe
+
+        from logitlab.tokenizer.core import GPT2_PATTERN
+
+        def texts():  # the file reading is inside the timed call, as for the other sides
+            for path in files:
+                yield Path(path).read_text(encoding="utf-8", errors="replace")
+
+        tok = rustbpe.Tokenizer()
+        start = time.perf_counter()
+        tok.train_from_iterator(texts(), vocab_size - 1, pattern=GPT2_PATTERN)  # no special token
+        seconds = time.perf_counter() - start
+        size = tok.vocab_size + 1
     else:
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -81,31 +100,52 @@ def utf8_stdlib_files() -> list[Path]:
     return good
 
 
+def training_peers() -> list[str]:
+    """Peer trainers that are installed: `tokenizers` always (a test extra), rustbpe when present."""
+    import importlib.util
+
+    return ["hf"] + (["rustbpe"] if importlib.util.find_spec("rustbpe") is not None else [])
+
+
+PEER_NAMES = {"hf": "tokenizers", "rustbpe": "rustbpe"}
+
+
 def bench_training(cases, repeats: int) -> list[dict]:
+    """One row per (case, peer); every round runs ours then each peer, so ratios pair up in time."""
     rows = []
+    peers = training_peers()
     with tempfile.TemporaryDirectory() as tmp:
         for name, files, vocab_size in cases:
             list_file = Path(tmp) / f"{name}.txt"
             list_file.write_text("\n".join(str(f) for f in files))
             mb = sum(f.stat().st_size for f in files) / 1e6
-            if not rows:  # one warm-up pair (imports, page cache) before the first case
-                _run_side("ours", list_file, vocab_size), _run_side("hf", list_file, vocab_size)
-            ours, hf = [], []
+            if not rows:  # one warm-up round (imports, page cache) before the first case
+                for side in ["ours"] + peers:
+                    _run_side(side, list_file, vocab_size)
+            runs: dict[str, list[dict]] = {side: [] for side in ["ours"] + peers}
             for _ in range(repeats):
-                ours.append(_run_side("ours", list_file, vocab_size))
-                hf.append(_run_side("hf", list_file, vocab_size))
-            ratios = [o["seconds"] / h["seconds"] for o, h in zip(ours, hf)]
-            mem = [o["peak_mb"] / h["peak_mb"] for o, h in zip(ours, hf)]
-            row = {"corpus": name, "mb": mb, "vocab": vocab_size,
-                   "ours_cpu_s": [o["cpu_s"] for o in ours], "hf_cpu_s": [h["cpu_s"] for h in hf],
-                   "ours_s": [o["seconds"] for o in ours], "hf_s": [h["seconds"] for h in hf],
-                   "ours_peak_mb": [o["peak_mb"] for o in ours], "hf_peak_mb": [h["peak_mb"] for h in hf],
-                   "time_ratio": statistics.median(ratios), "time_ratio_min": min(ratios),
-                   "time_ratio_max": max(ratios), "mem_ratio": statistics.median(mem)}
-            rows.append(row)
-            print(f"train {name} {mb:.1f} MB vocab {vocab_size}: ours {statistics.median(row['ours_s']):.2f} s, "
-                  f"tokenizers {statistics.median(row['hf_s']):.2f} s, time ratio {row['time_ratio']:.2f} "
-                  f"({min(ratios):.2f}-{max(ratios):.2f}), memory ratio {row['mem_ratio']:.2f}", flush=True)
+                for side in ["ours"] + peers:
+                    runs[side].append(_run_side(side, list_file, vocab_size))
+            ours = runs["ours"]
+            for peer in peers:
+                theirs = runs[peer]
+                ratios = [o["seconds"] / h["seconds"] for o, h in zip(ours, theirs)]
+                cpu_ratios = [o["cpu_s"] / h["cpu_s"] for o, h in zip(ours, theirs)]
+                mem = [o["peak_mb"] / h["peak_mb"] for o, h in zip(ours, theirs)]
+                row = {"corpus": name, "mb": mb, "vocab": vocab_size, "peer": PEER_NAMES[peer],
+                       "ours_cpu_s": [o["cpu_s"] for o in ours], "peer_cpu_s": [h["cpu_s"] for h in theirs],
+                       "ours_s": [o["seconds"] for o in ours], "peer_s": [h["seconds"] for h in theirs],
+                       "ours_peak_mb": [o["peak_mb"] for o in ours], "peer_peak_mb": [h["peak_mb"] for h in theirs],
+                       "time_ratio": statistics.median(ratios), "time_ratio_min": min(ratios),
+                       "time_ratio_max": max(ratios), "cpu_ratio": statistics.median(cpu_ratios),
+                       "cpu_ratio_min": min(cpu_ratios), "cpu_ratio_max": max(cpu_ratios),
+                       "mem_ratio": statistics.median(mem)}
+                rows.append(row)
+                print(f"train {name} {mb:.1f} MB vocab {vocab_size}: ours {statistics.median(row['ours_s']):.2f} s, "
+                      f"{row['peer']} {statistics.median(row['peer_s']):.2f} s, time ratio {row['time_ratio']:.2f} "
+                      f"({min(ratios):.2f}-{max(ratios):.2f}), CPU ratio {row['cpu_ratio']:.2f} "
+                      f"({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}), memory ratio {row['mem_ratio']:.2f}",
+                      flush=True)
     return rows
 
 
@@ -161,30 +201,83 @@ def bench_encoding(texts: dict[str, str], repeats: int) -> list[dict]:
     return rows
 
 
+def bench_trained_encoding(stdlib: list[Path], repeats: int) -> list[dict]:
+    """encode_ordinary on a 32k vocabulary that logitlab trained (no special tokens) vs tiktoken's
+    encode_ordinary with the same ranks. CPU time (single thread), alternating, median (min-max)."""
+    import tiktoken
+
+    from logitlab.tokenizer.bpe import train_tokenizer
+
+    tok = train_tokenizer(stdlib, 32_000)
+    enc = tiktoken.Encoding("logitlab-32k", pat_str=tok.pattern, special_tokens={},
+                            mergeable_ranks={tok.token_bytes(i): i for i in range(tok.vocab_size)})
+    corpus = "".join(p.read_text(encoding="utf-8") for p in stdlib[1::2])
+    lines = [line for line in corpus.splitlines() if line.strip()][:20_000]
+    cases = {"short lines (20k calls)": lines, "1 MB text": [corpus[:1_000_000]], "8 MB text": [corpus[:8_000_000]]}
+    rows = []
+    for name, texts in cases.items():
+        assert [tok.encode_ordinary(t) for t in texts[:200]] == [enc.encode_ordinary(t) for t in texts[:200]]
+
+        def run(fn):
+            start = time.process_time()
+            for t in texts:
+                fn(t)
+            return time.process_time() - start
+
+        ours, theirs = [], []
+        for _ in range(repeats):
+            ours.append(run(tok.encode_ordinary))
+            theirs.append(run(enc.encode_ordinary))
+        ratios = [t / o for o, t in zip(ours, theirs)]  # speed ratio: > 1 means ours is faster
+        mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+        row = {"text": name, "mb": mb, "ours_mb_per_s": mb / statistics.median(ours),
+               "tiktoken_mb_per_s": mb / statistics.median(theirs), "speed_ratio": statistics.median(ratios),
+               "speed_ratio_min": min(ratios), "speed_ratio_max": max(ratios)}
+        rows.append(row)
+        print(f"encode_ordinary, logitlab-trained 32k, {name}: ours {row['ours_mb_per_s']:.1f} MB/s, tiktoken "
+              f"{row['tiktoken_mb_per_s']:.1f} MB/s, speed ratio {row['speed_ratio']:.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------------------ report
-def report(train_rows, encode_rows, info, command) -> str:
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def report(train_rows, encode_rows, info, command, trained_rows=()) -> str:
     import tiktoken
     import tokenizers
 
+    from logitlab.tokenizer.bpe import native_available
+
     lines = [f"Command: `{command}` (commit {info.get('commit')}). Machine: {info['nproc']} cores, {info['cpu']}; "
              f"Python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), tiktoken "
-             f"{tiktoken.__version__}, tokenizers {tokenizers.__version__}. The machine is shared (load "
+             f"{tiktoken.__version__}, tokenizers {tokenizers.__version__}, rustbpe {_version('rustbpe')}, logitlab "
+             f"native BPE paths {'built' if native_available() else 'NOT built'}. The machine is shared (load "
              f"average {info['load'][0]:.1f} at the start, {info['load_end'][0]:.1f} at the end, on "
              f"{info['nproc']} cores), so absolute times move between runs; the ratios come from "
              f"alternating runs.", ""]
     if train_rows:
-        lines += ["Training (ratio = our wall time / `tokenizers` wall time, median (min-max); < 1 means "
-                  "faster; CPU s = user + system seconds of the whole child process, all threads and "
-                  "workers, interpreter start-up included, a load-independent view of the work done; "
-                  "memory ratio = our peak RSS (main + nproc x largest worker) / theirs):", ""]
+        lines += ["Training (time ratio = our wall time / the peer's, CPU ratio = our CPU s / the peer's, "
+                  "median (min-max) of alternating rounds; < 1 means faster; CPU s = user + system seconds "
+                  "of the whole child process, all threads and workers, interpreter start-up included, a "
+                  "load-independent view of the work done; memory ratio = our peak RSS (main + nproc x "
+                  "largest worker) / theirs):", ""]
         lines.append(markdown_table(
-            ["corpus", "MB", "vocab", "logitlab s", "tokenizers s", "time ratio", "CPU s (ours / theirs)",
-             "logitlab MB", "tokenizers MB", "memory ratio"],
-            [[r["corpus"], f"{r['mb']:.1f}", r["vocab"], f"{statistics.median(r['ours_s']):.2f}",
-              f"{statistics.median(r['hf_s']):.2f}",
+            ["corpus", "MB", "vocab", "peer", "logitlab s", "peer s", "time ratio", "CPU s (ours / peer)",
+             "CPU ratio", "logitlab MB", "peer MB", "memory ratio"],
+            [[r["corpus"], f"{r['mb']:.1f}", r["vocab"], r["peer"], f"{statistics.median(r['ours_s']):.2f}",
+              f"{statistics.median(r['peer_s']):.2f}",
               f"{r['time_ratio']:.2f} ({r['time_ratio_min']:.2f}-{r['time_ratio_max']:.2f})",
-              f"{statistics.median(r['ours_cpu_s']):.1f} / {statistics.median(r['hf_cpu_s']):.1f}",
-              f"{statistics.median(r['ours_peak_mb']):.0f}", f"{statistics.median(r['hf_peak_mb']):.0f}",
+              f"{statistics.median(r['ours_cpu_s']):.1f} / {statistics.median(r['peer_cpu_s']):.1f}",
+              f"{r['cpu_ratio']:.2f} ({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f})",
+              f"{statistics.median(r['ours_peak_mb']):.0f}", f"{statistics.median(r['peer_peak_mb']):.0f}",
               f"{r['mem_ratio']:.2f}"] for r in train_rows]))
         lines.append("")
     if encode_rows:
@@ -198,6 +291,15 @@ def report(train_rows, encode_rows, info, command) -> str:
               f"{r['mb_per_s']['logitlab reference']:.1f}", f"{r['mb_per_s']['tokenizers']:.1f}",
               f"{r['reference_vs_tokenizers']:.2f} ({r['reference_vs_tokenizers_min']:.2f}-"
               f"{r['reference_vs_tokenizers_max']:.2f})"] for r in encode_rows]))
+    if trained_rows:
+        lines += ["", "`encode_ordinary` with a 32k vocabulary logitlab trained on the stdlib corpus (no special "
+                  "tokens) vs tiktoken's `encode_ordinary` with the same ranks, MB/s of CPU time (speed ratio "
+                  "> 1 means ours is faster, median (min-max)):", ""]
+        lines.append(markdown_table(
+            ["text", "MB", "logitlab", "tiktoken", "speed ratio"],
+            [[r["text"], f"{r['mb']:.2f}", f"{r['ours_mb_per_s']:.1f}", f"{r['tiktoken_mb_per_s']:.1f}",
+              f"{r['speed_ratio']:.2f} ({r['speed_ratio_min']:.2f}-{r['speed_ratio_max']:.2f})"]
+             for r in trained_rows]))
     return "\n".join(lines)
 
 
@@ -206,6 +308,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tinyshakespeare only")
     parser.add_argument("--repeats", type=int, default=2, help="timed pairs per case (default 2)")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--only-32k", action="store_true",
+                        help="training: only the stdlib 30 MB / 32k case (plus the trained-vocabulary encoding)")
     parser.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)   # one training run, in a child
     args = parser.parse_args(argv)
     if args.child:
@@ -218,8 +322,10 @@ def main(argv=None) -> int:
     shakespeare = SHARED / "tinyshakespeare.txt"
     cases = [("tinyshakespeare", [shakespeare], 10_000)]
     texts = {"tinyshakespeare": shakespeare.read_text(encoding="utf-8")}
-    if not args.quick:
-        stdlib = utf8_stdlib_files()
+    stdlib = [] if args.quick else utf8_stdlib_files()
+    if args.only_32k:
+        cases, texts = [("stdlib *.py", stdlib, 32_000)], {}
+    elif not args.quick:
         cases += [("stdlib *.py", stdlib, 10_000), ("stdlib *.py", stdlib, 32_000)]
         sample, size = [], 0
         for path in stdlib[::7]:
@@ -230,14 +336,18 @@ def main(argv=None) -> int:
         texts["stdlib sample"] = "".join(sample)
     info = machine_info()
     info["load"] = os.getloadavg()
-    command = "python3 -m bench.tokenizer" + (" --quick" if args.quick else "")
+    command = "python3 -m bench.tokenizer" + (" --quick" if args.quick else "") + (
+        " --only-32k" if args.only_32k else "") + (f" --repeats {args.repeats}" if args.repeats != 2 else "")
     train_rows = bench_training(cases, args.repeats)  # first: the children fork from a lean parent
-    encode_rows = bench_encoding(texts, args.repeats + 1)
+    encode_rows = bench_encoding(texts, args.repeats + 1) if texts else []
+    trained_rows = bench_trained_encoding(stdlib, max(3, args.repeats + 1)) if stdlib else []
     info["load_end"] = os.getloadavg()
-    payload = {"machine": info, "command": command, "training": train_rows, "encoding": encode_rows}
+    payload = {"machine": info, "command": command, "training": train_rows, "encoding": encode_rows,
+               "trained_encoding": trained_rows}
     print(f"wrote {write_results('tokenizer', payload)}")
     if not args.no_doc:
-        print(f"updated {update_doc_section('Tokenizer', report(train_rows, encode_rows, info, command))}")
+        doc = report(train_rows, encode_rows, info, command, trained_rows)
+        print(f"updated {update_doc_section('Tokenizer', doc)}")
     return 0
 
 

@@ -18,6 +18,12 @@ The algorithm, and why it is fast:
    popped entry whose count is stale is pushed back with the current count. Only pairs whose
    count grew (those with the new token) are pushed after a merge.
 
+Steps 3 and 4 also exist in C (_bpe_fast.c, built at install when a C compiler is present; see
+setup.py), with the same data layout and rule: `learn_merges` runs it by default and the Python
+loop (`learn_merges_python`) otherwise; tests check that both give identical merges. The C file
+also counts GPT-2 pre-tokens of ASCII text (pretokenize.py). On 30 MB of Python source with a 32k
+vocabulary the compiled merge loop takes about a tenth of the Python loop's time.
+
 Rule: the most frequent pair wins; ties go to the lexicographically greatest pair of byte strings
 (`max` over `(count, (bytes_a, bytes_b))`). When a merge's result already exists as a token
 (different parts, same bytes, which happens rarely), the merge is recorded and reuses that token's
@@ -39,8 +45,14 @@ from dataclasses import dataclass, field
 from logitlab.tokenizer.core import Tokenizer, check_special_tokens, resolve_pattern
 from logitlab.tokenizer.pretokenize import count_pretokens, expand_paths, stdlib_files
 
+try:  # built from _bpe_fast.c at install when a C compiler is present (setup.py: optional extension)
+    from logitlab.tokenizer import _bpe_fast as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
 __all__ = ["BPEConfig", "ProgressCallback", "ShortVocabularyWarning", "train_bpe", "train_tokenizer", "learn_merges",
-           "reference_merges", "count_pretokens", "expand_paths", "stdlib_files"]
+           "learn_merges_python", "native_available", "reference_merges", "count_pretokens", "expand_paths",
+           "stdlib_files"]
 
 
 class ShortVocabularyWarning(UserWarning):
@@ -52,6 +64,11 @@ MASK = (1 << SHIFT) - 1
 
 
 # ------------------------------------------------------------------------------ merges
+def native_available() -> bool:
+    """Whether the compiled merge loop (logitlab.tokenizer._bpe_fast) was built by this install."""
+    return _native is not None
+
+
 def _tie_key(token: bytes) -> bytes:
     """A byte string whose order is the reverse of `token`'s (prefixes sort after longer strings),
     so a min-heap on (-count, key(a) + key(b)) pops the greatest (a, b) among equal counts."""
@@ -59,8 +76,27 @@ def _tie_key(token: bytes) -> bytes:
 
 
 def learn_merges(word_counts: dict[bytes, int], n_merges: int, first_id: int = 256,
-                 progress=None) -> list[tuple[bytes, bytes]]:
-    """BPE merges from distinct words (bytes -> frequency). The first new token gets `first_id`."""
+                 progress=None, native: bool | None = None) -> list[tuple[bytes, bytes]]:
+    """BPE merges from distinct words (bytes -> frequency). The first new token gets `first_id`.
+
+    `native`: None (default) runs the compiled merge loop (_bpe_fast.c) when the install built it
+    and the Python one otherwise; False always runs Python; True requires the compiled one. Both
+    give identical merges (tested); the compiled loop is about ten times faster."""
+    if native is None:
+        native = _native is not None
+    if native:
+        if _native is None:
+            raise ValueError("native=True, but the compiled merge loop logitlab.tokenizer._bpe_fast is not "
+                             "built (reinstall with a C compiler available: pip install -e .)")
+        items = [(w, f) for w, f in word_counts.items() if len(w) > 1]
+        return _native.learn_merges([w for w, _ in items], [f for _, f in items], n_merges, first_id,
+                                    progress)
+    return learn_merges_python(word_counts, n_merges, first_id, progress)
+
+
+def learn_merges_python(word_counts: dict[bytes, int], n_merges: int, first_id: int = 256,
+                        progress=None) -> list[tuple[bytes, bytes]]:
+    """The merge loop in Python (the same algorithm as the compiled one): see the module docstring."""
     words: list[list[int]] = []
     freqs: list[int] = []
     for w, f in word_counts.items():
@@ -97,8 +133,8 @@ def learn_merges(word_counts: dict[bytes, int], n_merges: int, first_id: int = 2
         ab = tok_bytes[a] + tok_bytes[b]
         merges.append((tok_bytes[a], tok_bytes[b]))
         new = existing.get(ab)
-        if new is None:
-            new = next_id
+        if new is None:  # internal ids index tok_bytes; only the count of new tokens depends on first_id
+            new = len(tok_bytes)
             next_id += 1
             existing[ab] = new
             tok_bytes.append(ab)

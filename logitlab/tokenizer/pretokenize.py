@@ -11,6 +11,10 @@ Memory is bounded by the distinct pre-tokens, not by the corpus size.
 Cut points are exact for the gpt2 and cl100k patterns (tested); a custom pattern that matches
 across "non-space, one space or newline, non-space" may split differently at chunk boundaries.
 
+For the GPT-2 pattern, when the compiled extension (_bpe_fast.c) is built, ASCII text is split
+and counted in C (no str object per pre-token; about five times faster) and only the stretches
+around non-ASCII characters go through the regex; the counts are identical (tested).
+
 Invalid UTF-8 is decoded with U+FFFD replacement; a UnicodeWarning names the file and the byte
 offset of the first bad byte (once per file range).
 """
@@ -26,13 +30,20 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from logitlab.tokenizer.patterns import find_safe_cut, pretokenizer, special_regex
+from logitlab.tokenizer.patterns import GPT2_PATTERN, SAFE_CUT, find_safe_cut, pretokenizer, special_regex
+
+try:  # compiled from _bpe_fast.c at install when a C compiler is present (optional extension)
+    from logitlab.tokenizer._bpe_fast import count_ascii_gpt2 as _count_ascii_gpt2
+except ImportError:  # pragma: no cover - depends on the install
+    _count_ascii_gpt2 = None
 
 BLOCK_BYTES = 1 << 20  # bytes per read
 CHUNK_CHARS = 1 << 20  # characters pre-tokenized at once
 BATCH_BYTES = 4 << 20  # bytes of input per worker task
 MIN_BYTES_PER_WORKER = 2 << 20  # below this much input per process, extra processes cost more than they save
 _RANGE_CUT = re.compile(rb"(?<=[!-~])\n(?=[!-~])")  # a newline between printable ASCII characters
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_SAFE_CUT_AFTER = re.compile(r"(?<=\S) (?=\S)|(?<=\S\n)(?=\S)")  # SAFE_CUT, searched forwards
 
 
 def stdlib_files() -> list[Path]:
@@ -146,33 +157,74 @@ def plan_batches(files: list[Path], specials: list[str], batch_bytes: int = BATC
     return batches
 
 
+def native_counting(pattern: str) -> bool:
+    """Whether pre-tokens of `pattern` are counted by the compiled splitter (GPT-2 pattern only)."""
+    return _count_ascii_gpt2 is not None and pattern == GPT2_PATTERN
+
+
+def count_part(text: str, counts: Counter, split, native: bool) -> None:
+    """Add the pre-tokens of `text` to `counts`. native: ASCII stretches go to the compiled
+    GPT-2 splitter (identical pieces, tested), the rest (cut out at SAFE_CUT points, where no
+    pre-token is split) to `split`."""
+    if not native:
+        counts.update(split(text))
+        return
+    if text.isascii():
+        _count_ascii_gpt2(text, counts)
+        return
+    n = len(text)
+    if n - len(text.encode("ascii", "ignore")) > n >> 8:  # dense non-ASCII: one pass of `split`
+        counts.update(split(text))
+        return
+    pos = 0
+    while pos < n:
+        m = _NON_ASCII.search(text, pos)
+        if m is None:
+            _count_ascii_gpt2(text[pos:], counts)
+            return
+        cut = SAFE_CUT.search(text, pos, m.start())
+        start = cut.start() if cut is not None else pos
+        if start > pos:
+            _count_ascii_gpt2(text[pos:start], counts)
+        after = _SAFE_CUT_AFTER.search(text, m.end())
+        end = after.start() if after is not None else n
+        counts.update(split(text[start:end]))
+        pos = end
+
+
 _WORKER: dict = {}
 
 
-def _init_worker(pattern: str, specials: list[str]) -> None:
+def _init_worker(pattern: str, specials: list[str], native: bool = False) -> None:
     _WORKER["split"] = pretokenizer(pattern)
     _WORKER["special"] = special_regex(specials)
     _WORKER["longest"] = max(map(len, specials), default=0)
+    _WORKER["native"] = native
 
 
 def _count_batch(batch: list[tuple[str, int, int]]) -> tuple[Counter, list[str], int]:
     """(pre-token counts, warning messages, bytes read) for one batch of file ranges."""
-    split, special = _WORKER["split"], _WORKER["special"]
+    split, special, native = _WORKER["split"], _WORKER["special"], _WORKER["native"]
     counts: Counter = Counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for path, start, end in batch:
             for chunk in iter_chunks(path, start, end, special, _WORKER["longest"]):
                 for part in (special.split(chunk) if special is not None else (chunk,)):
-                    counts.update(split(part))
+                    count_part(part, counts, split, native)
     return counts, [str(w.message) for w in caught], sum(end - start for _, start, end in batch)
 
 
 def count_pretokens(files: list[Path], pattern: str, specials: list[str], workers: int | None = None,
-                    progress=None) -> Counter:
+                    progress=None, native: bool | None = None) -> Counter:
     """str pre-token -> frequency over all files, pre-tokenized by `workers` processes (default:
     all cores; fewer when there is under MIN_BYTES_PER_WORKER of input per process). The result
-    does not depend on `workers`."""
+    does not depend on `workers`. `native`: None (default) uses the compiled GPT-2 splitter when
+    it applies (see `native_counting`), False never; the counts are the same."""
+    if native and not native_counting(pattern):
+        raise ValueError("native=True needs the GPT-2 pattern and the compiled extension "
+                         "logitlab.tokenizer._bpe_fast (reinstall with a C compiler: pip install -e .)")
+    native = native_counting(pattern) if native is None else bool(native)
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -191,14 +243,14 @@ def count_pretokens(files: list[Path], pattern: str, specials: list[str], worker
             progress(n_bytes)
 
     if workers == 1 or len(batches) == 1:
-        _init_worker(pattern, specials)
+        _init_worker(pattern, specials, native)
         for batch in batches:
             collect(_count_batch(batch))
         return total
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(min(workers, len(batches)), initializer=_init_worker, initargs=(pattern, specials)) as pool:
+    with ctx.Pool(min(workers, len(batches)), initializer=_init_worker, initargs=(pattern, specials, native)) as pool:
         for result in pool.imap_unordered(_count_batch, batches):
             collect(result)
     return total
