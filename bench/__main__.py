@@ -14,7 +14,7 @@ import time
 
 from bench.common import ROOT
 
-NAMES = ("tokenizer", "model", "generate", "roofline", "scaling")
+NAMES = ("tokenizer", "model", "generate", "roofline", "scaling", "hybrid", "data_prepare", "serve_load")
 FLAGS = ("--quick", "--no-doc")
 
 

@@ -91,7 +91,7 @@ def test_export_into_the_run_itself_is_refused_and_nothing_is_lost(run, tmp_path
     copy = tmp_path / "ex"
     shutil.copytree(run, copy)
     before = snapshot(copy)
-    err = cli_error(capsys, ["export", str(copy), "--hf", str(copy)])
+    err = cli_error(capsys, ["export", str(copy), "--out", str(copy)])
     assert str(copy) in err
     assert snapshot(copy) == before
 
@@ -100,34 +100,34 @@ def test_export_refuses_a_directory_of_someone_elses_and_a_file(run, tmp_path, c
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
-    err = cli_error(capsys, ["export", str(run), "--hf", str(theirs)])
+    err = cli_error(capsys, ["export", str(run), "--out", str(theirs)])
     assert "notes.txt" in err and "not written by logitlab" in err
     assert os.listdir(theirs) == ["notes.txt"]
     tok = tmp_path / "tok.json"
     tok.write_text("{}")
-    err = cli_error(capsys, ["export", str(run), "--hf", str(tok)])
+    err = cli_error(capsys, ["export", str(run), "--out", str(tok)])
     assert "not a directory" in err and tok.read_text() == "{}"
 
 
 def test_export_inside_the_run_works_and_containing_the_source_is_refused(run, tmp_path, capsys):
     copy = tmp_path / "parent" / "demo"
     shutil.copytree(run, copy)
-    assert main(["export", str(copy), "--hf", str(copy / "hf")]) == 0
+    assert main(["export", str(copy), "--out", str(copy / "hf")]) == 0
     assert (copy / "hf" / "model.safetensors").is_file() and ck.latest_checkpoint(copy) is not None
-    err = cli_error(capsys, ["export", str(copy), "--hf", str(copy.parent)])
+    err = cli_error(capsys, ["export", str(copy), "--out", str(copy.parent)])
     assert "contains" in err
 
 
 def test_overwrite_replaces_only_our_files(run, tmp_path, capsys):
     out = tmp_path / "hf"
-    assert main(["export", str(run), "--hf", str(out)]) == 0
+    assert main(["export", str(run), "--out", str(out)]) == 0
     (out / "README.md").write_text("my notes")
     (out / "extra").mkdir()
     (out / "extra" / "eval.json").write_text("[1]")
-    err = cli_error(capsys, ["export", str(run), "--hf", str(out)])
+    err = cli_error(capsys, ["export", str(run), "--out", str(out)])
     assert "--overwrite" in err
     old_weights = (out / "model.safetensors").stat().st_ino
-    assert main(["export", str(run), "--hf", str(out), "--which", "best", "--overwrite"]) == 0
+    assert main(["export", str(run), "--out", str(out), "--which", "best", "--overwrite"]) == 0
     assert (out / "README.md").read_text() == "my notes" and (out / "extra" / "eval.json").read_text() == "[1]"
     assert (out / "model.safetensors").stat().st_ino != old_weights      # replaced, not appended to
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
@@ -186,7 +186,7 @@ def test_a_read_only_output_is_one_clear_line(run, tmp_path, capsys):
     if not _mount_tmpfs(ro, "64k", read_only=True):
         pytest.skip("mounting a read-only tmpfs is not permitted here")
     try:
-        err = cli_error(capsys, ["export", str(run), "--hf", str(ro / "hf")])
+        err = cli_error(capsys, ["export", str(run), "--out", str(ro / "hf")])
         assert str(ro) in err and "Traceback" not in err
     finally:
         subprocess.run(["umount", str(ro)], check=False)

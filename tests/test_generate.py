@@ -559,7 +559,7 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
     assert out["ids"] == expect and out["text"] == tok.decode(expect)
     assert out["stop_reason"] in ("max_new_tokens", "eot") and out["decode_tokens_per_second"] > 0
     # ASCII only (bytes 128-255 banned), then a stop string from the middle: the text ends before it
-    ascii_only = ["--banned-ids"] + [str(i) for i in range(128, 256)]
+    ascii_only = ["--banned-ids", ",".join(str(i) for i in range(128, 256))]
     base = ["generate", "--hf", str(hf_dir), "Hello, world", "--temperature", "0", "--max-new-tokens", "12",
             "--json"] + ascii_only
     text = _cli_json(capsys, base)["text"]

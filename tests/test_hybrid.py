@@ -422,3 +422,32 @@ def test_sink_shares_and_the_linear_trace():
     torch.testing.assert_close(torch.tensor(trace.state_norm[-1]), final[0].flatten(1).norm(dim=-1))
     with pytest.raises(ValueError, match="k \\(12\\) must be smaller"):
         sink_shares(model, ids, k=12)
+
+
+def test_inspect_shows_sinks_and_the_linear_state(tmp_path, capsys):
+    import json
+
+    from logitlab.cli.main import main
+    from logitlab.io.model_dir import TOKENIZER_FILE, save_model
+    from logitlab.tokenizer.bpe import train_tokenizer
+
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n" * 50)
+    tok = train_tokenizer(tmp_path / "a.txt", 280, ["<|endoftext|>"], workers=1)
+    torch.manual_seed(0)
+    cfg = _config(vocab_size=tok.vocab_size, layer_types=("linear_attention", "full_attention") * 2,
+                  attn_gate="elementwise")
+    save_model(Transformer(cfg), tmp_path / "m")
+    tok.save(tmp_path / "m" / TOKENIZER_FILE)
+    text = "def f(x):\\n    return x"
+    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), text, "--sinks", "2", "--linear"]) == 0
+    out = capsys.readouterr().out
+    assert "on positions 0..1" in out and "Gated DeltaNet layer 0" in out and "decay exp(g)" in out
+    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), text, "--sinks", "--linear", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["layer"] for s in report["sinks"]] == [1, 3] and report["sinks"][0]["k"] == 4
+    assert [t["layer"] for t in report["linear"]] == [0, 2]
+    plain = _config(vocab_size=tok.vocab_size)
+    save_model(Transformer(plain), tmp_path / "p")
+    tok.save(tmp_path / "p" / TOKENIZER_FILE)
+    assert main(["inspect", "--checkpoint", str(tmp_path / "p"), text, "--linear"]) == 2
+    assert "no Gated DeltaNet" in capsys.readouterr().err

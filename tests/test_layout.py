@@ -22,6 +22,8 @@ ALLOWED = {
     "generate": {"model", "tokenizer"},
     "inspect": {"model", "tokenizer", "generate"},   # generate.sampling: what the sampler draws from
     "train": {"model", "data", "io", "parallel", "kernels"},
+    "eval": {"model", "tokenizer", "generate"},
+    "serve": None,
     "cli": None,
 }
 # Modules that import nothing of logitlab, which any stage may use: the file primitives (atomic

@@ -449,3 +449,63 @@ def test_loss_fn_compiled_equals_eager_in_loss_and_gradients(fullgraph):
     compiled.backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+# -------------------- the default learning rate and the time budget
+
+def test_default_lr_follows_the_models_size():
+    from logitlab.model.families import get_preset
+    from logitlab.train.config import LARGE_MODEL_LR, SMALL_MODEL_LR, default_lr
+
+    assert TrainConfig().lr is None
+    assert TrainConfig().for_model(tiny_model()).lr == SMALL_MODEL_LR == 3e-3
+    for name in ("tiny", "gpt2-tiny", "small"):
+        with torch.device("meta"):
+            assert TrainConfig().for_model(Transformer(get_preset(name))).lr == 3e-3, name
+    with torch.device("meta"):
+        assert TrainConfig().for_model(Transformer(get_preset("gpt2"))).lr == LARGE_MODEL_LR == 3e-4
+    assert TrainConfig(lr=1e-3).for_model(tiny_model()).lr == 1e-3       # a given rate is kept
+    assert default_lr(49_999_999) == 3e-3 and default_lr(50_000_000) == 3e-4
+    with pytest.raises(ValueError, match="for_model"):
+        TrainConfig().schedule()
+    with pytest.raises(ValueError, match="min_lr"):
+        TrainConfig(lr=1e-3, min_lr=1e-2)
+
+
+def test_train_resolves_and_records_the_default_lr(corpus, tmp_path):
+    result = train(tiny_model(), _cfg(corpus, tmp_path / "r", lr=None, steps=2, warmup_steps=1))
+    run = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert run["train"]["lr"] == 3e-3 and result.step == 2
+    metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["lr"] for m in metrics if "lr" in m) == pytest.approx(3e-3)
+
+
+def test_fit_steps_to_budget_fits_steps_and_evaluations():
+    from logitlab.train.budget import PLANNED_SHARE, fit_steps_to_budget
+
+    fit = fit_steps_to_budget(100.0, 0.1)                                # no evaluation cost
+    assert fit.steps == int(PLANNED_SHARE * 100 / 0.1) and fit.eval_every == -(-fit.steps // 10)
+    fit = fit_steps_to_budget(100.0, 0.1, 1.0)                           # 10 evaluations + the final one
+    assert fit.steps == int((90 - 11) / 0.1) and fit.planned_s <= 90 + 1e-9
+    short = fit_steps_to_budget(60.0, 2.0, 1.0)                          # few steps: still at most 10 evaluations
+    assert short.steps // short.eval_every <= 10 and short.planned_s <= 54 + 1e-9
+    fit = fit_steps_to_budget(100.0, 0.1, 1.0, eval_every=50)
+    assert fit.eval_every == 50 and fit.planned_s <= 90 + 1e-9
+    assert fit.steps == int((90 - 1) / (0.1 + 1 / 50))                  # each step carries 1/50 of an evaluation
+    assert fit_steps_to_budget(100.0, 0.1, eval_every=0).steps == 900
+    assert fit_steps_to_budget(100.0, 0.1, max_steps=40).steps == 40
+    assert fit_steps_to_budget(1.0, 10.0, min_steps=5).steps == 5       # a budget too short: the minimum
+    for bad in (dict(budget_s=0, step_s=1), dict(budget_s=1, step_s=-1), dict(budget_s=1, step_s=1, eval_s=-1)):
+        with pytest.raises(ValueError):
+            fit_steps_to_budget(**bad)
+
+
+def test_time_training_step_leaves_the_model_as_it_was():
+    from logitlab.train.budget import time_training_step
+
+    model = tiny_model().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    threads, seconds = time_training_step(model, 2, 16, repeats=1)
+    assert threads == torch.get_num_threads() and seconds > 0
+    assert not model.training and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

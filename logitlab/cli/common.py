@@ -171,6 +171,27 @@ def build_config(cls: type, args: argparse.Namespace | None = None,
 # Tables
 # --------------------------------------------------------------------------------------------
 
+_ESCAPES = {"'": "\\'", "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def quote_token(token: str | bytes) -> str:
+    """A token as every table shows it (tokenizer show, inspect, demo): in single quotes; \\n \\t \\r \\' and
+    \\\\ escaped; other unprintable characters as \\uNNNN; for bytes, those that are not valid UTF-8
+    on their own (part of a multi-byte character) as \\xNN. No rich markup is interpreted."""
+    text = token.decode("utf-8", errors="surrogateescape") if isinstance(token, bytes) else token
+    out = []
+    for c in text:
+        if c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        elif 0xDC80 <= ord(c) <= 0xDCFF and isinstance(token, bytes):  # an undecodable byte
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        elif not c.isprintable():
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return "'" + "".join(out) + "'"
+
+
 def print_table(out, title: str, columns: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> None:
     """A rich table whose cells are never cut: the title on a line of its own (never wrapped
     into the table's width), and when the table is wider than the console, its value columns

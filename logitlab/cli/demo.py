@@ -9,7 +9,6 @@ pieces are the training commands' own (cli_train.py); this module only chooses t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from logitlab.cli import common as cli
 from logitlab.cli.train import _prepare, _run_training, _train_tokenizer, exit_code, plot_run
-from logitlab.train import runtime
+from logitlab.train import budget, runtime
 
 # The demo's sizes. The full demo tokenizes 12 MB spread over the default corpus and sets its step
 # count from a short timing of the model, so that training takes about `train_seconds` on the machine at hand.
@@ -85,7 +84,7 @@ def _demo(args, out: Path) -> int:
     ns = argparse.Namespace(data=None, text_field="text", column="text", val_fraction=spec["val"], workers=args.workers,
                             max_bytes=spec["corpus"])
     _prepare(ns, tok, out / "data", con)
-    model_cfg = dataclasses.replace(get_preset("tiny"), vocab_size=tok.vocab_size, **spec["model"])
+    model_cfg = get_preset("tiny", vocab_size=tok.vocab_size, **spec["model"])
     torch.manual_seed(args.seed)
     model = Transformer(model_cfg)
     # The demo trains for a fixed time, so it keeps freed memory even though it does not compile
@@ -94,14 +93,17 @@ def _demo(args, out: Path) -> int:
     train_kw = dict(spec["train"], keep_freed_memory="on")
     if runtime.pick_device("auto").type == "cpu":                 # the device TrainConfig picks
         runtime.keep_freed_memory()
-    threads, per_step = _pick_threads(model, train_kw["batch_size"], model_cfg.context_length)
+    threads, per_step = budget.time_training_step(model, train_kw["batch_size"], model_cfg.context_length,
+                                                  threads=(torch.get_num_threads(), 1), repeats=3)
     con.print(f"a training step takes {per_step:.2f} s here with {threads} thread(s)")
     if "steps" not in train_kw:
         seconds = args.train_seconds or spec["train_seconds"]
-        steps = int(min(3000, max(60, seconds / (per_step * 1.1))))  # ~10% for evals and saves
-        train_kw.update(steps=steps, warmup_steps=max(1, steps // 20), eval_every=max(1, steps // 6),
+        eval_s = budget.eval_seconds(per_step, 1, train_kw["batch_size"], model_cfg.context_length,
+                                     train_kw["eval_tokens"])
+        fit = budget.fit_steps_to_budget(seconds, per_step, eval_s, evals=6, min_steps=60, max_steps=3000)
+        train_kw.update(steps=fit.steps, warmup_steps=max(1, fit.steps // 20), eval_every=fit.eval_every,
                         time_limit_s=1.5 * seconds)  # if the machine gets busier than when timed
-        con.print(f"{steps} steps fit about {seconds:.0f} s")
+        con.print(f"{fit.steps} steps fit about {seconds:.0f} s")
     train_cfg = TrainConfig(data_dir=str(out / "data"), out_dir=str(out), seed=args.seed, **train_kw)
     con.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters "
               f"(L={model_cfg.n_layers}, D={model_cfg.d_model}, V={model_cfg.vocab_size}, "
@@ -125,29 +127,15 @@ def _demo(args, out: Path) -> int:
         val = f"{start_val:.3f} -> {val}"
     con.print(f"\nvalidation loss {val} nats/token (uniform guess: ln V = {ln_v:.3f}); "
               f"total wall time {wall:.0f} s. Run directory: {out} (loss plot {png})")
-    con.print(f"next: logitlab generate --checkpoint {out} 'def '   |   logitlab export {out} --hf {out}/hf")
+    con.print(f"next: logitlab generate --checkpoint {out} 'def '   |   logitlab export {out} --out {out}/hf")
     return 0
-
-
-def _pick_threads(model, batch_size: int, seq_len: int) -> tuple[int, float]:
-    """(threads, seconds per training step) from runtime.fastest_thread_count on a random batch;
-    the weights are untouched (no optimizer step) and the gradients cleared afterwards."""
-    import torch
-
-    from logitlab.train.loop import cross_entropy
-    from logitlab.train.runtime import fastest_thread_count
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g)  # (B, T)
-    threads, seconds = fastest_thread_count(lambda: cross_entropy(model(x), x).backward())
-    model.zero_grad(set_to_none=True)
-    return threads, seconds * 1.05  # + the optimizer step
 
 
 def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
     """A sampled continuation of `prompt` and the top next-token probabilities after it."""
-    from rich.table import Table
+    from rich.markup import escape
 
+    from logitlab.cli.common import print_table, quote_token
     from logitlab.generate.loop import SampleConfig, generate
     from logitlab.inspect.core import next_token_table
 
@@ -157,13 +145,8 @@ def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
     con.print("\n[bold]sample[/bold] (temperature 0.8, top-k 50):")
     con.print(prompt + tok.decode([i for i in result.tokens[0] if i != tok.eot_id]), markup=False)
     top = next_token_table(model, ids, k=10, token_text=lambda i: tok.decode([i])).before
-    table = Table(title="next-token probabilities after the prompt")
-    table.add_column("id", justify="right")
-    table.add_column("token")
-    table.add_column("p", justify="right")
-    for c in top:
-        table.add_row(str(c.id), repr(c.text), f"{c.probability:.3f}")
-    con.print(table)
+    rows = [[str(c.id), escape(quote_token(tok.token_bytes(c.id))), f"{c.probability:.3f}"] for c in top]
+    print_table(con, "next-token probabilities after the prompt", ["id", "token", "p"], rows, right=(0, 2))
 
 
 def register(subparsers) -> None:
@@ -173,8 +156,9 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="a ~30 s version")
     p.add_argument("--train-seconds", type=float, default=None,
                    help="about how long training may take (default 240; sets the step count)")
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="text the trained model continues at the end "
+                   "(default: a Python function header)")
+    p.add_argument("--seed", type=int, default=1337, help="seed of the model, data order and sampling (default 1337)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: min(4, CPUs))")
     cli.add_progress_flag(p)
     p.set_defaults(func=cmd_demo)

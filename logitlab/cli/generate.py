@@ -1,8 +1,8 @@
-"""Subcommands `generate` and `inspect` (registered by main.py): text in, text or tables out.
+"""Subcommand `generate` (registered by main.py): text in, text out.
 
-Loads a model with its tokenizer (--checkpoint DIR or --hf DIR), streams generated text as soon as it
-is valid UTF-8, holding back a possible stop-string start, and renders timings and "seeing inside"
-results (inspect.core) as tables or, with --json, one JSON object.
+Loads a model with its tokenizer (--checkpoint DIR or --hf DIR; `inspect` and `chat` load the same
+way), streams generated text as soon as it is valid UTF-8, holding back a possible stop-string
+start, and prints the timings on stderr or, with --json, one JSON object.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 
 # SampleConfig fields with no flag of their own: --stop and --logit-bias fill them from text.
-# --stop-ids has its own flag (a list with nargs would swallow the positional prompt that follows it).
-_SKIP = ("logit_bias", "stop_sequences", "stop_bytes", "stop_ids")
+# --stop-ids and --banned-ids have flags of their own: a list flag with nargs would swallow the
+# positional prompt that follows it, so they take comma-separated ids and repeat instead.
+_SKIP = ("logit_bias", "stop_sequences", "stop_bytes", "stop_ids", "banned_ids")
+_ID_LISTS = {"stop_ids": "stop_id_lists", "banned_ids": "banned_id_lists"}  # field -> argparse dest
 
 
 def register(subparsers) -> None:
-    """Add `generate` and `inspect` to `subparsers` (`chat` is chat.py's)."""
+    """Add `generate` to `subparsers` (`inspect` is inspect.py's, `chat` chat.py's)."""
     g = subparsers.add_parser("generate", help="continue a prompt, streaming the text",
                               description="Continue PROMPT with a model, printing text as it is generated, "
                               "then (on stderr, so `> out.txt` holds only the text) the prompt's token count, the "
@@ -37,37 +39,6 @@ def register(subparsers) -> None:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object at the end instead of streaming")
     g.set_defaults(func=_generate)
-
-    i = subparsers.add_parser("inspect", help="per-token surprisal, next-token table, logit lens, neighbours",
-                              description="Score TEXT token by token (probability, surprisal in nats and "
-                              "bits, cross-entropy, perplexity) and show the top next tokens at --position "
-                              "before and after --temperature/--top-k/--top-p/--min-p; --lens adds the logit "
-                              "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
-                              "rows.")
-    _model_flags(i)
-    i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); special-token text "
-                   "in it such as <|endoftext|> becomes its id unless --ordinary is given")
-    i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "
-                   "text (default: it becomes the special token's id)")
-    i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
-                   "lens (the prediction made after that token; default -1, the last)")
-    i.add_argument("--rows", type=_number(int, "an integer >= 1", lambda v: v >= 1), default=10,
-                   help="how many candidates to list (default 10)")
-    for name, kind, default, rule, ok, text in (
-            ("temperature", float, 1.0, "a finite number >= 0", lambda v: v >= 0,
-             "temperature of the 'after' column"),
-            ("top-k", int, 0, "an integer >= 0", lambda v: v >= 0, "top-k of the 'after' column (0 = off)"),
-            ("top-p", float, 1.0, "in (0, 1]", lambda v: 0 < v <= 1, "top-p of the 'after' column (1 = off)"),
-            ("min-p", float, 0.0, "in [0, 1)", lambda v: 0 <= v < 1, "min-p of the 'after' column (0 = off)")):
-        i.add_argument(f"--{name}", type=_number(kind, rule, ok), default=default,
-                       help=f"{text} (default {default})")
-    i.add_argument("--lens", action="store_true", help="logit lens: top prediction at every layer")
-    i.add_argument("--neighbours", metavar="TOKEN", help="embedding neighbours of TOKEN (a single-token "
-                   "string or an integer id)")
-    i.add_argument("--bos", action="store_true", help="put the end-of-text token first, so the first token "
-                   "of TEXT is scored too (GPT-2 style)")
-    i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    i.set_defaults(func=_inspect)
 
 
 def _number(kind: type, rule: str, ok):
@@ -87,7 +58,7 @@ def _number(kind: type, rule: str, ok):
 
 
 def _id_list(text: str) -> tuple[int, ...]:
-    """An argparse type for --stop-ids: "10" or "10,13" -> (10, 13)."""
+    """An argparse type for --stop-ids and --banned-ids: "10" or "10,13" -> (10, 13)."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts or not all(part.isdigit() for part in parts):
         raise argparse.ArgumentTypeError(f"must be token ids separated by commas, got {text!r}")
@@ -118,6 +89,10 @@ def _sample_flags(p) -> None:
                    metavar="ID[,ID...]",
                    help="token ids that end generation besides end-of-text: comma-separated, repeatable "
                    "(--stop-ids 10,13 or --stop-ids 10 --stop-ids 13); replaces [sample] stop_ids of --config")
+    p.add_argument("--banned-ids", action="append", default=[], type=_id_list, dest="banned_id_lists",
+                   metavar="ID[,ID...]", help="token ids that are never generated: comma-separated, repeatable "
+                   "(--banned-ids 10,13 or --banned-ids 10 --banned-ids 13); replaces [sample] banned_ids of "
+                   "--config (default: none)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
@@ -177,8 +152,9 @@ def sample_config(args, end_ids: tuple[int, ...] = ()):
             raise ValueError(f"--logit-bias expects ID=BIAS, got {item!r}") from None
     stops = tuple(_unescape(s).encode() for s in args.stop if s)
     overrides = {"logit_bias": bias} if bias else {}
-    if getattr(args, "stop_id_lists", None):  # the flag replaces the TOML list, as every flag does
-        overrides["stop_ids"] = tuple(i for group in args.stop_id_lists for i in group)
+    for name, dest in _ID_LISTS.items():  # a flag replaces the TOML list, as every flag does
+        if getattr(args, dest, None):
+            overrides[name] = tuple(i for group in getattr(args, dest) for i in group)
     cfg = build_config(SampleConfig, args, table, **overrides)
     return dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + stops,
                                stop_ids=cfg.stop_ids + tuple(i for i in end_ids if i not in cfg.stop_ids))
@@ -310,89 +286,3 @@ def _decode_step(args, model):
     from logitlab.kernels.decode import compiled_decode_step
 
     return compiled_decode_step(model, step=decode_step)
-
-
-# -------------------- inspect
-
-def _token_id(tokenizer, text: str) -> int:
-    ids = [int(text)] if text.lstrip("-").isdigit() else tokenizer.encode(_unescape(text), allowed_special="none")
-    if len(ids) != 1:
-        raise ValueError(f"--neighbours {text!r} encodes to {len(ids)} tokens {ids}; give one token or an id")
-    return ids[0]
-
-
-def _inspect(args) -> int:
-    from logitlab.generate.loop import SampleConfig
-    from logitlab.inspect import core as ins
-
-    tok = (m := load(args)).tokenizer
-    ids = tok.encode(_unescape(args.text), allowed_special="none" if args.ordinary else "all")
-    if args.bos and tok.eot_id is None:
-        raise ValueError("--bos needs a tokenizer with <|endoftext|>")
-    ids = [tok.eot_id] + ids if args.bos else ids
-    if not ids:
-        raise ValueError("the text encodes to no tokens")
-    label = lambda i: tok.decode([i])  # noqa: E731
-    cfg = SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    report = dict(ids=ids, bos=bool(args.bos))
-    if len(ids) >= 2:
-        report["surprisal"] = ins.token_surprisals(m.model, ids, label)
-    report["next"] = ins.next_token_table(m.model, ids, args.position, cfg, args.rows, label)
-    if args.lens:
-        report["lens"] = ins.logit_lens(m.model, ids, args.position, 1, label)
-    if args.neighbours is not None:
-        token = _token_id(tok, args.neighbours)
-        nearest = ins.embedding_neighbours(m.model, token, args.rows, label)  # checks the id
-        report["neighbours"] = dict(id=token, text=label(token), nearest=nearest)
-    print(json.dumps(report, default=dataclasses.asdict, ensure_ascii=False)) if args.json else _print_inspect(report)
-    return 0
-
-
-def _p(p: float) -> str:
-    return "0" if p == 0 else f"{p:.4f}" if p >= 1e-3 else f"{p:.2e}"
-
-
-def _cell(text: str | None) -> str:
-    """A token for print_table: quoted, control characters escaped, rich markup escaped."""
-    from rich.markup import escape
-    return escape("" if text is None else json.dumps(text, ensure_ascii=False))
-
-
-def _print_inspect(report: dict) -> None:
-    from logitlab.cli.common import console, print_table
-
-    out = console()
-    s = report.get("surprisal")
-    if s is not None:
-        rows = [[str(r.position), str(r.id), _cell(r.text),
-                 *(("-",) * 3 if r.probability is None else
-                   (_p(r.probability), f"{r.surprisal_nats:.3f}", f"{r.surprisal_bits:.3f}"))] for r in s.tokens]
-        print_table(out, "per-token surprisal", ["pos", "id", "token", "p", "nats", "bits"], rows,
-                    right=(0, 1, 3, 4, 5))
-        scored = f"{s.scored} token{'' if s.scored == 1 else 's'} scored"
-        out.print(f"{scored}: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
-                  f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}", markup=False)
-    out.print("token 0 is the end-of-text token added by --bos: it is context, so the text's first token is "
-              "scored" if report.get("bos") else "token 0 is not scored: nothing before it predicts it (pass "
-              "--bos to put the end-of-text token first and score it too)", markup=False, highlight=False)
-    n = report["next"]
-    settings = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())
-    columns = ["rank", "id", "token", "logit", "model: softmax(logits)", "sampler: what is drawn from"]
-    for ranked_by, rows in (("model", n.before), ("sampler", n.after)):
-        if ranked_by == "sampler" and [c.id for c in n.after] == [c.id for c in n.before][:len(n.after)]:
-            continue  # the same order: the model's table already shows it
-        rows = [[str(rank), str(c.id), _cell(c.text), f"{c.logit:.3f}", _p(c.model_probability),
-                 _p(c.sampler_probability)] for rank, c in enumerate(rows, start=1)]
-        print_table(out, f"next token after position {n.position}, ranked by the {ranked_by} (sampler: "
-                    f"{settings}; {n.kept} tokens kept)", columns, rows, right=(0, 1, 3, 4, 5))
-    if "lens" in report:
-        rows = [[str(e.layer), _cell(e.top[0].text), _p(e.top[0].probability),
-                 "-" if e.target_probability is None else _p(e.target_probability)] for e in report["lens"]]
-        print_table(out, f"logit lens at position {n.position} (layer 0 = embeddings)",
-                    ["layer", "top token", "p", "p(actual next)"], rows, right=(0, 2, 3))
-    if "neighbours" in report:
-        nb = report["neighbours"]
-        name = json.dumps(nb["text"], ensure_ascii=False)
-        rows = [[str(r.id), _cell(r.text), f"{r.cosine:.4f}"] for r in nb["nearest"]]
-        print_table(out, f"embedding neighbours of {name} (id {nb['id']})", ["id", "token", "cosine"], rows,
-                    right=(0, 2))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from logitlab.cli import chat, demo, generate, model, tokenizer, train
+from logitlab.cli import chat, data, demo, eval, generate, inspect, model, post, serve, tokenizer, train
 from logitlab.cli.common import error_console
 
 # --------------------------------------------------------------------------------------------
@@ -36,11 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Text -> token ids -> logits -> text, every step visible. New here? Start with "
                     "`logitlab demo`: it trains a tokenizer and a small model on the Python standard "
                     "library in a few minutes, then samples from it.",
+        epilog="Flags mean one thing everywhere: --hf DIR is a Hugging Face directory to read, --out "
+               "DIR (or FILE) is what a command writes.",
     )
     parser.add_argument("--version", action="version", version=f"logitlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module in (tokenizer, model, train, demo, generate, chat):  # the order --help lists them in
+    # --help lists the commands in this order: the path from text to a served model
+    for module in (tokenizer, model, data, train, demo, generate, inspect, chat, eval, post, serve):
         module.register(sub)
     return parser
 

@@ -13,12 +13,18 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     """Add `params` and `convert` to `subparsers`."""
+    import argparse
+
     from logitlab.cli.common import add_dtype_flag
 
     p = subparsers.add_parser("params", help="parameter counts, FLOPs, memory and a training planner",
                               description="Exact parameter counts (model built on the meta device) beside "
                               "the back-of-envelope formula, FLOPs per token, weight and KV-cache memory, "
-                              "and a training memory/time planner.")
+                              "and a training memory/time planner: when a step does not fit --memory-gb, the "
+                              "largest batch and context that do, and how many fully sharded ranks it needs.",
+                              epilog="example:\n  logitlab params gpt2 --batch 64 --context 1024 --dtype bf16 "
+                              "--memory-gb 24 --tflops 989",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="PRESET|CONFIG.json|MODEL_DIR",
                    help="a preset name, a config JSON (Hugging Face or logitlab) or a model directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -28,7 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bf16", help="planner compute dtype and KV-cache dtype (default bf16)")
     p.add_argument("--memory-gb", type=float, default=None, help="planner: memory available, GiB")
     p.add_argument("--tflops", type=float, default=None,
-                   help="planner: matmul rate in TFLOP/s (default: measured here with a 1024^3 matmul)")
+                   help="planner: matmul rate in TFLOP/s of the device you plan for, e.g. 989 for an H100's dense "
+                   "bf16 (default: measured on this machine with a 1024^3 matmul)")
     p.set_defaults(func=_params)
 
     c = subparsers.add_parser("convert", help="Hugging Face <-> logitlab model directories",
@@ -90,17 +97,43 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
                   memory_gb: float | None = None, tflops: float | None = None) -> dict:
     """Everything `logitlab params` shows, as one JSON-ready dict."""
     from logitlab.model import accounting as acc
+    from logitlab.model import planner
 
     exact = acc.count_parameters(config)
     formula = acc.formula_count(config)
     rate = tflops * 1e12 if tflops else acc.measure_matmul_flops(dtype, seconds=0.3)
     plan = acc.plan_training(config, batch, context, dtype, memory_gb, rate, n_params=exact.total)
+    advice = planner.fit_advice(config, plan)
     return {"config": config.to_dict(), "exact": exact.as_dict(), "formula": formula.as_dict(),
             "difference": acc.explain_difference(config, exact), "classic_note": acc.explain_classic(config),
+            "classic_table": planner.classic_table(config),
             "flops_per_token": acc.flops_per_token(config, plan.context),
             "weight_bytes": acc.weight_bytes(exact.total),
             "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
-            "matmul_rate_source": "given" if tflops else "measured"}
+            "fits_instead": advice.as_dict() if advice is not None else None,
+            "weights_in_training": planner.weights_note(dtype, exact.total),
+            "matmul_rate_source": "given" if tflops else "measured",
+            "rate_note": planner.rate_note(plan, measured_on_cpu=not tflops),
+            "typical_mfu": planner.TYPICAL_MFU}
+
+
+_PREFIXES = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def si(x: float, unit: str) -> str:
+    """Engineering units, three significant digits: si(1.72e10, "FLOP") -> '17.2 GFLOP'."""
+    scale, prefix = next(((scale, prefix) for scale, prefix in _PREFIXES if abs(x) >= scale), (1, ""))
+    v = x / scale
+    digits = 0 if abs(v) >= 100 or v == 0 else 1 if abs(v) >= 10 else 2
+    return f"{v:.{digits}f} {prefix}{unit}"
+
+
+def duration(seconds: float) -> str:
+    """'0.42 s', '9.4 min', '2.3 h', '4.1 days'."""
+    for limit, scale, unit in ((60, 1, "s"), (3600, 60, "min"), (86400 * 2, 3600, "h")):
+        if seconds < limit:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 86400:.3g} days"
 
 
 def _n(x) -> str:
@@ -131,9 +164,15 @@ def _params(args) -> int:
     rows = [["embeddings", "", _n(e["embeddings"]), "", _n(c.vocab_size * c.d_model)]]
     if e["positions"]:
         rows.append(["positions", "", _n(e["positions"]), "", ""])
-    rows += [["attention", _n(e["attention_per_layer"]), _n(e["attention"]),
-              _n(f["attention_per_layer"]), _n(f["attention_per_layer"] * L)],
-             ["MLP", _n(e["mlp_per_layer"]), _n(e["mlp"]), _n(f["mlp_per_layer"]), _n(f["mlp_per_layer"] * L)],
+    n_attn = L - e["n_linear_layers"]
+    rows += [[f"attention ({n_attn} layers)" if e["n_linear_layers"] else "attention", _n(e["attention_per_layer"]),
+              _n(e["attention"]), _n(f["attention_per_layer"]), _n(f["attention_per_layer"] * n_attn)]]
+    if e["n_linear_layers"]:
+        rows.append([f"Gated DeltaNet ({e['n_linear_layers']} layers)", _n(e["linear_attention_per_layer"]),
+                     _n(e["linear_attention"]), _n(f["linear_per_layer"]),
+                     _n(f["linear_per_layer"] * e["n_linear_layers"])])
+        rows += [[f"  {name}", _n(n), _n(n * e["n_linear_layers"]), "", ""] for name, n in e["linear_items"].items()]
+    rows += [["MLP", _n(e["mlp_per_layer"]), _n(e["mlp"]), _n(f["mlp_per_layer"]), _n(f["mlp_per_layer"] * L)],
              ["norms", _n(e["norms_per_layer"]), _n(e["norms"]), "", ""],
              ["LM head", "", _n(e["lm_head"]) + (" (tied)" if e["tied"] else ""), "",
               _n(0 if c.tie_embeddings else c.vocab_size * c.d_model)],
@@ -142,31 +181,77 @@ def _params(args) -> int:
                 rows, right=(1, 2, 3, 4))
     diff = ", ".join(f"{k} {_n(v)}" for k, v in r["difference"].items()) or "nothing"
     out.print(f"exact - formula = {_n(e['total'] - f['total'])}: {diff}")
-    out.print(f"classic 12·D²·L = {_n(f['classic_12_D2_L'])} vs formula layers {_n(f['layers'])} "
-              f"({r['classic_note']})")
+    print_table(out, "the classic estimate 12·D²·L beside this model's formula",
+                ["part", "classic", "rule", "this model", "why they differ"],
+                [[row["part"], _n(row["classic"]), row["classic_rule"], _n(row["formula"]), row["why"]]
+                 for row in r["classic_table"]], right=(1, 3))
     fl = r["flops_per_token"]
-    out.print(f"FLOPs/token at context {fl['context']:,}: forward {fl['forward']:.3e} (2·N_matmul "
-              f"{fl['dense']:.3e} + attention 2·L·T·H·Dh {fl['attention']:.3e}), "
-              f"training {fl['training']:.3e} (3x)")
+    state = f" + Gated DeltaNet state {si(fl['linear_state'], 'FLOP')}" if "linear_state" in fl else ""
+    out.print(f"FLOPs per token at context {fl['context']:,}: forward {si(fl['forward'], 'FLOP')} (2·N_matmul "
+              f"{si(fl['dense'], 'FLOP')} + attention 4·H·Dh per key read {si(fl['attention'], 'FLOP')}{state}), "
+              f"training {si(fl['training'], 'FLOP')} (3x: forward + backward)")
     w = r["weight_bytes"]
     out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])}")
     kv = r["kv_cache"]
     out.print(f"KV cache ({args.dtype}): {_bytes(kv['per_token'])} per token, {_bytes(kv['total'])} "
               f"at {kv['tokens']:,} tokens")
-    p = r["plan"]
-    labels = (("weights", "weights (fp32)"), ("gradients", "gradients (fp32)"),
-              ("optimizer", "AdamW moments (2 x fp32)"), ("activations", "activations (estimate)"),
+    if kv["fixed"]:
+        out.print(f"  of which {_bytes(kv['fixed'])} is fixed whatever the length (Gated DeltaNet state, sliding "
+                  f"windows); with every layer full attention: {_bytes(kv['full_attention_equivalent'])} "
+                  f"({kv['full_attention_equivalent'] / kv['total']:.1f}x)")
+    _print_plan(out, r, args.dtype)
+    return 0
+
+
+def _print_plan(out, r: dict, dtype: str) -> None:
+    """The training step's memory, what fits instead when it does not, and its time."""
+    from logitlab.cli.common import print_table
+
+    p, wt = r["plan"], r["weights_in_training"]
+    master = "weights (fp32 master copy)" if wt else "weights (fp32)"
+    labels = (("weights", master), ("gradients", "gradients (fp32)"),
+              ("optimizer", "AdamW moments (2 x fp32)"), ("activations", f"activations ({p['dtype']}, estimate)"),
               ("logits", "logits + grad (fp32)"), ("total", "total"))
-    print_table(out, f"training step: batch {p['batch_size']} x context {p['context']}, activations "
-                f"{p['dtype']}, AdamW", ["item", "memory"], [[label, _bytes(p[key])] for key, label in labels],
-                right=(1,))
+    print_table(out, f"training step: batch {p['batch_size']} x context {p['context']}, AdamW",
+                ["item", "memory"], [[label, _bytes(p[key])] for key, label in labels], right=(1,))
+    if wt:
+        out.print(f"with {dtype} compute the optimizer updates fp32 master weights ({_bytes(wt['master_bytes'])}); "
+                  f"autocast casts each to {dtype} as a matmul uses it (transient copies, "
+                  f"{_bytes(wt['compute_bytes'])} for all of them)")
     if p["memory_limit"] is not None:
         verdict = "[green]fits[/green]" if p["fits"] else "[red]does not fit[/red]"
         out.print(f"{verdict} in {_bytes(p['memory_limit'])}")
-    out.print(f"step: {p['flops_per_step']:.3e} FLOPs; at the {r['matmul_rate_source']} matmul rate "
-              f"{p['matmul_flops_per_s'] / 1e12:.3f} TFLOP/s that is {p['seconds_per_step']:.3g} s "
-              "at 100% MFU")
-    return 0
+    if r["fits_instead"] is not None:
+        _print_fits_instead(out, r["fits_instead"], p)
+    mfu = r["typical_mfu"]
+    out.print(f"step: {si(p['flops_per_step'], 'FLOP')}; at the {r['matmul_rate_source']} matmul rate "
+              f"{si(p['matmul_flops_per_s'], 'FLOP/s')} that is {duration(p['seconds_per_step'])} at 100% MFU, "
+              f"about {duration(p['seconds_per_step'] / mfu)} at {mfu:.0%}")
+    out.print("(MFU, model FLOPs utilisation: the model's FLOPs per second over the hardware's matmul rate; "
+              "a well-tuned training step reaches about 30-50%)")
+    if r["rate_note"]:
+        out.print("[yellow]note:[/yellow] this step is timed at this CPU's measured matmul rate; for the GPU "
+                  "you plan for, give its rate with --tflops (e.g. --tflops 989 for an H100's dense bf16, "
+                  "--tflops 312 for an A100's)")
+
+
+def _print_fits_instead(out, advice: dict, p: dict) -> None:
+    limit = _bytes(advice["memory_limit"])
+    if advice["largest_batch"] is not None:
+        accum = -(-p["batch_size"] // advice["largest_batch"])
+        micro = -(-p["batch_size"] // accum)
+        out.print(f"fits in {limit}: batch {advice['largest_batch']} at context {p['context']} (--batch-size "
+                  f"{micro} --grad-accum {accum} keeps {micro * accum} sequences per optimizer step)")
+    if advice["largest_context"] is not None:
+        out.print(f"fits in {limit}: context {advice['largest_context']:,} at batch {p['batch_size']}")
+    if advice["largest_batch"] is None and advice["largest_context"] is None:
+        out.print(f"nothing fits on one device: the fp32 weights, gradients and AdamW moments alone take "
+                  f"{_bytes(advice['state_bytes'])} (16 bytes per parameter)")
+    if advice["sharded_world_size"] is not None:
+        out.print(f"fully sharded (--parallel fsdp, ZeRO-3): {advice['sharded_world_size']} ranks of {limit} "
+                  f"each, {advice['sharded_micro_batch']} sequence(s) per rank")
+    else:
+        out.print("fully sharded training does not fit either at up to 4096 ranks: lower the batch or context")
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ def register(subparsers) -> None:
                        help="files or directories (default: the Python standard library's *.py files)")
     train.add_argument("--glob", default="**/*", help="files taken from directories (default: **/*)")
     train.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, specials included")
+    train.add_argument("--max-bytes", type=int, default=None, metavar="N",
+                       help="train on about N bytes: whole files spread evenly over the sources (default: all)")
     train.add_argument("--special-token", nargs="*", default=["<|endoftext|>"], metavar="S",
                        help="special tokens (default: <|endoftext|>; give the flag alone for none)")
     train.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k or a regex")
@@ -51,9 +53,13 @@ def register(subparsers) -> None:
 
     convert = sub.add_parser("convert", help="write a tokenizer in another format")
     _add_source(convert)
-    convert.add_argument("--to", choices=["logitlab", "hf", "tiktoken"], required=True)
-    convert.add_argument("--out", required=True)
+    convert.add_argument("--to", choices=["logitlab", "hf", "tiktoken"], required=True,
+                         help="format to write: logitlab JSON, Hugging Face tokenizer.json or a tiktoken rank file")
+    convert.add_argument("--out", required=True, metavar="FILE", help="file to write")
     convert.set_defaults(func=cmd_convert)
+
+    from logitlab.cli import post  # add-special: the model's padded slots (post-training)
+    post.add_special_parser(sub)
 
 
 def _add_source(parser) -> None:
@@ -151,6 +157,8 @@ def cmd_train(args) -> int:
 
     _check_outputs(args)
     data = args.data or stdlib_files()
+    if args.max_bytes is not None:
+        data = _spread(data, args.max_bytes, args.glob)
     with warnings.catch_warnings(record=True) as caught:
         # Shown once each, as "warning: ..." lines: a short vocabulary, undecodable input bytes.
         warnings.simplefilter("always", ShortVocabularyWarning)
@@ -172,6 +180,16 @@ def cmd_train(args) -> int:
     console().print(f"wrote {out} and {out.with_suffix('.vocab')}: {tok!r}, fingerprint {tok.fingerprint()}, "
                     f"encoder {'tiktoken' if tok.fast_path_ok else 'reference (vocabulary not tiktoken-consistent)'}")
     return 0
+
+
+def _spread(sources, max_bytes: int, glob: str) -> list[str]:
+    """About `max_bytes` of `sources` as every k-th file, so a sample spans the whole corpus."""
+    from logitlab.data.corpus import spread_files
+    from logitlab.tokenizer.bpe import expand_paths
+
+    if max_bytes <= 0:
+        raise ValueError(f"--max-bytes must be a positive number of bytes, got {max_bytes}")
+    return [str(p) for p in spread_files(expand_paths(sources, glob), max_bytes, offset=1)]
 
 
 def cmd_encode(args) -> int:
@@ -222,8 +240,7 @@ def cmd_show(args) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from logitlab.cli.common import console
-    from logitlab.tokenizer.formats import readable_token
+    from logitlab.cli.common import console, quote_token
 
     tok = load_tokenizer(args)
     text = _text(args)
@@ -233,7 +250,7 @@ def cmd_show(args) -> int:
         table.add_column(col, justify="right" if col in ("#", "id") else "left")
     for n, i in enumerate(ids):
         raw = tok.token_bytes(i)
-        label = escape("'" + readable_token(raw) + "'")
+        label = escape(quote_token(raw))
         table.add_row(str(n), str(i), f"[bold]{label}[/bold] special" if tok.is_special(i) else label,
                       raw.hex(" "))
     out = console()

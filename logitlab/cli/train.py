@@ -1,5 +1,5 @@
-"""Subcommands of the training stage: prepare, train, plot, export (registered by main.py; prepare
-and plot run from cli/data.py).
+"""Subcommands of the training stage: train, plot, export (registered by main.py; plot runs from
+cli/data.py, which also registers prepare).
 
 This module turns flags and TOML into TrainConfig / ModelConfig, draws progress bars and tables,
 and strings the library calls together; the work itself lives in logitlab.train, logitlab.data and
@@ -13,68 +13,20 @@ import dataclasses
 from pathlib import Path
 
 from logitlab.cli import common as cli
+from logitlab.cli import export
 from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot_run: also demo's)
     EOT,
     _add_data_flags,
     _prepare,
     _train_tokenizer,
     cmd_plot,
-    cmd_prepare,
     plot_run,
 )
+from logitlab.cli.progress import LiveProgress
 
 # --------------------------------------------------------------------------------------------
 # Shared pieces
 # --------------------------------------------------------------------------------------------
-
-class _LiveProgress:
-    """The train callback: a rich progress bar (step, loss, val, tok/s, ETA) when the console is
-    interactive, else a line per evaluation."""
-
-    def __init__(self, con, enabled: bool) -> None:
-        self.con, self.enabled, self.bar, self.task = con, enabled and con.is_terminal, None, None
-        self.quiet = not enabled
-
-    def __call__(self, event: str, r: dict) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        if event == "start":
-            if not self.quiet:
-                self.con.print(f"training on {r['device']} ({_precision(r['amp'])}), "
-                               f"{r['tokens_per_step']:,} tokens/step -> {r['run_dir']}")
-            if self.enabled:
-                self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=30),
-                                    TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  "
-                                               "{task.fields[tps]} tok/s"), TimeRemainingColumn(),
-                                    console=self.con)
-                self.bar.start()
-                self.task = self.bar.add_task("train", total=r["steps"], completed=r["step"],
-                                              loss="-", val="-", tps="-")
-        elif event == "step" and self.bar is not None:
-            fields = dict(loss=f"{r['loss']:.3f}", tps=f"{r['tokens_per_s']:,.0f}")
-            if "val_loss" in r:
-                fields["val"] = f"{r['val_loss']:.3f}"
-            self.bar.update(self.task, completed=r["step"], **fields)
-        elif event == "eval" and r["step"] == 0 and not self.quiet:
-            self.con.print(f"step 0: val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
-            if self.bar is not None:
-                self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
-        elif event == "eval" and self.bar is None and not self.quiet:
-            self.con.print(f"step {r['step']}: loss {r['loss']:.4f}, val {r['val_loss']:.4f} "
-                           f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s")
-        elif event == "end":
-            self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
-
-
-def _precision(amp: str) -> str:
-    """The start event's autocast dtype as a reader says it: 'fp32', or 'bf16 autocast'."""
-    return "fp32" if amp in (None, "None") else f"{amp.removeprefix('torch.').replace('bfloat16', 'bf16')} autocast"
-
 
 def exit_code(result) -> int:
     """0 for a finished run (or one stopped by its time limit); 128 + the signal's number for a
@@ -86,7 +38,7 @@ def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool
                   lock: bool = True):
     from logitlab.train.loop import train
 
-    live = _LiveProgress(con, progress)
+    live = LiveProgress(con, progress)
     try:
         result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live, parallel=parallel,
                        lock=lock)
@@ -188,7 +140,8 @@ def _train_one(args, con, hooks) -> int:
 # resumed run a different run, so a flag that changes it is refused. --steps moves the end of the
 # cosine schedule with the run's end.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "save_every", "keep_last", "log_every",
-                     "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory")
+                     "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory",
+                     "attention_kernel")
 
 
 def _read_run(run_dir) -> dict:
@@ -292,20 +245,61 @@ def _start(args, table: dict, train_cfg, con, hooks) -> int:
     n = sum(p.numel() for p in model.parameters())
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
               f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
+    train_cfg = _fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
+    con.print(f"learning rate {train_cfg.lr:g}" + ("" if _given(args, table, "lr") else
+              " (the default for a model of this size: 3e-3 under 50 M parameters, else 3e-4)"))
+    if train_cfg.needs_nd_loop():
+        return _train_nd(model, train_cfg, out, con, resume=False)
     result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False)
     return exit_code(result)
 
 
-# --------------------------------------------------------------------------------------------
-# export
-# --------------------------------------------------------------------------------------------
+def _train_nd(model, train_cfg, out, con, resume: bool) -> int:
+    """Tensor or pipeline parallel, or ZeRO-1 (train.parallel_run): sharded checkpoints, one
+    metrics record per step; evaluation and the progress bar are the main loop's only."""
+    from logitlab.train.parallel_run import train_parallel
 
-def cmd_export(args) -> int:
-    from logitlab.io.hf import export_hf
-
-    out = export_hf(args.run_dir, args.hf, args.which, overwrite=args.overwrite)
-    cli.console().print(f"wrote {out} (AutoModelForCausalLM / AutoTokenizer)")
+    plan = train_cfg.parallel_plan()
+    con.print(f"layout: {plan}; sharded checkpoints (export them with `logitlab export RUN_DIR/ckpt-... --out DIR`)")
+    result = train_parallel(model, train_cfg, plan, run_dir=out, resume=resume)
+    last = f", loss {result.losses[-1]:.4f}" if result.losses else ""
+    con.print(f"done: {result.step} steps{last}; sharded checkpoint {result.checkpoint}")
     return 0
+
+
+def _given(args, table: dict, name: str) -> bool:
+    """Whether the user set TrainConfig field `name`, by a flag or in the TOML [train] table."""
+    return hasattr(args, name) or name in table.get("train", {})
+
+
+def _fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
+    """--time-limit-s S on a new run: time a training step here, then choose the step count (at
+    most --steps when given) and, unless given, the warmup and evaluation interval, so that the
+    whole warmup + cosine schedule ends inside S (train.budget). The limit still stops the run."""
+    from logitlab.train import budget, runtime
+
+    limit = train_cfg.time_limit_s
+    if limit is None:
+        return train_cfg
+    if hooks is not None:  # ranks timing on their own could choose different step counts
+        con.print(f"[yellow]under torchrun --time-limit-s stops the run at {limit:g} s; the schedule is not "
+                  "fitted to it (set --steps)[/yellow]")
+        return train_cfg
+    device = runtime.pick_device(train_cfg.device)
+    seq_len = train_cfg.seq_len or model.config.context_length
+    _, micro_s = budget.time_training_step(model.to(device), train_cfg.batch_size, seq_len, device=device,
+                                           amp_dtype=runtime.autocast_dtype(device, train_cfg.precision))
+    step_s = micro_s * train_cfg.grad_accum
+    eval_s = budget.eval_seconds(micro_s, 1, train_cfg.batch_size, seq_len, train_cfg.eval_tokens)
+    fit = budget.fit_steps_to_budget(limit, step_s, eval_s,
+                                     eval_every=train_cfg.eval_every if _given(args, table, "eval_every") else None,
+                                     max_steps=train_cfg.steps if _given(args, table, "steps") else None)
+    warmup = min(train_cfg.warmup_steps, fit.steps) if _given(args, table, "warmup_steps") else None
+    fitted = dataclasses.replace(train_cfg, steps=fit.steps, eval_every=fit.eval_every, warmup_steps=warmup)
+    con.print(f"time budget {limit:g} s: a step takes {step_s:.3g} s here, so {fit.steps:,} steps fit (warmup "
+              f"{fitted.warmup_steps}, then the cosine to step {fit.steps}; evaluating every {fit.eval_every}); "
+              f"the run still stops at {limit:g} s")
+    return fitted
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,12 +307,10 @@ def cmd_export(args) -> int:
 # --------------------------------------------------------------------------------------------
 
 _EXAMPLES = {
-    "prepare": "example:\n  logitlab prepare --data corpus/ notes.jsonl --tokenizer tok.json --out data/",
     "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out-dir runs/a\n"
              "  logitlab train --data-dir data/ --preset tiny --d-model 256 --lr 1e-3\n"
              "  logitlab train --config run.toml --lr 3e-4\n  logitlab train --resume runs/a --steps 4000",
     "plot": "example:\n  logitlab plot runs/a            # writes runs/a/loss.png",
-    "export": "example:\n  logitlab export runs/a --hf hf/a --which best",
 }
 
 
@@ -339,17 +331,9 @@ def _model_help_defaults() -> dict:
 
 
 def register(subparsers) -> None:
-    """Add prepare, train, plot and export to `subparsers`."""
+    """Add train, plot and export to `subparsers` (prepare is cli/data.py's)."""
     from logitlab.model.transformer import ModelConfig
     from logitlab.train.loop import TrainConfig
-
-    p = _subparser(subparsers, "prepare", "tokenize a corpus into train.bin / val.bin + manifest.json",
-                   "Tokenize text files, directories, globs, .jsonl or .parquet into train.bin / val.bin and "
-                   "manifest.json (the input of `logitlab train --data-dir`).")
-    _add_data_flags(p)
-    p.add_argument("--tokenizer", required=True, help="tokenizer file (logitlab JSON; required)")
-    p.add_argument("--out", required=True, help="output directory (required)")
-    p.set_defaults(func=cmd_prepare)
 
     p = _subparser(subparsers, "train", "train a model (flags override --config FILE.toml)",
                    "Train a model: trains a tokenizer and prepares --data unless given --tokenizer / "
@@ -379,15 +363,4 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="PNG path (default: RUN_DIR/loss.png)")
     p.set_defaults(func=cmd_plot)
 
-    p = _subparser(subparsers, "export", "write a Hugging Face directory (model + tokenizer)",
-                   "Write a Hugging Face directory (config.json, model.safetensors, tokenizer.json) that "
-                   "AutoModelForCausalLM / AutoTokenizer load.")
-    p.add_argument("run_dir", help="run directory or checkpoint directory")
-    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="output Hugging Face directory (required)")
-    p.add_argument("--which", choices=["latest", "best"], default="latest",
-                   help="for a run directory: its latest checkpoint or the best by validation loss "
-                   "(default: latest)")
-    p.add_argument("--overwrite", action="store_true", help="replace an OUT_DIR that logitlab exported "
-                   "before (only its own files; anything else there is kept). Without it OUT_DIR must be "
-                   "new or empty; it may lie inside the run directory (default: off)")
-    p.set_defaults(func=cmd_export)
+    export.register(subparsers)

@@ -62,6 +62,11 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+# The mode of every file logitlab writes: mkstemp and safetensors' writer create files 0600,
+# which would leave weights unreadable beside world-readable configs.
+FILE_MODE = 0o644
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to a temporary file beside `path`, flush it, and rename it over `path`."""
     path = Path(path)
@@ -71,7 +76,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; our files are world-readable like any other
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; our files are world-readable like any other
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -225,6 +230,15 @@ def _fsync_tree(directory: Path) -> None:
                     os.fsync(f.fileno())
 
 
+def _set_file_modes(directory: Path) -> None:
+    """Give every regular file under `directory` (all written by us) FILE_MODE."""
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, FILE_MODE)
+
+
 def _write_marker(directory: Path, kind: str, names) -> None:
     payload = {"kind": kind, "files": sorted(set(names) - {OUTPUT_MARKER}), "written": time.time()}
     (directory / OUTPUT_MARKER).write_text(json.dumps(payload, indent=2) + "\n")
@@ -250,6 +264,7 @@ def atomic_directory(target: str | os.PathLike, kind: str = "model", *, overwrit
         written = set(os.listdir(tmp))
         if marker:
             _write_marker(tmp, kind, written)
+        _set_file_modes(tmp)  # before other files are linked in: their modes are their owners'
         if target.exists():
             foreign = set(os.listdir(target)) - ours
             clash = foreign & (written | {OUTPUT_MARKER})

@@ -1,6 +1,6 @@
 """The training loop in reusable parts: TrainConfig, the loss, evaluation, the loop with its
 checkpoints (loop.py), AdamW and its schedule (optim.py), devices, autocast and generator
-states (runtime.py)."""
+states (runtime.py), fitting the schedule into a time budget (budget.py)."""
 
 from logitlab.train.loop import (
     TrainConfig,

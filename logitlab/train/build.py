@@ -100,6 +100,10 @@ def build_optimizer(run: Run) -> None:
     build AdamW, and the step's loss (compiled: the model and the loss as one graph; a wrapped
     model may break it)."""
     config, par = run.config, run.par
+    if config.attention_kernel == "triton":  # installed into the model before any wrapper sees it
+        from logitlab.kernels import triton_install
+
+        triton_install.install(run.model)
     run.wrapped = par.wrap(run.model) if par.wrap is not None else run.model
     run.optimizer = build_adamw(run.model, config.lr, config.weight_decay, (config.beta1, config.beta2),
                                 config.eps, config.decay_embeddings)

@@ -123,6 +123,7 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     the whole run, so a second training in the same directory is refused; lock=False when the
     caller already holds it."""
     run_dir = Path(run_dir or config.out_dir)
+    config = config.for_model(model)  # lr: the size's default unless set
     par = parallel if parallel is not None else (
         parallel_hooks(config) if _launched_distributed() else ParallelHooks())
     _check_inputs(model, config, tokenizer, par.world_size)  # every input error before anything is written

@@ -1,0 +1,53 @@
+"""The live view of a training run (cli/train.py, cli/demo.py): a rich progress bar with step,
+loss, validation loss, tokens/s and time left in a terminal, else a line per evaluation."""
+
+from __future__ import annotations
+
+
+class LiveProgress:
+    """The train callback: a rich progress bar (step, loss, val, tok/s, ETA) when the console is
+    interactive, else a line per evaluation."""
+
+    def __init__(self, con, enabled: bool) -> None:
+        self.con, self.enabled, self.bar, self.task = con, enabled and con.is_terminal, None, None
+        self.quiet = not enabled
+
+    def __call__(self, event: str, r: dict) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if event == "start":
+            if not self.quiet:
+                self.con.print(f"training on {r['device']} ({_precision(r['amp'])}), "
+                               f"{r['tokens_per_step']:,} tokens/step -> {r['run_dir']}")
+            if self.enabled:
+                self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=30),
+                                    TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  "
+                                               "{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+                                    console=self.con)
+                self.bar.start()
+                self.task = self.bar.add_task("train", total=r["steps"], completed=r["step"],
+                                              loss="-", val="-", tps="-")
+        elif event == "step" and self.bar is not None:
+            fields = dict(loss=f"{r['loss']:.3f}", tps=f"{r['tokens_per_s']:,.0f}")
+            if "val_loss" in r:
+                fields["val"] = f"{r['val_loss']:.3f}"
+            self.bar.update(self.task, completed=r["step"], **fields)
+        elif event == "eval" and r["step"] == 0 and not self.quiet:
+            self.con.print(f"step 0: val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
+            if self.bar is not None:
+                self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
+        elif event == "eval" and self.bar is None and not self.quiet:
+            self.con.print(f"step {r['step']}: loss {r['loss']:.4f}, val {r['val_loss']:.4f} "
+                           f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s")
+        elif event == "end":
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _precision(amp: str) -> str:
+    """The start event's autocast dtype as a reader says it: 'fp32', or 'bf16 autocast'."""
+    return "fp32" if amp in (None, "None") else f"{amp.removeprefix('torch.').replace('bfloat16', 'bf16')} autocast"
