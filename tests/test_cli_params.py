@@ -117,3 +117,13 @@ def test_a_hybrid_is_counted_by_layer_kind(capsys):
     assert "fixed whatever the length" in out and "Gated DeltaNet state" in out
     report = json.loads(_params(capsys, "qwen3.5-9b", "--json", "--tflops", "989"))
     assert report["exact"]["n_linear_layers"] == 24 and report["kv_cache"]["fixed"] > 0
+
+
+def test_params_prints_each_zero_stage_per_rank(capsys):
+    from logitlab.parallel.planner import plan_all_stages
+
+    out = _params(capsys, "llama3-8b", "--world-size", "8", "--context", "4096", "--tflops", "989")
+    assert "per rank on 8 ranks" in out and all(f"│ {s}" in out for s in ("ddp", "zero1", "zero2", "fsdp"))
+    stages = {r.parallel: r for r in plan_all_stages(get_preset("llama3-8b"), 8, context=4096)}
+    assert stages["fsdp"].weights * 8 == pytest.approx(stages["ddp"].weights, rel=1e-6)  # ZeRO-3 shards weights
+    assert stages["zero1"].optimizer * 8 == pytest.approx(stages["ddp"].optimizer, rel=1e-6)

@@ -36,6 +36,12 @@ def register(subparsers) -> None:
     p.add_argument("--tflops", type=float, default=None,
                    help="planner: matmul rate in TFLOP/s of the device you plan for, e.g. 989 for an H100's dense "
                    "bf16 (default: measured on this machine with a 1024^3 matmul)")
+    p.add_argument("--world-size", type=int, default=None, help="planner: ranks to spread training over; prints "
+                   "each rank's memory under DDP and the ZeRO stages (ZeRO paper arithmetic, parallel.planner)")
+    p.add_argument("--tp", type=int, default=1, help="with --world-size: tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="with --world-size: pipeline stages (default 1)")
+    p.add_argument("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
+                   help="with --world-size: what the backward recomputes (default none)")
     p.set_defaults(func=_params)
 
     c = subparsers.add_parser("convert", help="Hugging Face <-> logitlab model directories",
@@ -200,7 +206,27 @@ def _params(args) -> int:
                   f"windows); with every layer full attention: {_bytes(kv['full_attention_equivalent'])} "
                   f"({kv['full_attention_equivalent'] / kv['total']:.1f}x)")
     _print_plan(out, r, args.dtype)
+    if args.world_size:
+        _print_ranks(out, config, args)
     return 0
+
+
+def _print_ranks(out, config, args) -> None:
+    """Per-rank memory of each ZeRO stage on --world-size ranks (parallel.planner)."""
+    from logitlab.cli.common import print_table
+    from logitlab.parallel.planner import plan_all_stages
+
+    ranks = plan_all_stages(config, args.world_size, micro_batch=args.batch, context=args.context,
+                            mixed_precision=args.dtype != "fp32", tp=args.tp, pp=args.pp,
+                            activation_checkpointing=args.activation_checkpointing)
+    rows = [[r.parallel, _bytes(r.weights), _bytes(r.gradients), _bytes(r.optimizer), _bytes(r.activations),
+             _bytes(r.logits), _bytes(r.total)] for r in ranks]
+    print_table(out, f"per rank on {args.world_size} ranks (tp {args.tp}, pp {args.pp}, activation checkpointing "
+                f"{args.activation_checkpointing})", ["stage", "weights", "gradients", "optimizer", "activations",
+                                                       "logits", "total"], rows, right=(1, 2, 3, 4, 5, 6))
+    out.print("ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, fsdp (ZeRO-3) also the weights "
+              "over the data-parallel ranks (mixed precision: 2 + 2 + 12 bytes per parameter before sharding)",
+              markup=False, highlight=False)
 
 
 def _print_plan(out, r: dict, dtype: str) -> None:
