@@ -105,7 +105,7 @@ def test_unexportable_configs_are_named(changes, match):
       "layer_types": ["chunked_attention"] * 28}, "layer_types=\\['chunked_attention'\\]"),
     ({"architectures": ["Qwen3_5ForCausalLM"], "attn_output_gate": False}, "attn_output_gate=False"),
     ({"architectures": ["Qwen3_5ForConditionalGeneration"]}, "lacks required field 'text_config'"),
-    ({**LLAMA3_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({**LLAMA3_8B, "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "rope_type='proportional'"),
     ({**LLAMA3_8B, "hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({**LLAMA3_8B, "attention_bias": True}, "attention_bias/mlp_bias"),
     ({**GPT2, "activation_function": "relu"}, "activation_function='relu'"),

@@ -109,9 +109,10 @@ def test_a_good_model_dir_still_generates(tmp_path, capsys):
     ("rope_theta", -math.inf, "rope_theta: expected a finite number, got -inf"),
     ("norm", "RMSNorm", "norm must be one of ('layernorm', 'rmsnorm'), got 'RMSNorm'"),
     ("rope_scaling", "yes", "rope_scaling: expected an object (factor, low_freq_factor, high_freq_factor, "
-                            "original_context_length) or null, got 'yes'"),
+                            "original_context_length, rope_type, beta_fast, beta_slow, mscale, mscale_all_dim, "
+                            "attention_factor, truncate, short_factor, long_factor) or null, got 'yes'"),
     ("rope_scaling", [8.0], "rope_scaling: expected an object"),
-    ("rope_scaling", {"factor": 8.0, "rope_type": "llama3"}, "unknown rope_scaling field(s) ['rope_type']"),
+    ("rope_scaling", {"factor": 8.0, "scale": 2}, "unknown rope_scaling field(s) ['scale']"),
     ("rope_scaling", {"factor": "8"}, "rope_scaling.factor: expected a finite number, got '8'"),
     ("rope_scaling", {"original_context_length": 8.5}, "rope_scaling.original_context_length: expected an integer"),
 ])

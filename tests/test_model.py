@@ -295,7 +295,7 @@ def test_bad_inputs_raise_clear_errors():
     (dict(n_heads=5), r"d_model \(32\) must be divisible by n_heads \(5\)"),
     (dict(n_kv_heads=3), r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
     (dict(norm="batchnorm"), "norm must be one of .*'batchnorm'"),
-    (dict(positions="alibi"), "positions must be one of .*'alibi'"),
+    (dict(positions="xpos"), "positions must be one of .*'xpos'"),
     (dict(d_model=0), "d_model must be a positive integer, got 0"),
     (dict(head_dim=7, positions="rope"), r"head_dim \(7\) must be even"),
     (dict(dropout=1.5), r"dropout must be in \[0, 1\), got 1.5"),

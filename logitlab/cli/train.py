@@ -97,7 +97,13 @@ def cmd_train(args) -> int:
         table = {"train": _read_run(args.resume)["train"]}
     else:
         table = cli.read_toml(args.config) if args.config else {}
-    hooks = parallel_hooks(cli.build_config(TrainConfig, args, table.get("train", {})))
+    cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
+    if cfg.parallel == "zero2" or cfg.dp_replicate > 1 or cfg.activation_checkpointing != "none":
+        from logitlab.train.parallel_run import nd_hooks  # the main loop over a data-parallel mesh
+
+        hooks = nd_hooks(cfg, cfg.parallel_plan(), P.init_distributed(device="cpu" if cfg.device == "cpu" else None))
+    else:
+        hooks = parallel_hooks(cfg)
     con = cli.console() if hooks.main else _quiet_console()
     try:
         with P.rank_failure_guard():

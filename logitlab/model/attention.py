@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from logitlab.model.norms import make_norm
+from logitlab.model.positions import ALiBi
 from logitlab.model.rope import apply_rope
 
 ATTN_IMPLS = ("sdpa", "eager")
@@ -35,8 +36,9 @@ def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
 def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None):
     """The reference path: softmax(q k^T / sqrt(Dh) + mask) v, softmax in float32.
 
-    q (B, H, T, Dh); k, v (B, H, S, Dh); mask None or bool broadcastable to (B, H, T, S) with
-    True = may attend; is_causal masks key s > query t (only valid when T == S).
+    q (B, H, T, Dh); k, v (B, H, S, Dh); mask None, bool broadcastable to (B, H, T, S) with
+    True = may attend, or float (added to the logits, -inf = masked: ALiBi's bias);
+    is_causal masks key s > query t (only valid when T == S).
     sinks (H,) or None: a learned logit per head that joins each row's softmax denominator and
     takes no value (gpt-oss): weights = exp(scores) / (sum exp(scores) + exp(sink)), so a head
     can put its attention "nowhere" and the row's weights sum to less than 1.
@@ -45,7 +47,9 @@ def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None):
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(Dh)      # (B, H, T, S)
     if is_causal:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
+    if mask is not None and mask.is_floating_point():
+        scores = scores + mask
+    elif mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -88,7 +92,8 @@ class Attention(nn.Module):
     - sliding window (a layer of type "sliding_attention"): a query reads only the last W keys;
     - output gate (attn_gate, Qiu et al. 2025; Qwen3.5): out = attention(x) * sigmoid(gate_proj(x)),
       per element (H*Dh gates) or per head (H gates), before o_proj;
-    - sinks (attn_sinks, gpt-oss): a learned logit per head in the softmax denominator."""
+    - sinks (attn_sinks, gpt-oss): a learned logit per head in the softmax denominator;
+    - ALiBi (positions="alibi"): a distance bias per head, passed to SDPA as a float mask."""
 
     def __init__(self, config, layer_type: str = "full_attention"):
         super().__init__()
@@ -105,6 +110,8 @@ class Attention(nn.Module):
         gates = {"none": 0, "headwise": H, "elementwise": H * Dh}[config.attn_gate]
         self.gate_proj = nn.Linear(D, gates, bias=config.qkv_bias) if gates else None
         self.sinks = nn.Parameter(torch.zeros(H)) if config.attn_sinks else None
+        self.rope_interleaved = config.rope_interleaved
+        self.alibi = ALiBi(H) if config.positions == "alibi" else None
 
     def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
                 impl: str = "sdpa", need_weights: bool = False, key_rope=None):
@@ -127,10 +134,12 @@ class Attention(nn.Module):
             if k.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             if key_rope is not None:                               # rotate at the slots of the cache
-                q = apply_rope(q.transpose(1, 2), *rope).transpose(1, 2).to(k.dtype)
-                k = apply_rope(k.transpose(1, 2), *key_rope).transpose(1, 2).to(q.dtype)
+                q = apply_rope(q.transpose(1, 2), *rope, self.rope_interleaved).transpose(1, 2).to(k.dtype)
+                k = apply_rope(k.transpose(1, 2), *key_rope, self.rope_interleaved).transpose(1, 2).to(q.dtype)
         if self.window is not None:
             mask, is_causal = self._window_mask(mask, cache, layer, T, k.shape[2], x.device)
+        if self.alibi is not None:
+            mask, is_causal = self._alibi_mask(mask, is_causal, cache, layer, T, k.shape[2], q), False
         out, weights = self._attend(q, k, v, mask, is_causal, impl, need_weights)   # (B, H, T, Dh)
         out = out.transpose(1, 2).reshape(B, T, H * Dh)            # (B, H, T, Dh) -> (B, T, H*Dh)
         if self.gate_proj is not None:
@@ -150,11 +159,11 @@ class Attention(nn.Module):
             q, k, v = qkv.split((H, Hkv, Hkv), dim=2)              # (B, T, H|Hkv, Dh) views
             q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+                q, k = apply_rope(q, *rope, self.rope_interleaved), apply_rope(k, *rope, self.rope_interleaved)
         else:
             qk, v = qkv.split((H + Hkv, Hkv), dim=2)               # q and k rotate together
             if rope is not None:
-                qk = apply_rope(qk, *rope)
+                qk = apply_rope(qk, *rope, self.rope_interleaved)
             q, k = qk.split((H, Hkv), dim=2)
         if q.dtype != dtype:                                       # rotated in float32 under autocast
             q, k = q.to(dtype), k.to(dtype)
@@ -170,6 +179,15 @@ class Attention(nn.Module):
         if slots is None:
             slots = torch.arange(S, device=device)
         return window_mask(q_slot, slots, self.window, attn_mask), False
+
+    def _alibi_mask(self, mask, is_causal, cache, layer, T, S, q):
+        """ALiBi's float mask (B|1, H, T, S) from this layer's bool mask (or is_causal) and the
+        timeline slots of queries and keys (a sliding window cache's key_slots, else S - T .. S - 1
+        and 0 .. S - 1)."""
+        slots = cache.key_slots(layer) if self.window is not None and cache is not None else None
+        k_slot = slots if slots is not None else torch.arange(S, device=q.device)
+        q_slot = torch.arange(S - T, S, device=q.device) if slots is None else slots[-T:]
+        return self.alibi.bias(q_slot, k_slot, mask, is_causal, q.dtype)
 
     def _attend(self, q, k, v, mask, is_causal, impl, need_weights):
         """q (B, H, T, Dh), k, v (B, Hkv, S, Dh) -> (out (B, H, T, Dh), weights or None).

@@ -23,30 +23,74 @@ def _help(text: str):
     return field(default=None, metadata={"help": text})
 
 
+RopeType = Literal["linear", "dynamic", "ntk", "yarn", "llama3", "longrope"]
+# the fields each rope_type reads besides factor (the others must stay null); defaults filled in
+_ROPE_FIELDS = {
+    "linear": {}, "ntk": {}, "dynamic": {"original_context_length": None},
+    "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_context_length": 8192},
+    "yarn": {"original_context_length": None, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": None,
+             "mscale_all_dim": None, "attention_factor": None, "truncate": True},
+    "longrope": {"original_context_length": None, "short_factor": None, "long_factor": None,
+                 "attention_factor": None},
+}
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1-style RoPE frequency scaling ("llama3" rope_type in Hugging Face configs).
+    """RoPE frequency scaling, one kind per `rope_type` (Hugging Face's names; the formulas are in
+    logitlab.model.rope_scaling): "linear" position interpolation, "dynamic" NTK (base grown with
+    the sequence at run time), "ntk" static NTK-aware base, "yarn", "llama3" (Llama 3.1) and
+    "longrope" (per-frequency short/long factors).
 
-    Wavelengths longer than original_context_length / low_freq_factor are divided by `factor`,
-    shorter than original_context_length / high_freq_factor are kept, and the band in between
-    is interpolated smoothly."""
+    rope_type defaults to "llama3", so the JSON of earlier versions ({factor, low_freq_factor,
+    high_freq_factor, original_context_length}) still reads as before. Each kind reads only its
+    own fields (_ROPE_FIELDS); a field another kind reads must stay null, and a kind's optional
+    fields get their defaults (llama3 1.0 / 4.0 / 8192; yarn beta_fast 32, beta_slow 1, truncate)."""
 
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_context_length: int = 8192
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_context_length: int | None = None
+    rope_type: RopeType = "llama3"
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, prefix="rope_scaling.")
+        kind, own = self.rope_type, _ROPE_FIELDS[self.rope_type]
+        for f in dataclasses.fields(self)[1:]:
+            value = getattr(self, f.name)
+            if f.name == "rope_type" or f.name in own:
+                if value is None and own.get(f.name) is not None:
+                    object.__setattr__(self, f.name, own[f.name])
+            elif value is not None:
+                raise ValueError(f"rope_scaling.{f.name}={value!r} is not read by rope_type={kind!r} "
+                                 f"(its fields: factor{''.join(', ' + k for k in own)})")
+        missing = [k for k in ("original_context_length", "short_factor", "long_factor")
+                   if k in own and getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"rope_scaling of rope_type={kind!r} needs {', '.join(missing)}")
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
+        if kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                 f"low_freq_factor={self.low_freq_factor}, high_freq_factor={self.high_freq_factor}")
-        if self.original_context_length <= 0:
+        if self.original_context_length is not None and self.original_context_length <= 0:
             raise ValueError("rope_scaling.original_context_length must be > 0, "
                              f"got {self.original_context_length}")
+        if kind == "yarn" and not 0 < self.beta_slow <= self.beta_fast:
+            raise ValueError(f"rope_scaling needs 0 < beta_slow <= beta_fast, got beta_slow={self.beta_slow}, "
+                             f"beta_fast={self.beta_fast}")
+        if kind == "longrope" and len(self.short_factor) != len(self.long_factor):
+            raise ValueError(f"rope_scaling.short_factor has {len(self.short_factor)} entries but long_factor "
+                             f"{len(self.long_factor)}")
 
 
 @dataclass(frozen=True)
@@ -74,9 +118,15 @@ class ModelConfig:
     mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP kind"})
     gelu_approximate: Literal["tanh", "none"] = field(
         default="tanh", metadata={"help": "GELU form for mlp=gelu (GPT-2 uses tanh)"})
-    positions: Literal["learned", "rope", "none"] = field(default="learned", metadata={"help": "position encoding"})
+    positions: Literal["learned", "sinusoidal", "rope", "alibi", "none"] = field(
+        default="learned", metadata={"help": "position encoding: learned (GPT-2), sinusoidal (Vaswani), rope, "
+                                              "alibi (Press et al.) or none (NoPE)"})
     rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
-    rope_scaling: RopeScaling | None = field(default=None, metadata={"help": "Llama-3.1 RoPE scaling"})
+    rope_scaling: RopeScaling | None = field(
+        default=None,
+        metadata={"help": "RoPE frequency scaling (rope_type: linear, dynamic, ntk, yarn, llama3, longrope)"})
+    rope_interleaved: bool = field(
+        default=False, metadata={"help": "RoPE rotates adjacent pairs (RoFormer / Meta layout) instead of halves"})
     qk_norm: bool = field(default=False, metadata={"help": "RMSNorm each head of q and k before RoPE (Qwen3)"})
     bias: bool = field(default=True, metadata={"help": "biases in the output projection and MLP"})
     qkv_bias: bool | None = _help("biases in the q/k/v projections (default: same as bias)")
@@ -127,6 +177,10 @@ class ModelConfig:
             raise ValueError(f"head_dim must be a positive integer, got {self.head_dim!r}")
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for positions='rope'")
+        if self.positions != "rope" and self.rope_interleaved:     # (a rope_scaling there is unused, as ever)
+            raise ValueError(f"rope_interleaved=True needs positions='rope', got {self.positions!r}")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"d_model ({self.d_model}) must be even for positions='sinusoidal'")
         if self.d_ff is None:
             if self.mlp == "gelu":
                 fix("d_ff", 4 * self.d_model)
@@ -164,6 +218,11 @@ class ModelConfig:
         if self.positions == "rope" and self.rotary_dim % 2:
             raise ValueError(f"RoPE rotates int(head_dim * partial_rotary_factor) = {self.rotary_dim} "
                              "dimensions per head, which must be even")
+        r = self.rope_scaling
+        if self.positions == "rope" and r is not None and r.rope_type == "longrope" \
+                and len(r.short_factor) != self.rotary_dim // 2:
+            raise ValueError(f"rope_scaling.short_factor/long_factor need rotary_dim / 2 = {self.rotary_dim // 2} "
+                             f"entries, got {len(r.short_factor)}")
         if self.norm_zero_centered and self.norm != "rmsnorm":
             raise ValueError(f"norm_zero_centered needs norm='rmsnorm', got norm={self.norm!r}")
         defaults = dict(linear_n_k_heads=self.n_kv_heads, linear_n_v_heads=self.n_heads,

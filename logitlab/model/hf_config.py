@@ -8,8 +8,11 @@ families.py it is the only place that names model families. It never touches the
 
 from __future__ import annotations
 
+import math
+
 from logitlab.model.config import ModelConfig, conform
 from logitlab.model.keymap import hf_architecture
+from logitlab.model.rope_scaling import ntk_theta
 
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 _LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -66,9 +69,15 @@ _HF_TYPES = {
 # ... and of the rope_scaling / rope_parameters entries it reads
 _ROPE_TYPES = {"rope_type": str, "type": str, "rope_theta": float, "factor": float, "low_freq_factor": float,
                "high_freq_factor": float, "original_max_position_embeddings": int,
-               "partial_rotary_factor": float}
-_LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
+               "partial_rotary_factor": float, "beta_fast": float, "beta_slow": float, "mscale": float,
+               "mscale_all_dim": float, "attention_factor": float, "truncate": bool,
+               "short_factor": list[float], "long_factor": list[float]}
+# Hugging Face rope_type -> the keys each reads besides factor and the original length; the key
+# names are logitlab's RopeScaling fields too ("ntk" has no Hugging Face rope_type: it is written as
+# a plain RoPE of the equivalent base)
+_ROPE_KEYS = {"linear": (), "dynamic": (), "llama3": ("low_freq_factor", "high_freq_factor"),
+              "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+              "longrope": ("short_factor", "long_factor", "attention_factor")}
 
 def _checked_hf(hf, source: str) -> dict:
     """`hf` with every key config_from_hf reads type-checked (_HF_TYPES, _ROPE_TYPES; a mismatch
@@ -87,8 +96,12 @@ def _checked_hf(hf, source: str) -> dict:
 
 
 def _rope_from_hf(arch: str, hf: dict, source: str) -> tuple[float, dict | None]:
-    """rope_theta and Llama-3.1 scaling (as RopeScaling fields) from either the classic keys
-    (rope_theta, rope_scaling) or the newer nested `rope_parameters`."""
+    """rope_theta and the RoPE scaling (as RopeScaling fields) from either the classic keys
+    (rope_theta, rope_scaling) or the newer nested `rope_parameters`, for every rope_type of
+    _ROPE_KEYS. As transformers does: a missing `factor` of yarn / longrope is max_position_embeddings
+    over the original length; the original length of llama3 / yarn / longrope defaults to a top-level
+    original_max_position_embeddings, else max_position_embeddings; dynamic's original length is
+    max_position_embeddings itself (see _rope_context)."""
     params = hf.get("rope_parameters") or {}
     where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     scaling = hf.get("rope_scaling") or params
@@ -96,14 +109,65 @@ def _rope_from_hf(arch: str, hf: dict, source: str) -> tuple[float, dict | None]
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
         return theta, None
-    if kind != "llama3":
-        _refuse(arch, "rope_scaling.rope_type", kind)
-    missing = [key for key in _LLAMA3_ROPE if scaling.get(key) is None]
+    if kind not in _ROPE_KEYS:
+        _refuse(arch, f"{where}.rope_type", kind)
+    context = hf.get("max_position_embeddings")
+    original = scaling.get("original_max_position_embeddings")
+    if kind in ("llama3", "yarn", "longrope"):
+        original = hf.get("original_max_position_embeddings") or original or context
+    elif kind == "dynamic":
+        original = context
+    factor = scaling.get("factor")
+    if factor is None and kind in ("yarn", "longrope") and context and original:
+        factor = context / original
+    needed = {"factor": factor, "original_max_position_embeddings": original if kind != "linear" else 0,
+              **({k: scaling.get(k) for k in _ROPE_KEYS[kind]} if kind in ("llama3", "longrope") else {})}
+    missing = [key for key, value in needed.items() if value is None and key != "attention_factor"]
     if missing:
-        raise ValueError(f"{source}: {where} of rope_type 'llama3' lacks {', '.join(missing)}")
-    return theta, dict(factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
-                       high_freq_factor=scaling["high_freq_factor"],
-                       original_context_length=scaling["original_max_position_embeddings"])
+        raise ValueError(f"{source}: {where} of rope_type {kind!r} lacks {', '.join(missing)}")
+    fields = {key: scaling[key] for key in _ROPE_KEYS[kind] if scaling.get(key) is not None}
+    if kind == "longrope":                                         # resolved now: it depends on the lengths
+        fields["attention_factor"] = scaling.get("attention_factor") or _longrope_attention(factor, original)
+    return theta, dict(rope_type=kind, factor=float(factor), **fields,
+                       **({"original_context_length": original} if kind != "linear" else {}))
+
+
+def _longrope_attention(factor: float, original: int) -> float:
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _rope_context(context: int, scaling: dict | None) -> int:
+    """The context logitlab accepts: max_position_embeddings, except under dynamic NTK, whose
+    frequencies change only past max_position_embeddings (the original length in transformers):
+    there it is original x factor, the length the scaling is meant to reach."""
+    if scaling is None or scaling["rope_type"] != "dynamic":
+        return context
+    return max(context, math.ceil(context * scaling["factor"]))
+
+
+def _rope_to_hf(c: ModelConfig) -> dict:
+    """rope_theta, rope_scaling and, for dynamic NTK, max_position_embeddings (its original length)
+    of config.json. Static NTK ("ntk") is written as the plain RoPE of its enlarged base, which
+    computes the same frequencies."""
+    if c.rope_interleaved:
+        raise ValueError("rope_interleaved=True (RoFormer / Meta layout) cannot be written as a Hugging Face "
+                         "checkpoint as is; convert it with logitlab.model.positions.convert_rope_layout first")
+    r = c.rope_scaling
+    if r is None:
+        return dict(rope_theta=c.rope_theta, rope_scaling=None)
+    if r.rope_type == "ntk":
+        return dict(rope_theta=ntk_theta(c.rotary_dim, c.rope_theta, r.factor), rope_scaling=None)
+    out = dict(rope_type=r.rope_type, factor=r.factor)
+    out.update({key: getattr(r, key) for key in _ROPE_KEYS[r.rope_type] if getattr(r, key) is not None})
+    for key in ("short_factor", "long_factor"):
+        if key in out:
+            out[key] = list(out[key])
+    extra = {}
+    if r.rope_type == "dynamic":
+        extra["max_position_embeddings"] = r.original_context_length
+    elif r.rope_type != "linear":
+        out["original_max_position_embeddings"] = r.original_context_length
+    return dict(rope_theta=c.rope_theta, rope_scaling=out, **extra)
 
 
 def _build(source: str, **fields) -> ModelConfig:
@@ -116,7 +180,7 @@ def _build(source: str, **fields) -> ModelConfig:
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict (GPT2LMHeadModel, LlamaForCausalLM,
     MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM). Features logitlab cannot run
-    exactly (sliding windows, other RoPE scalings, other activations) are refused by name; a key
+    exactly (RoPE scalings outside _ROPE_KEYS, other activations) are refused by name; a key
     of the wrong JSON type (a string for an integer, say) is a ValueError naming it and `source`
     (the file the dict came from), and so is a config that is not a JSON object."""
     hf = _checked_hf(hf, source)
@@ -157,6 +221,7 @@ def _llama_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
     else:
         bias = qkv_bias = False
     theta, scaling = _rope_from_hf(arch, hf, source)
+    context = _rope_context(context, scaling)
     d_model, n_heads = _need(hf, "hidden_size", source), _need(hf, "num_attention_heads", source)
     return _build(
         source, vocab_size=_need(hf, "vocab_size", source), context_length=context, d_model=d_model,
@@ -256,14 +321,9 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict:
                max_position_embeddings=c.context_length, hidden_size=c.d_model,
                num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
                num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.d_ff,
-               hidden_act="silu", rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
-               rope_scaling=None, tie_word_embeddings=c.tie_embeddings, attention_dropout=0.0,
-               initializer_range=c.init_std, torch_dtype=dtype)
-    if c.rope_scaling is not None:
-        r = c.rope_scaling
-        out["rope_scaling"] = dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
-                                   high_freq_factor=r.high_freq_factor,
-                                   original_max_position_embeddings=r.original_context_length)
+               hidden_act="silu", rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+               attention_dropout=0.0, initializer_range=c.init_std, torch_dtype=dtype)
+    out.update(_rope_to_hf(c))
     windowed = c.sliding_window is not None
     if arch == "LlamaForCausalLM":
         out.update(attention_bias=c.bias, mlp_bias=c.bias)

@@ -15,6 +15,7 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
 
     tok_emb.weight                              (V_padded, D)
     pos_emb.weight                              (context_length, D)   positions="learned" only
+                                                (positions="sinusoidal": a fixed table, no key)
     blocks.{i}.attn_norm.weight / .bias         (D,)   bias only for norm="layernorm"
     blocks.{i}.attn.qkv_proj.weight / .bias     ((H+2*Hkv)*Dh, D)      rows: q, then k, then v;
                                                                        bias when qkv_bias
@@ -27,7 +28,8 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     final_norm.weight / .bias                   (D,)
     lm_head.weight                              (V_padded, D)  the same Parameter as tok_emb.weight
                                                                when tie_embeddings
-RoPE cos/sin tables are non-persistent buffers (not in the state dict): `rebuild_buffers()`.
+RoPE cos/sin tables, the sinusoidal table and ALiBi's slopes are non-persistent buffers (not in
+the state dict): `rebuild_buffers()`.
 The fused projections (one matrix product for q, k, v and one for gate, up) are split into
 Hugging Face's separate tensors by keymap.py; logitlab model directories written with separate
 q_proj / k_proj / v_proj / gate_proj / up_proj keys are joined by checkpoint.upgrade_legacy_state.
@@ -56,6 +58,7 @@ from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's o
 from logitlab.model.deltanet import GatedDeltaNet
 from logitlab.model.layers import ATTN_IMPLS, Block
 from logitlab.model.norms import LayerNorm, RMSNorm, ZeroCenteredRMSNorm, make_norm
+from logitlab.model.positions import ALiBi, SinusoidalPositions
 from logitlab.model.rope import RotaryEmbedding
 
 
@@ -84,9 +87,14 @@ class Transformer(nn.Module):
         self.validate_inputs = True
         V, D = config.padded_vocab_size, config.d_model
         self.tok_emb = nn.Embedding(V, D)
-        self.pos_emb = nn.Embedding(config.context_length, D) if config.positions == "learned" else None
+        self.pos_emb = None                                        # rope, alibi (in attention), none
+        if config.positions == "learned":
+            self.pos_emb = nn.Embedding(config.context_length, D)
+        elif config.positions == "sinusoidal":
+            self.pos_emb = SinusoidalPositions(config.context_length, D)
         self.rope = (RotaryEmbedding(config.rotary_dim, config.context_length, config.rope_theta,
-                                     config.rope_scaling) if config.positions == "rope" else None)
+                                     config.rope_scaling, config.rope_interleaved)
+                     if config.positions == "rope" else None)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds)
         self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered)
         self.lm_head = nn.Linear(D, V, bias=False)
@@ -120,8 +128,9 @@ class Transformer(nn.Module):
         `load_state_dict(..., assign=True)` or `to_empty(device=...)` (which unties shared
         Parameters) followed by `init_weights()`."""
         self.tie_weights()
-        if self.rope is not None:
-            self.rope.rebuild(self.tok_emb.weight.device)
+        for module in self.modules():                              # RoPE, sinusoidal, ALiBi tables
+            if isinstance(module, (RotaryEmbedding, SinusoidalPositions, ALiBi)):
+                module.rebuild(self.tok_emb.weight.device)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -262,6 +271,7 @@ class Transformer(nn.Module):
         if self.rope is None:
             return None, None
         cos, sin = self.rope(positions)                            # (B|1, T, 1, R)
+        # "dynamic"/"longrope" scaling: tables of this call's length (rope.RotaryEmbedding)
         rope = (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
         if cache is None or not getattr(cache, "rotates_keys", False):
             return rope, None

@@ -51,10 +51,6 @@ def parallel_hooks(config: TrainConfig) -> ParallelHooks:
     info = P.init_distributed(device="cpu" if config.device == "cpu" else None)
     if not info.distributed:
         return ParallelHooks()
-    if config.parallel == "zero2" or config.dp_replicate > 1 or config.activation_checkpointing != "none":
-        from logitlab.train.parallel_run import nd_hooks
-
-        return nd_hooks(config, config.parallel_plan(), info)
     mixed = config.precision == "bf16" or (config.precision == "auto" and info.device.type == "cuda")
     return ParallelHooks(
         rank=info.rank, world_size=info.world_size,
