@@ -60,6 +60,7 @@ def test_roofline_run_and_render(monkeypatch):
     assert result["machine"]["numpy"] and isinstance(cpu_flags(), list)
 
 
+@pytest.mark.slow  # about 100 s on 2 cores: three sides, compiled and eager, in child processes
 def test_model_bench_three_sides_and_memory_at_a_tiny_shape():
     """Eager, compiled (aot_eager traces what inductor would compile) and transformers, forward
     and training step in fp32 and bf16, then the peak-memory child processes; the section renders."""
