@@ -187,7 +187,7 @@ def test_torchrun_tensor_parallel_matches_one_process_and_exports(tmp_path):
 
     tp = losses(tmp_path / "tp")                     # its own data order (train.parallel_run), so not
     assert len(tp) == 3 and tp[-1] < tp[0]          # the main loop's losses: they fall, from ln V or so
-    ckpt = sorted((tmp_path / "tp").glob("ckpt-*"))[-1]
+    ckpt = sorted((tmp_path / "tp").glob("dcp-*"))[-1]     # sharded checkpoints (train.parallel_run)
     assert cli.main(["export", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
     exported = load_pretrained(tmp_path / "hf")
     one, _ = load_for_inference(tmp_path / "one")   # the same shapes as the one-process model

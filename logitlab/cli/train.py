@@ -266,7 +266,7 @@ def _train_nd(model, train_cfg, out, con, resume: bool) -> int:
     from logitlab.train.parallel_run import train_parallel
 
     plan = train_cfg.parallel_plan()
-    con.print(f"layout: {plan}; sharded checkpoints (export them with `logitlab export RUN_DIR/ckpt-... --out DIR`)")
+    con.print(f"layout: {plan}; sharded checkpoints (export one with `logitlab export RUN_DIR/dcp-STEP --out DIR`)")
     result = train_parallel(model, train_cfg, plan, run_dir=out, resume=resume)
     last = f", loss {result.losses[-1]:.4f}" if result.losses else ""
     con.print(f"done: {result.step} steps{last}; sharded checkpoint {result.checkpoint}")
