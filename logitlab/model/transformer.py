@@ -21,6 +21,12 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
                                                                        bias when qkv_bias
     blocks.{i}.attn.o_proj.weight / .bias       (D, H*Dh) / (D,)       bias when bias
     blocks.{i}.attn.q_norm.weight, k_norm.weight (Dh,)  qk_norm only
+    blocks.{i}.attn.gate_proj.weight / .bias    (H*Dh or H, D)         attn_gate elementwise / headwise
+    blocks.{i}.attn.sinks                       (H,)                   attn_sinks only
+    blocks.{i}.linear_attn.*                    a Gated DeltaNet layer (layer type "linear_attention",
+                                                no attn.*): in_proj_qkv, in_proj_z, in_proj_b,
+                                                in_proj_a, conv1d, dt_bias, A_log, norm, out_proj
+                                                (deltanet.py; Qwen3.5's own names)
     blocks.{i}.mlp_norm.weight / .bias          (D,)
     blocks.{i}.mlp.gate_up_proj.weight / .bias  (2F, D) / (2F,)        mlp="swiglu": rows gate, then up
     blocks.{i}.mlp.up_proj.weight / .bias       (F, D) / (F,)          mlp="gelu"
