@@ -116,7 +116,15 @@ def _chat(args) -> int:
     if _uses_template(m.tokenizer):
         return _chat_with_template(args, m, cfg, generator, room, out)
     start = (args.system.strip() + "\n") if args.system.strip() else ""
-    history = start
+    return _repl(start, lambda history, line: _turn(args, m, cfg, generator, room, out,
+                                                   history + f"User: {line}\nAssistant:"))
+
+
+def _repl(start, turn) -> int:
+    """The loop both chat forms share: read a line, handle /reset, /help and empty lines, else
+    state = turn(state, line), starting from `start` (a transcript or a messages list). Ctrl-C
+    outside the reply itself (encoding, timings) drops the turn; Ctrl-D leaves with 0."""
+    state = start
     _line_editing()
     print(OPENING)
     while True:
@@ -125,18 +133,15 @@ def _chat(args) -> int:
             return 0
         command = line.strip()
         if command == "/reset":
-            history = start
+            state = start
             print("history cleared")
-            continue
-        if command == "/help":
+        elif command == "/help":
             print("\n".join(COMMANDS))
-            continue
-        if not command:
-            continue
-        try:
-            history = _turn(args, m, cfg, generator, room, out, history + f"User: {line}\nAssistant:")
-        except KeyboardInterrupt:  # Ctrl-C outside the reply itself (encoding, timings): the turn is dropped
-            print("\n[reply stopped]")
+        elif command:
+            try:
+                state = turn(state, line)
+            except KeyboardInterrupt:
+                print("\n[reply stopped]")
 
 
 def _turn(args, m, cfg, generator, room, out, history: str) -> str:
@@ -173,26 +178,8 @@ def _chat_with_template(args, m, cfg, generator, room, out) -> int:
     cfg = dataclasses.replace(cfg, stop_ids=tuple(cfg.stop_ids) + ((end,) if end is not None else ()),
                               stop_bytes=tuple(b for b in cfg.stop_bytes if b != b"\nUser:"))
     start = [{"role": "system", "content": args.system.strip()}] if args.system.strip() else []
-    messages = list(start)
-    _line_editing()
-    print(OPENING)
-    while True:
-        line = _read_line()
-        if line is None:
-            return 0
-        command = line.strip()
-        if command in ("/reset", "/help") or not command:
-            if command == "/reset":
-                messages = list(start)
-                print("history cleared")
-            elif command == "/help":
-                print("\n".join(COMMANDS))
-            continue
-        try:
-            messages = _template_turn(args, m, cfg, generator, room, out, messages + [{"role": "user",
-                                                                                       "content": line}])
-        except KeyboardInterrupt:
-            print("\n[reply stopped]")
+    return _repl(start, lambda messages, line: _template_turn(
+        args, m, cfg, generator, room, out, messages + [{"role": "user", "content": line}]))
 
 
 def _template_turn(args, m, cfg, generator, room, out, messages: list) -> list:
