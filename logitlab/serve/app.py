@@ -250,15 +250,27 @@ async def completions(request: Request):
         chunk = lambda i, job, piece, ev: {**head, "choices": [choice(  # noqa: E731
             i, job, piece, [ev] if isinstance(ev, TokenEvent) else [], None)]}
         final = lambda i, job: {**head, "choices": [choice(i, job, "", [], _finish_reason(job))]}  # noqa: E731
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(served, jobs, queue, chunk, final, usage), media_type="text/event-stream")
+        return _streamed(served, jobs, queue, chunk, final, body)
+    return await _answered(request, served, jobs, queue, lambda: {
+        **head, "choices": [choice(i, j, j.text.text, j.tokens, _finish_reason(j)) for i, j in enumerate(jobs)],
+        "usage": _usage(jobs)})
+
+
+def _streamed(served, jobs, queue, chunk, final, body) -> StreamingResponse:
+    """The server-sent events of a streamed answer (chunk and final build each event's body)."""
+    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    return StreamingResponse(_stream(served, jobs, queue, chunk, final, usage), media_type="text/event-stream")
+
+
+async def _answered(request, served, jobs, queue, answer):
+    """The JSON answer answer() builds once every job has ended, or the error that ended one
+    (499 when the client went away first)."""
     if not await _collect(request, served, jobs, queue):
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     error = _server_error(jobs)
     if error is not None:
         return _error(error)
-    return JSONResponse({**head, "choices": [choice(i, j, j.text.text, j.tokens, _finish_reason(j))
-                                             for i, j in enumerate(jobs)], "usage": _usage(jobs)})
+    return JSONResponse(answer())
 
 
 def _chat_logprobs(tokenizer, events: list[TokenEvent]) -> dict:
@@ -307,17 +319,12 @@ async def chat_completions(request: Request):
 
         final = lambda i, job: {**head, "choices": [{"index": i, "delta": {}, "logprobs": None,  # noqa: E731
                                                      "finish_reason": _finish_reason(job)}]}
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(served, jobs, queue, chunk, final, usage), media_type="text/event-stream")
-    if not await _collect(request, served, jobs, queue):
-        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-    error = _server_error(jobs)
-    if error is not None:
-        return _error(error)
-    choices = [{"index": i, "message": {"role": "assistant", "content": j.text.text}, "logprobs": lp(j.tokens),
-                "finish_reason": _finish_reason(j)} for i, j in enumerate(jobs)]
-    return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": served.name,
-                         "choices": choices, "usage": _usage(jobs)})
+        return _streamed(served, jobs, queue, chunk, final, body)
+    return await _answered(request, served, jobs, queue, lambda: {
+        "id": ident, "object": "chat.completion", "created": created, "model": served.name,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": j.text.text}, "logprobs": lp(j.tokens),
+                     "finish_reason": _finish_reason(j)} for i, j in enumerate(jobs)],
+        "usage": _usage(jobs)})
 
 
 def create_app(model, tokenizer, *, name: str = "logitlab", max_batch: int = 16, max_body_bytes: int = 1 << 20,
