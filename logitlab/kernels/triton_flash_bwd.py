@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from logitlab.kernels.triton_common import INTERPRET, block_size
-from logitlab.kernels.triton_flash_fwd import LOG2E, _prune, descriptor
+from logitlab.kernels.triton_flash_fwd import LOG2E, _prune, descriptor, load_tiles
 
 DELTA_BLOCK = 16 if INTERPRET else 64                              # rows per program of the delta pass
 
@@ -77,11 +77,8 @@ def _dkdv_loop(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, off_b, off_h, 
     """Query blocks [lo, hi) of head off_h added into one key block's dK, dV (transposed form:
     rows are keys). row0 = (b * H + h) * T, the head's first LSE2/delta entry."""
     for start_m in range(lo, hi, BLOCK_M):
-        q = q_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-        do = do_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-        p_ty = do.dtype
-        if UPCAST:
-            q, do = q.to(tl.float32), do.to(tl.float32)
+        q, do = load_tiles(q_desc, do_desc, off_b, off_h, start_m, BLOCK_M, BLOCK_D, UPCAST)
+        p_ty = do_desc.dtype
         offs_m = start_m + tl.arange(0, BLOCK_M)
         lse = tl.load(lse_ptr + row0 + offs_m, mask=offs_m < T, other=0.0)
         delta = tl.load(delta_ptr + row0 + offs_m, mask=offs_m < T, other=0.0)
@@ -111,10 +108,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, del
     off_b, off_kvh = off_bkv // Hkv, off_bkv % Hkv
     offs_n = start_n + tl.arange(0, BLOCK_N)
     Q_OFF = S - T
-    k = k_desc.load([off_b, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-    v = v_desc.load([off_b, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    k, v = load_tiles(k_desc, v_desc, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if CAUSAL:   # query rows before start_n - Q_OFF see none of these keys; from `full` on, all
@@ -143,11 +137,8 @@ def _dq_loop(dq, q, do, lse, delta, k_desc, v_desc, off_b, off_kvh, offs_m, lo, 
     """Key blocks [lo, hi) added into one query block's dQ (unscaled)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k = k_desc.load([off_b, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = v_desc.load([off_b, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        p_ty = k.dtype
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_tiles(k_desc, v_desc, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, UPCAST)
+        p_ty = k_desc.dtype
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                   # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s * qk_scale - lse[:, None])
         if MASKED:
@@ -172,10 +163,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, sm_
     off_kvh = off_h // G
     offs_m = start_m + tl.arange(0, BLOCK_M)
     Q_OFF = S - T
-    q = q_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-    do = do_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
+    q, do = load_tiles(q_desc, do_desc, off_b, off_h, start_m, BLOCK_M, BLOCK_D, UPCAST)
     lse = tl.load(lse_ptr + off_bh * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(delta_ptr + off_bh * T + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -60,6 +60,18 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
+def load_tiles(a_desc, b_desc, off_b, off_h, start, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """Rows [start, start + ROWS) of head off_h of batch row off_b from two (B, H, T, Dh)
+    descriptors, as two (ROWS, BLOCK_D) tiles, widened to float32 when UPCAST."""
+    a = a_desc.load([off_b, off_h, start, 0]).reshape(ROWS, BLOCK_D)
+    b = b_desc.load([off_b, off_h, start, 0]).reshape(ROWS, BLOCK_D)
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _fwd_block_loop(acc, l_i, m_i, q, k_desc, v_desc, off_b, off_kvh, offs_m, lo, hi, S, Q_OFF,
                     qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -67,11 +79,8 @@ def _fwd_block_loop(acc, l_i, m_i, q, k_desc, v_desc, off_b, off_kvh, offs_m, lo
     keys past S and, when CAUSAL, keys after each query's position."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k = k_desc.load([off_b, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = v_desc.load([off_b, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        p_ty = v.dtype
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_tiles(k_desc, v_desc, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, UPCAST)
+        p_ty = v_desc.dtype
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # (BLOCK_M, BLOCK_N)
         if MASKED:
             offs_n = start_n + offs_n0
