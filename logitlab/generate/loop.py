@@ -19,11 +19,11 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from logitlab.generate.checks import check_generates, check_prompts
 from logitlab.generate.sampling import (
     MODEL_CAUSE,
     SampleConfig,
     SamplingError,
-    _check_id,
     bias_vector,
     invalid_cause,
     make_generator,
@@ -116,25 +116,6 @@ def decode_step(model, token: torch.Tensor, cache: KVCache, positions: torch.Ten
         return logits                                                                      # (B, V)
     top, ids = logits.max(dim=-1)  # one pass, as argmax; top is NaN if any logit is NaN
     return ids.masked_fill(~torch.isfinite(top), -1)                                       # (B,)
-
-
-def _check_prompts(prompts: Sequence[Sequence[int]], model_config, max_new_tokens: int,
-                   streaming=None) -> int:
-    """Validate prompts; return how many new tokens fit in the context (all with StreamingLLM)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token id")
-    V, ctx = model_config.vocab_size, model_config.context_length
-    for p in prompts:
-        for token in p:
-            _check_id(int(token), V, "prompt")
-    longest = max(len(p) for p in prompts)
-    if longest >= ctx:
-        raise ValueError(f"prompt of {longest} tokens leaves no room in the context of {ctx} tokens")
-    if streaming is not None:
-        if len({len(p) for p in prompts}) > 1:  # eviction is by slot, which padding would shift
-            raise ValueError("streaming (StreamingLLM) generation needs prompts of one length")
-        return max_new_tokens
-    return min(max_new_tokens, ctx - longest)
 
 
 def _device_dtype(model) -> tuple[torch.device, torch.dtype]:
@@ -232,7 +213,7 @@ def _steps(model, prompts: Sequence[Sequence[int]], config: SampleConfig, *, eot
 
     trust_guards: decode steps after the second go through step.trusted when the step has one
     (a compiled step), for a caller that runs no other code between steps (generate, not a Stream)."""
-    budget = _check_prompts(prompts, model.config, config.max_new_tokens, streaming)
+    budget = check_prompts(prompts, model.config, config.max_new_tokens, streaming)
     generator = generator or make_generator(config.seed, _device_dtype(model)[0])
     rules = _StopRules(config, len(prompts), eot_id, token_bytes)
     # inference_mode rather than no_grad: no view or version-counter bookkeeping per op. Every
@@ -307,6 +288,7 @@ class Stream:
     complete once the iterator is exhausted."""
 
     def __init__(self, model, prompt_ids: Sequence[int], config: SampleConfig, step: Callable = decode_step, **kw):
+        check_generates(model.config)                             # now, not at the first next()
         self.result = GenerationResult(tokens=[[]], stop_reasons=[""])
         self._steps = _steps(model, _as_batch(prompt_ids)[:1], config, result=self.result, step=step, **kw)
 
@@ -366,7 +348,7 @@ def generate_reference(model, prompt_ids: Sequence[int], config: SampleConfig = 
     step, the last position's logits through the same next_token. One prompt."""
     prompt = _as_batch(prompt_ids)[0]
     mc = model.config
-    budget = _check_prompts([prompt], mc, config.max_new_tokens)
+    budget = check_prompts([prompt], mc, config.max_new_tokens)
     device, _ = _device_dtype(model)
     generator = generator or make_generator(config.seed, device)
     rules = _StopRules(config, 1, eot_id, token_bytes)

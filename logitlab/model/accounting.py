@@ -258,12 +258,12 @@ def matmul_params(config: ModelConfig) -> int:
     return _block_matrix_params(config) + config.vocab_size * config.d_model
 
 
-def _keys_seen(kind: str, T: int, window: int | None) -> float:
-    """Keys a query reads on average over a context of T: T/2 with full attention (causal),
-    sum over t of min(t, W) / T with a sliding window of W."""
+def _keys_seen(kind: str, T: int, window: int | None, attention: str = "causal") -> float:
+    """Keys a query reads on average over a context of T: T/2 with full causal attention, T
+    with bidirectional (an encoder), sum over t of min(t, W) / T with a sliding window of W."""
     if kind == "sliding_attention" and window is not None and window < T:
         return (window * (window + 1) / 2 + (T - window) * window) / T
-    return T / 2
+    return T if attention == "bidirectional" else T / 2
 
 
 def flops_per_token(config: ModelConfig, context: int | None = None) -> dict[str, float]:
@@ -276,7 +276,7 @@ def flops_per_token(config: ModelConfig, context: int | None = None) -> dict[str
     T = context or c.context_length
     dense = 2 * matmul_params(c)
     kinds = c.layer_kinds
-    attention = sum(4 * _keys_seen(kind, T, c.sliding_window) * c.n_heads * c.head_dim
+    attention = sum(4 * _keys_seen(kind, T, c.sliding_window, c.attention) * c.n_heads * c.head_dim
                     for kind in kinds if kind != "linear_attention")
     linear = 6 * c.linear_n_v_heads * c.linear_k_head_dim * c.linear_v_head_dim * kinds.count("linear_attention")
     forward = dense + attention + linear

@@ -1,5 +1,5 @@
-"""Causal self-attention: MHA / GQA, optional per-head QK-norm, a fused SDPA path and an eager
-reference path that can return the attention weights.
+"""Self-attention, causal (a decoder) or bidirectional (an encoder): MHA / GQA, optional per-head
+QK-norm, a fused SDPA path and an eager reference path that can return the attention weights.
 
 The KV cache is duck-typed (`update(layer, k, v)`); masks are built by the Transformer.
 
@@ -81,7 +81,7 @@ def window_mask(q_slot, k_slot, window=None, attn_mask=None):
 
 
 class Attention(nn.Module):
-    """Causal self-attention: one q/k/v projection, optional QK-norm, RoPE, SDPA or eager, o_proj.
+    """Self-attention: one q/k/v projection, optional QK-norm, RoPE, SDPA or eager, o_proj.
 
     qkv_proj: D -> (H + 2*Hkv)*Dh, its output rows are q (H*Dh), then k (Hkv*Dh), then v
     (Hkv*Dh): one matrix product instead of three (GQA when Hkv < H). o_proj: H*Dh -> D.
@@ -93,7 +93,9 @@ class Attention(nn.Module):
     - output gate (attn_gate, Qiu et al. 2025; Qwen3.5): out = attention(x) * sigmoid(gate_proj(x)),
       per element (H*Dh gates) or per head (H gates), before o_proj;
     - sinks (attn_sinks, gpt-oss): a learned logit per head in the softmax denominator;
-    - ALiBi (positions="alibi"): a distance bias per head, passed to SDPA as a float mask."""
+    - ALiBi (positions="alibi"): a distance bias per head, passed to SDPA as a float mask;
+    - bidirectional (attention="bidirectional", an encoder): is_causal is never applied, so a query
+      reads every key the mask allows (the Transformer's mask then holds only padding)."""
 
     def __init__(self, config, layer_type: str = "full_attention"):
         super().__init__()
@@ -112,6 +114,7 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(H)) if config.attn_sinks else None
         self.rope_interleaved = config.rope_interleaved
         self.alibi = ALiBi(H) if config.positions == "alibi" else None
+        self.causal = config.attention == "causal"
 
     def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
                 impl: str = "sdpa", need_weights: bool = False, key_rope=None):
@@ -128,6 +131,7 @@ class Attention(nn.Module):
         need_weights forces the eager path and returns the attention weights."""
         B, T, D = x.shape
         H, Dh = self.n_heads, self.head_dim
+        is_causal = is_causal and self.causal                      # an encoder's query reads later keys too
         q, k, v = self._project(x, None if key_rope is not None else rope)     # (B, H|Hkv, T, Dh)
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, Hkv, S, Dh)

@@ -304,6 +304,9 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict:
     """A Hugging Face config.json dict for `config` (classic rope_theta / rope_scaling keys, which
     both old and new transformers read). The vocabulary is written unpadded (vocab_size rows)."""
     c = config
+    if c.attention != "causal":          # every class written here masks causally: refuse, not a silent decoder
+        raise ValueError(f"attention={c.attention!r} cannot be exported as a Hugging Face checkpoint: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} are all causal (decoder-only) models")
     arch = hf_architecture(c)
     if arch == "Qwen3_5ForCausalLM":
         return _qwen3_5_to_hf(c, dtype)

@@ -1,4 +1,5 @@
-"""The decoder-only Transformer: token ids (B, T) -> logits (B, T, V).
+"""The Transformer: token ids (B, T) -> logits (B, T, V); a decoder by default, an encoder (BERT's
+bidirectional mask, the same blocks and keys) with ModelConfig.attention="bidirectional".
 
 transformer.py owns the Transformer module (its ModelConfig lives in config.py). It reads no
 files, prints nothing and knows no family names; presets live in families.py, Hugging Face key
@@ -239,13 +240,16 @@ class Transformer(nn.Module):
         if S > cfg.context_length:
             raise ValueError(f"sequence too long: {past} cached + {T} new = {S} positions exceed "
                              f"context_length ({cfg.context_length})")
+        if cache is not None and cfg.attention == "bidirectional":
+            raise ValueError("a KV cache needs causal attention: with attention='bidirectional' every position "
+                             "reads later ones, so cached keys and values go stale; run the whole sequence at once")
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"ids have batch size {B} but the KV cache was built for {cache.batch_size}")
         if positions is None:
             positions = torch.arange(past, S, device=ids.device).unsqueeze(0)          # (1, T)
         else:
             positions = self._check_positions(positions, B, T, check_values)
-        mask, is_causal = self._mask(attn_mask, B, T, past, ids.device)
+        mask, is_causal = self._mask(attn_mask, B, T, past, ids.device, cfg.attention == "causal")
         # sliding-window layers mask by slot distance; Gated DeltaNet zeroes padded positions
         window = (attn_mask, torch.arange(past, S, device=ids.device))
         pad = attn_mask[:, past:S] if attn_mask is not None else None
@@ -285,29 +289,34 @@ class Transformer(nn.Module):
         return rope, (kcos.to(dtype), ksin.to(dtype))
 
     @staticmethod
-    def _mask(attn_mask, B, T, past, device):
+    def _mask(attn_mask, B, T, past, device, causal: bool = True):
         """-> (mask (B|1, 1, T, S) bool or None, is_causal) for keys at slots [0, S), S = past + T.
 
-        The query at slot past+t may read key slot s when s <= past+t and attn_mask[b, s]. Every
-        query may always read its own slot, so a padding row never has all keys masked (which
-        would make softmax NaN); padding rows' outputs are meaningless and ignored."""
+        The query at slot past+t may read key slot s when attn_mask[b, s] and, if causal, s <= past+t
+        (config.attention="bidirectional": every unpadded key, no cache so past == 0). Every query
+        may always read its own slot, so a padding row never has all keys masked (which would make
+        softmax NaN); padding rows' outputs are meaningless and ignored."""
         S = past + T
         if attn_mask is None:
+            if not causal:
+                return None, False                                 # every key: SDPA's plain path
             if past == 0:
                 return None, True                                  # plain causal, SDPA's fast path
             if T == 1:
                 return None, False                                 # one new query sees every slot
         q_slot = torch.arange(past, S, device=device)              # (T,)
         k_slot = torch.arange(S, device=device)                    # (S,)
-        causal = k_slot[None, :] <= q_slot[:, None]                # (T, S)
+        allowed = k_slot[None, :] <= q_slot[:, None]               # (T, S)
+        if not causal:
+            allowed = torch.ones_like(allowed)
         if attn_mask is None:
-            return causal[None, None], False                       # (1, 1, T, S)
+            return allowed[None, None], False                      # (1, 1, T, S)
         if attn_mask.dtype != torch.bool or attn_mask.ndim != 2 or attn_mask.shape[0] != B \
                 or attn_mask.shape[1] < S:
             raise ValueError(f"attn_mask must be bool of shape (B={B}, S>={S}), got "
                              f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
         own = k_slot[None, :] == q_slot[:, None]                   # (T, S)
-        mask = (causal[None] & attn_mask[:, None, :S]) | own[None]   # (B, T, S)
+        mask = (allowed[None] & attn_mask[:, None, :S]) | own[None]  # (B, T, S)
         return mask[:, None], False                                # (B, 1, T, S)
 
     def _validate_values(self, t: torch.Tensor, check: bool = True) -> bool:

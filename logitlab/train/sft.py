@@ -79,6 +79,9 @@ def forward_packed(model, inputs: sft_data.PackedInputs) -> torch.Tensor:
     a row attending only to itself, with its own positions."""
     ids, positions = inputs.ids, inputs.positions
     V = model.config.vocab_size
+    if model.config.attention != "causal":
+        raise ValueError(f"SFT trains a causal model, got attention={model.config.attention!r}: an encoder "
+                         "reads the tokens it should predict")
     if ids.numel() and not torch.compiler.is_compiling() and not 0 <= int(ids.min()) <= int(ids.max()) < V:
         raise ValueError(f"token ids must lie in 0..{V - 1}, got {int(ids.min())}..{int(ids.max())}")
     x = model.tok_emb(ids)                                         # (B, T, D)
