@@ -1,6 +1,7 @@
 """Subcommand `inspect` (registered by main.py): score a text token by token and show what the
-model computes at one position (inspect.core), attention sinks and the Gated DeltaNet state
-(inspect.mixers), as tables or, with --json, one JSON object."""
+model computes at one position (inspect.core), attention patterns with induction and previous-token
+scores (inspect.patterns), attention sinks and the Gated DeltaNet state (inspect.mixers), as tables
+and text grids or, with --json, one JSON object."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
     i.add_argument("--sinks", nargs="?", type=number(int, "an integer >= 1", lambda v: v >= 1), const=4,
                    metavar="K", help="attention sinks: per layer and head, the share of attention on position 0 "
                    "and on the first K positions (default K 4)")
+    i.add_argument("--attention-patterns", type=_layer_head, metavar="LAYER[:HEAD]",
+                   help="attention weights of one layer (every head, or HEAD alone) as a text grid, query rows "
+                   "by key columns, with each head's induction and previous-token scores")
     i.add_argument("--linear", action="store_true", help="Gated DeltaNet layers: decay exp(g), beta and the "
                    "state norm per head over the text (mean over heads per position)")
     i.add_argument("--bos", action="store_true", help="put the end-of-text token first, so the first token "
@@ -57,6 +61,37 @@ def _token_id(tokenizer, text: str) -> int:
     if len(ids) != 1:
         raise ValueError(f"--neighbours {text!r} encodes to {len(ids)} tokens {ids}; give one token or an id")
     return ids[0]
+
+
+def _layer_head(text: str) -> tuple[int, int | None]:
+    """--attention-patterns LAYER[:HEAD] -> (layer, head or None)."""
+    import argparse
+
+    layer, _, head = text.partition(":")
+    if not layer.isdigit() or (head and not head.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected LAYER or LAYER:HEAD (integers >= 0), got {text!r}")
+    return int(layer), int(head) if head else None
+
+
+def _patterns(model, ids, layer: int, head: int | None) -> dict:
+    """The --attention-patterns part of the report: one layer's weights and its heads' scores."""
+    from logitlab.inspect.patterns import attention_patterns, induction_scores, previous_token_scores
+
+    if len(ids) < 2:
+        raise ValueError("--attention-patterns needs a text of at least 2 tokens")
+    patterns = attention_patterns(model, ids)
+    if layer not in patterns:
+        kinds = model.config.layer_kinds
+        what = f"a {kinds[layer]} layer, which has no attention weights" if layer < len(kinds) else "no such layer"
+        raise ValueError(f"--attention-patterns {layer}: {what}; attention layers: {sorted(patterns)}")
+    w = patterns[layer]                                                   # (H, T, T)
+    if head is not None and not 0 <= head < w.shape[0]:
+        raise ValueError(f"--attention-patterns {layer}:{head}: the layer has heads 0..{w.shape[0] - 1}")
+    heads = list(range(w.shape[0])) if head is None else [head]
+    repeats = len(set(ids)) < len(ids)
+    return dict(layer=layer, heads=heads, weights=[w[h].tolist() for h in heads],
+                previous_token=previous_token_scores({layer: w})[layer],
+                induction=induction_scores({layer: w}, ids)[layer] if repeats else None)
 
 
 def _inspect(args) -> int:
@@ -82,6 +117,8 @@ def _inspect(args) -> int:
         from logitlab.inspect.mixers import sink_shares
 
         report["sinks"] = sink_shares(m.model, ids, args.sinks)
+    if args.attention_patterns is not None:
+        report["patterns"] = _patterns(m.model, ids, *args.attention_patterns)
     if args.linear:
         from logitlab.inspect.mixers import linear_trace
 
@@ -145,6 +182,8 @@ def _print_inspect(report: dict, token_bytes) -> None:
                     ["layer", "top token", "p", "p(actual next)"], rows, right=(0, 2, 3))
     if "sinks" in report:
         _print_sinks(out, report["sinks"])
+    if "patterns" in report:
+        _print_patterns(out, report["patterns"], report["ids"], token_bytes)
     if "linear" in report:
         _print_linear(out, report["linear"], report["ids"], token_bytes)
     if "neighbours" in report:
@@ -182,3 +221,38 @@ def _print_linear(out, traces, ids, token_bytes) -> None:
                     ["pos", "token", "decay exp(g)", "beta", "||S||"], rows, right=(0, 2, 3, 4))
     out.print("decay near 1 keeps the state, near 0 forgets it; beta is how far the state moves towards "
               "the new value for each key", markup=False, highlight=False)
+
+
+SHADES = ".:-=+*#%@"   # a weight in [k/9, (k+1)/9) shows as SHADES[k]; exactly 0 (a masked key) as a space
+
+
+def pattern_grid(weights, labels: list[str]) -> list[str]:
+    """weights (T, T) nested lists -> text lines: a key-position header, then one row per query,
+    `pos label |cells|`, each cell a SHADES character for its weight."""
+    T = len(weights)
+    width = max(len(str(T - 1)) + 1 + max(len(x) for x in labels), 1)
+    lines = [" " * width + "  " + "".join(str(s % 10) for s in range(T))]
+    for t, row in enumerate(weights):
+        cells = "".join(" " if w == 0 else SHADES[min(int(w * len(SHADES)), len(SHADES) - 1)] for w in row)
+        lines.append(f"{f'{t} {labels[t]}':<{width}} |{cells}|")
+    return lines
+
+
+def _print_patterns(out, report: dict, ids, token_bytes) -> None:
+    from logitlab.cli.common import print_table, quote_token
+
+    labels = [quote_token(token_bytes(i))[:12] for i in ids]
+    layer = report["layer"]
+    for h, weights in zip(report["heads"], report["weights"]):
+        out.print(f"layer {layer} head {h}: rows are queries, columns keys; ' ' masked (0), then "
+                  f"{SHADES[0]} < 0.11 ... {SHADES[-1]} >= 0.89", markup=False, highlight=False)
+        for line in pattern_grid(weights, labels):
+            out.print(line, markup=False, highlight=False)
+    ind = report["induction"]
+    rows = [[str(h), f"{report['previous_token'][h]:.3f}", "-" if ind is None else f"{ind[h]:.3f}"]
+            for h in range(len(report["previous_token"]))]
+    print_table(out, f"layer {layer}: mean weight on the previous token, and on the token after the previous "
+                "occurrence of the query's token (induction)", ["head", "previous token", "induction"], rows,
+                right=(0, 1, 2))
+    if ind is None:
+        out.print("no token of the text repeats, so there is no induction score", markup=False, highlight=False)

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from logitlab.inspect.patterns import attention_patterns, prompt_ids
 from logitlab.model.deltanet import gated_delta_rule_reference
 
 
@@ -31,33 +32,20 @@ class SinkShares:
     k: int
 
 
-def _ids(model, ids) -> torch.Tensor:
-    device = next(model.parameters()).device
-    t = torch.as_tensor(ids, dtype=torch.long, device=device)
-    if t.ndim != 1 or t.numel() < 2:
-        raise ValueError(f"ids must be one sequence of at least 2 token ids, got shape {tuple(t.shape)}")
-    return t[None]                                                          # (1, T)
-
-
 @torch.no_grad()
 def sink_shares(model, ids: Sequence[int], k: int = 4) -> list[SinkShares]:
     """Per attention layer and head, the share of attention on position 0 and on the first k.
 
-    The weights come from the eager path (forward_with_attention), so each row sums to 1 (less
+    The weights are patterns.attention_patterns' (the eager path), so each row sums to 1 (less
     with learned sink logits, whose share goes nowhere). Gated DeltaNet layers have no weights
     and are skipped."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
-    x = _ids(model, ids)
-    T = x.shape[1]
+    T = prompt_ids(model, ids).shape[1]
     if k >= T:
         raise ValueError(f"k ({k}) must be smaller than the number of tokens ({T})")
-    _, weights = model.forward_with_attention(x)                           # L x (1, H, T, S) or None
     out = []
-    for layer, w in enumerate(weights):
-        if w is None:
-            continue
-        w = w[0].float()                                                    # (H, T, S)
+    for layer, w in attention_patterns(model, ids).items():               # (H, T, T) per attention layer
         first = w[:, 1:, 0].mean(dim=1)                                     # (H,)
         first_k = w[:, k:, :k].sum(dim=-1).mean(dim=1)                      # (H,)
         out.append(SinkShares(layer, first.tolist(), first_k.tolist(), k))
@@ -79,7 +67,7 @@ class LinearTrace:
 def linear_trace(model, ids: Sequence[int]) -> list[LinearTrace]:
     """The decay, beta and state norm per head and position of every Gated DeltaNet layer
     (an empty list for a model without one)."""
-    x = _ids(model, ids)
+    x = prompt_ids(model, ids)
     records: list[dict] = []
     model._run(x, None, None, None, records=records)
     traces = []
