@@ -51,8 +51,8 @@ except ImportError:  # pragma: no cover - depends on the install
     _native = None
 
 __all__ = ["BPEConfig", "ProgressCallback", "ShortVocabularyWarning", "train_bpe", "train_tokenizer", "learn_merges",
-           "learn_merges_python", "native_available", "reference_merges", "count_pretokens", "expand_paths",
-           "stdlib_files"]
+           "learn_merges_python", "native_available", "reference_merge_counts", "reference_merges", "count_pretokens",
+           "expand_paths", "stdlib_files"]
 
 
 class ShortVocabularyWarning(UserWarning):
@@ -152,8 +152,15 @@ def learn_merges_python(word_counts: dict[bytes, int], n_merges: int, first_id: 
 
 def reference_merges(word_counts: dict[bytes, int], n_merges: int) -> list[tuple[bytes, bytes]]:
     """The slow, obviously correct trainer: recount every pair before each merge. For tests."""
+    return [pair for pair, _ in reference_merge_counts(word_counts, n_merges)]
+
+
+def reference_merge_counts(word_counts: dict[bytes, int], n_merges: int) -> list[tuple[tuple[bytes, bytes], int]]:
+    """reference_merges with the count of each merge: [((a, b), n), ...], n how often the pair
+    (a, b) occurred, frequency-weighted, when it was chosen (the most of any pair; a tie goes to
+    the larger pair, compared as byte strings)."""
     words = {tuple(bytes([x]) for x in w): f for w, f in word_counts.items()}
-    merges: list[tuple[bytes, bytes]] = []
+    merges: list[tuple[tuple[bytes, bytes], int]] = []
     vocab = {bytes([x]) for x in range(256)}
     size = 256
     while size < 256 + n_merges:
@@ -164,7 +171,7 @@ def reference_merges(word_counts: dict[bytes, int], n_merges: int) -> list[tuple
         if not pairs:
             break
         best = max(pairs, key=lambda p: (pairs[p], p))
-        merges.append(best)
+        merges.append((best, pairs[best]))
         if best[0] + best[1] not in vocab:
             vocab.add(best[0] + best[1])
             size += 1
