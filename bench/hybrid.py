@@ -2,6 +2,7 @@
 a CPU), the same weights on both sides, and decode cost against context length per layer type.
 
 Parts:
+  chunks    the chunked form at chunk sizes 16, 32 and 64 against the default for this device;
   rule      the gated delta rule alone: logitlab's chunked form against transformers'
             torch_chunk_gated_delta_rule, forward and forward + backward;
   model     a small Qwen3.5-shaped model: forward, training step (forward + backward), and
@@ -13,7 +14,7 @@ Parts:
 Each pair is timed alternately (bench.common.alternate) and reported as ratios (> 1: logitlab
 faster).
 
-    python3 -m bench.hybrid [--quick] [--no-doc] [--threads 2]
+    python3 -m bench.hybrid [--quick] [--no-doc] [--threads 2] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from bench.common import ROOT, alternate, machine_info, markdown_table, publish
+from bench.common import ROOT, alternate, machine_info, markdown_table, publish, use_cpu_time
 
 SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
@@ -43,13 +44,41 @@ def _rule_inputs(B, T, H, Dk, Dv):
     return q, k, v, decay, beta
 
 
+# (B, T, H, D): the model part's own linear layers (8 value heads of 32), then wider and longer
+RULE_SHAPES = [(4, 512, 8, 32), (1, 512, 8, 64), (2, 2048, 8, 64), (1, 4096, 16, 128)]
+
+
+def bench_chunks(quick: bool) -> list[dict]:
+    """The chunked form at each chunk size, forward and forward + backward, as time over the
+    default size's (model.deltanet.default_chunk) on this machine: > 1 means slower."""
+    from logitlab.model.deltanet import default_chunk, gated_delta_rule_chunked
+
+    default = default_chunk(torch.device("cpu"))
+    rows = []
+    for B, T, H, D in RULE_SHAPES[:1] if quick else RULE_SHAPES:
+        q, k, v, g, beta = _rule_inputs(B, T, H, D, D)
+        for train in (False, True):
+            def run(chunk):
+                qq, kk, vv = (t.clone().requires_grad_(train) for t in (q * D ** -0.5, k, v))
+                o = gated_delta_rule_chunked(qq, kk, vv, g, beta, chunk=chunk)[0]
+                if train:
+                    o.sum().backward()
+
+            for chunk in (16, 32, 64):
+                if chunk != default:
+                    r = alternate(lambda: run(chunk), lambda: run(default), repeats=2 if quick else 4)
+                    rows.append(dict(shape=f"B{B} T{T} H{H} D{D}", pass_="fwd+bwd" if train else "fwd",
+                                     chunk=chunk, default=default, slowdown=1 / r["ratio"]))
+    return rows
+
+
 def bench_rule(quick: bool) -> list[dict]:
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     from logitlab.model.deltanet import gated_delta_rule_chunked
 
     rows = []
-    for B, T, H, D in ([(1, 512, 8, 64)] if quick else [(1, 512, 8, 64), (2, 2048, 8, 64), (1, 4096, 16, 128)]):
+    for B, T, H, D in RULE_SHAPES[:1] if quick else RULE_SHAPES:
         q, k, v, g, beta = _rule_inputs(B, T, H, D, D)
         for train in (False, True):
             def run(fn, scale):
@@ -182,11 +211,16 @@ def render(result: dict) -> str:
     ctx = markdown_table(["kind", "context", "cache MiB", "ms / token"],
                          [[r["kind"], r["context"], f"{r['cache_mib']:.2f}", f"{r['ms_per_token']:.2f}"]
                           for r in result["context"]])
+    chunks = markdown_table(["shape", "pass", "chunk", f"time vs chunk {result['chunks'][0]['default']}"],
+                            [[r["shape"], r["pass_"], r["chunk"], f"{r['slowdown']:.2f}x"] for r in result["chunks"]])
     m = result["machine"]
     return (f"`{result['command']}` on {m['cpu']} ({m['torch_threads']} threads, load {m.get('load_avg_1m')}), "
-            f"torch {m['torch']}, transformers {m['transformers']}. Ratios are transformers' time over "
+            f"torch {m['torch']}, transformers {m['transformers']}, timed by {result.get('clock', 'wall time')}. "
+            "Ratios are transformers' time over "
             "logitlab's, the median of alternating pairs (min-max); > 1 means logitlab is faster.\n\n"
-            f"{table}\n\nDecode cost against context length (one sequence, fp32):\n\n{ctx}\n\n"
+            f"{table}\n\nThe chunked form's chunk size on this machine (the default is fixed per device "
+            "type, model.deltanet.CHUNK; > 1 means the other size is slower):\n\n"
+            f"{chunks}\n\nDecode cost against context length (one sequence, fp32):\n\n{ctx}\n\n"
             "![decode memory and speed against context](hybrid_decode.png)")
 
 
@@ -195,16 +229,21 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-doc", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with process CPU time instead of wall time (for --threads 1 on a loaded machine)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    clock = use_cpu_time(args.cpu_time)
     pairs = bench_rule(args.quick) + bench_model(args.quick)
+    chunks = bench_chunks(args.quick)
     context = bench_context(args.quick)
     if not args.no_doc:
         plot(context)
     import sys
 
     result = dict(command=" ".join(["python3 -m bench.hybrid", *sys.argv[1:]]), machine=machine_info(),
-                  pairs=pairs, context=context)
+                  clock=clock, pairs=pairs, chunks=chunks,
+                  context=context)
     for r in pairs:
         print(f"{r['part']:6} {r['shape']:22} {r['pass_']:14} {r['ratio']:.2f}x")
     publish("hybrid", "Hybrid stack (Gated DeltaNet) against transformers", result, render,

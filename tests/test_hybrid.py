@@ -14,6 +14,9 @@ from logitlab.model import KVCache, ModelConfig, Transformer, get_preset
 from logitlab.model import accounting as acc
 from logitlab.model.attention import eager_attention
 from logitlab.model.deltanet import (
+    CHUNK,
+    CHUNK_DEFAULT,
+    default_chunk,
     gated_delta_rule_chunked,
     gated_delta_rule_reference,
     gated_delta_rule_step,
@@ -40,7 +43,7 @@ def _rule_inputs(B=2, T=21, H=3, Dk=5, Dv=4, seed=0):
     return q, k, v, decay, beta, state
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 8, 64])
+@pytest.mark.parametrize("chunk", [1, 4, 8, 16, 32, 64, None])
 def test_chunked_rule_equals_the_loop(chunk):
     q, k, v, g, beta, state = _rule_inputs()
     for initial in (None, state):
@@ -48,6 +51,16 @@ def test_chunked_rule_equals_the_loop(chunk):
         o, s = gated_delta_rule_chunked(q, k, v, g, beta, initial, chunk=chunk)
         torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=1e-5)
+
+
+def test_default_chunk_is_fixed_per_device_type():
+    """No timing decides it: the same device type always gets the same size, so a run's bits repeat."""
+    assert default_chunk(torch.device("cpu")) == CHUNK["cpu"] == default_chunk("cpu")
+    assert default_chunk(torch.device("meta")) == CHUNK_DEFAULT
+    q, k, v, g, beta, _ = _rule_inputs(T=40)
+    o_default, _ = gated_delta_rule_chunked(q, k, v, g, beta)
+    o_explicit, _ = gated_delta_rule_chunked(q, k, v, g, beta, chunk=CHUNK["cpu"])
+    assert torch.equal(o_default, o_explicit)
 
 
 def test_step_rule_is_one_position_of_the_loop():
@@ -298,6 +311,11 @@ def test_streaming_generation_runs_past_the_context_with_bounded_memory():
     assert cache.seen == 40 and cache.k[0].shape[2] == 16
     with pytest.raises(ValueError, match="one length"):
         generate(model, [[1, 2], [3]], greedy, streaming=(4, 12))
+    # a step reads sink + window cached positions and the new one: all must fit the context
+    long = generate(model, prompt, SampleConfig(max_new_tokens=40, temperature=0), streaming=(4, 27))
+    assert len(long.tokens[0]) == 40
+    with pytest.raises(ValueError, match=r"sink \+ window \(32\) must be less than the model's context_length"):
+        generate(model, prompt, greedy, streaming=(4, 28))
 
 
 def test_streaming_keys_are_rotated_at_their_slot_in_the_cache():

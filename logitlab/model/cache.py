@@ -187,9 +187,9 @@ class KVCache:
         if max_len > config.context_length and stream is None:
             raise ValueError(f"KVCache: max_len ({max_len}) exceeds the model's context_length "
                              f"({config.context_length})")
-        if stream is not None and sum(stream) > config.context_length:
-            raise ValueError(f"KVCache: sink + window ({sum(stream)}) exceeds the model's context_length "
-                             f"({config.context_length})")
+        if stream is not None and sum(stream) >= config.context_length:
+            raise ValueError(f"KVCache: sink + window ({sum(stream)}) must be less than the model's context_length "
+                             f"({config.context_length}): each step reads the cached positions and the new one")
         layer_types = getattr(config, "layer_kinds", None)
         linear = None
         if layer_types and "linear_attention" in layer_types:
