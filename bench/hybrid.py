@@ -204,6 +204,16 @@ def plot(rows: list[dict]) -> None:
     fig.savefig(ROOT / "docs" / "hybrid_decode.png", dpi=110)
 
 
+READING = (
+    "Reading it: both sides compute the same chunked form (transformers' torch fallback also inverts (I + A) "
+    "per chunk with a triangular solve, in chunks of 64). logitlab's chunks of 16 keep the C x C work small, "
+    "pad and transpose each input in one copy, and build no whole-sequence (B, H, N, C, D) intermediate that "
+    "the products do not need: on a CPU each such tensor is a pass over memory, and those passes bound the "
+    "rule. The model rows share everything else with transformers (the projections, the MLPs, full "
+    "attention), so the rule's lead is diluted there. On a shared machine, time by CPU time on one thread "
+    "(--threads 1 --cpu-time): with other jobs running, wall time swung the same pairs between 0.4x and 4x.")
+
+
 def render(result: dict) -> str:
     rows = [[r["part"], r["shape"], r["pass_"], f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"]
             for r in result["pairs"]]
@@ -214,13 +224,13 @@ def render(result: dict) -> str:
     chunks = markdown_table(["shape", "pass", "chunk", f"time vs chunk {result['chunks'][0]['default']}"],
                             [[r["shape"], r["pass_"], r["chunk"], f"{r['slowdown']:.2f}x"] for r in result["chunks"]])
     m = result["machine"]
-    return (f"`{result['command']}` on {m['cpu']} ({m['torch_threads']} threads, load {m.get('load_avg_1m')}), "
+    return (f"`{result['command']}` on {m['cpu']} ({m['torch_threads']} thread(s), load {m.get('load_avg_1m')}), "
             f"torch {m['torch']}, transformers {m['transformers']}, timed by {result.get('clock', 'wall time')}. "
             "Ratios are transformers' time over "
             "logitlab's, the median of alternating pairs (min-max); > 1 means logitlab is faster.\n\n"
             f"{table}\n\nThe chunked form's chunk size on this machine (the default is fixed per device "
             "type, model.deltanet.CHUNK; > 1 means the other size is slower):\n\n"
-            f"{chunks}\n\nDecode cost against context length (one sequence, fp32):\n\n{ctx}\n\n"
+            f"{chunks}\n\n{READING}\n\nDecode cost against context length (one sequence, fp32):\n\n{ctx}\n\n"
             "![decode memory and speed against context](hybrid_decode.png)")
 
 

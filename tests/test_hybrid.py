@@ -53,6 +53,20 @@ def test_chunked_rule_equals_the_loop(chunk):
         torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_chunked_rule_gradients_equal_the_loops(chunk):
+    """Training runs backward through the chunked form: its gradients must be the loop's."""
+    inputs = [t.clone().requires_grad_() for t in _rule_inputs(T=19)]          # float32, as both compute
+    weights = torch.randn(2, 19, 3, 4, generator=torch.Generator().manual_seed(1))
+
+    def grads(rule):
+        o, s = rule(*inputs[:5], inputs[5], **({"chunk": chunk} if rule is gated_delta_rule_chunked else {}))
+        return torch.autograd.grad((o * weights).sum() + s.square().sum(), inputs)
+
+    for got, want in zip(grads(gated_delta_rule_chunked), grads(gated_delta_rule_reference)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_default_chunk_is_fixed_per_device_type():
     """No timing decides it: the same device type always gets the same size, so a run's bits repeat."""
     assert default_chunk(torch.device("cpu")) == CHUNK["cpu"] == default_chunk("cpu")

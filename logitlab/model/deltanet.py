@@ -85,6 +85,16 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
     return torch.einsum("bhk,bhkv->bhv", q.float(), state)
 
 
+def _blocks(t: torch.Tensor, pad: int, N: int, C: int) -> torch.Tensor:
+    """(B, T, H, *) -> (B, H, N, C, *) float32 and contiguous, zero-padded to N*C positions: one
+    copy (padding first, in the input's own layout, then the transposition)."""
+    t = t.float()
+    if pad:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    B, _, H = t.shape[:3]
+    return t.transpose(1, 2).contiguous().view(B, H, N, C, *t.shape[3:])
+
+
 def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int | None = None):
     """The same rule, C = `chunk` positions at a time. Arguments and result as the reference.
 
@@ -92,23 +102,20 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int | None = N
     A[t, s] = beta_t (k_t . k_s) G_t / G_s for s < t. The corrections u_t that the positions
     write (S_t = G_t S0 + sum_{s<=t} G_t / G_s k_s u_s^T) solve one triangular system,
 
-        (I + A) U = beta V - (G beta K) S0     so     U = Y - W S0,
-        with Y = (I + A)^-1 beta V and W = (I + A)^-1 G beta K,
+        (I + A) U = beta V - (G beta K) S0     so     U = Y - (I + A)^-1 (G beta K) S0,
+        with Y = (I + A)^-1 beta V,
 
-    where Y and W do not depend on S0 and are solved for every chunk at once. Then
-        O = (G Q) S0 + (Q K^T * G_t / G_s, s <= t) U        and
+    where Y and (I + A)^-1 do not depend on S0 and are solved for every chunk at once. Then
+        O = G (Q S0) + (Q K^T * G_t / G_s, s <= t) U        and
         S_C = G_C S0 + (K G_C / G)^T U
-    carry the state through the chunks, one small product each. chunk: C (None: default_chunk)."""
+    carry the state through the chunks, a few small products each. chunk: C (None: default_chunk)."""
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     C = chunk or default_chunk(k.device)
     N = (T + C - 1) // C
-    pad = N * C - T
-    # (B, H, T, *) float32, padded to N*C positions: padding has k = v = 0, beta = 0, g = 0
-    q, k, v = (F.pad(t.float().transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t.float().transpose(1, 2), (0, pad)) for t in (g, beta))
-    q, k, v = (t.reshape(B, H, N, C, -1) for t in (q, k, v))              # (B, H, N, C, Dk|Dv)
-    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+    pad = N * C - T                            # padding has k = v = 0, beta = 0, g = 0: no effect
+    q, k, v = (_blocks(t, pad, N, C) for t in (q, k, v))                  # (B, H, N, C, Dk|Dv)
+    g, beta = (_blocks(t[..., None], pad, N, C)[..., 0] for t in (g, beta))   # (B, H, N, C)
     logG = g.cumsum(-1)                                                   # (B, H, N, C)
     ratio = logG[..., :, None] - logG[..., None, :]                       # log G_t / G_s (B, H, N, C, C)
     lower = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
@@ -116,31 +123,29 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int | None = N
     kb = k * beta[..., None]                                              # beta_t k_t
     eye = torch.eye(C, dtype=torch.bool, device=k.device)
     A = ((kb @ k.transpose(-1, -2)) * decay).masked_fill(eye, 1.0)        # I + A: A strictly lower
-    # (I + A)^-1 once per chunk, then two products: the solve has C right-hand sides instead of
-    # Dv + Dk. The diagonal is written as ones rather than unitriangular=True, and the batch
-    # flattened to one dimension: on CPU each is 2x or more faster for the same solve.
+    # (I + A)^-1 once per chunk rather than a solve per right-hand side. The diagonal is written as
+    # ones rather than unitriangular=True, and the batch flattened to one dimension: on CPU each
+    # is 2x or more faster for the same solve.
     eye_rows = torch.eye(C, device=k.device).expand(B * H * N, C, C)
     inverse = torch.linalg.solve_triangular(A.reshape(-1, C, C), eye_rows, upper=False).view(B, H, N, C, C)
     Y = inverse @ (v * beta[..., None])                                   # (B, H, N, C, Dv)
-    W = inverse @ (kb * logG.exp()[..., None])                            # (B, H, N, C, Dk)
+    G = logG.exp()[..., None]                                             # G_t (B, H, N, C, 1)
+    kbG = kb * G                                                          # G_t beta_t k_t
     P = (q @ k.transpose(-1, -2)) * decay                                 # (B, H, N, C, C)
-    qG = q * logG.exp()[..., None]                                        # G_t q_t
-    kG = k * (logG[..., -1:] - logG).exp()[..., None]                     # k_s G_C / G_s
+    kG = (k * (logG[..., -1:] - logG).exp()[..., None]).transpose(-1, -2)  # k_s G_C / G_s (.., Dk, C)
     GC = logG[..., -1].exp()[..., None, None]                             # (B, H, N, 1, 1)
     S = torch.zeros(B, H, Dk, Dv, device=v.device) if state is None else state.float()
-    # only what needs the state runs chunk after chunk: U_n = Y_n - W_n S and S's update; one
-    # product reads S for W and for G q at once, and the intra-chunk P U is batched afterwards.
-    # unbind (not [:, :, n]): backward then stacks the chunks' gradients once instead of adding
-    # N zero-filled copies of each tensor
-    reads = torch.cat((W, qG), dim=-2)                                    # (B, H, N, 2C, Dk)
-    Us, reads_of_S = [], []
-    for Y_n, reads_n, kG_n, GC_n in zip(*(t.unbind(2) for t in (Y, reads, kG.transpose(-1, -2), GC))):
-        WS, qS = (reads_n @ S).split(C, dim=-2)                           # (B, H, C, Dv) each
-        U = Y_n - WS                                                      # the corrections
+    # only what reads the state runs chunk after chunk, in products of a chunk's size: whole-tensor
+    # (B, H, N, C, D) intermediates cost a pass over memory each, which is what bounds this on a
+    # CPU. unbind (not [:, :, n]): backward then stacks the chunks' gradients once instead of
+    # adding N zero-filled copies of each tensor.
+    Us, reads = [], []
+    for Y_n, inv_n, kbG_n, q_n, kG_n, GC_n in zip(*(t.unbind(2) for t in (Y, inverse, kbG, q, kG, GC))):
+        U = Y_n - inv_n @ (kbG_n @ S)                                     # the corrections (B, H, C, Dv)
         Us.append(U)
-        reads_of_S.append(qS)
+        reads.append(q_n @ S)                                             # Q S0 (B, H, C, Dv)
         S = GC_n * S + kG_n @ U
-    out = torch.stack(reads_of_S, dim=2) + P @ torch.stack(Us, dim=2)     # (B, H, N, C, Dv)
+    out = torch.stack(reads, dim=2) * G + P @ torch.stack(Us, dim=2)      # (B, H, N, C, Dv)
     out = out.reshape(B, H, N * C, Dv)[:, :, :T].transpose(1, 2)          # (B, T, H, Dv)
     return out, S
 
