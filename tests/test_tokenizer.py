@@ -93,6 +93,17 @@ def test_gpt2_mixed_text_matches_tiktoken_and_hf(gpt2, gpt2_tiktoken, gpt2_hf):
     assert gpt2.decode(want) == MIXED == gpt2.decode(ordinary)
 
 
+def test_encode_ordinarys_direct_path_keeps_every_answer(gpt2, gpt2_tiktoken):
+    """After its first call encode_ordinary goes straight to tiktoken's core: the ids, the lone
+    surrogates (tiktoken's replacement) and the error for a non-str stay those of the checked path."""
+    for text in ("", "hi", " 1234 x", "a\ud800b", MIXED, "a\ud800b"):
+        assert gpt2.encode_ordinary(text) == gpt2_tiktoken.encode_ordinary(text)
+        assert gpt2.encode_ordinary(text) == gpt2.encode_ordinary(text, fast=False)
+    for bad in (b"bytes", None):
+        with pytest.raises(ValueError, match="expects str"):
+            gpt2.encode_ordinary(bad)
+
+
 def test_gpt2_tinyshakespeare_matches_tiktoken_and_hf(gpt2, gpt2_tiktoken, gpt2_hf, shared_data):
     text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
     want = gpt2_tiktoken.encode_ordinary(text)

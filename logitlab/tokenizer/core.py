@@ -113,7 +113,7 @@ class Tokenizer:
         self._special_re = special_regex(specials)
         self._cache: dict[str, list[int]] = {}
         self._fast_path_ok: bool | None = None  # computed on first use (about 1 s for 50k tokens)
-        self._tiktoken = None
+        self._tiktoken, self._ordinary = None, None  # tiktoken's Encoding and encode_ordinary, on first use
         self._token_lengths: list[int] | None = None  # bytes per id, for _check_fast_covered
         self.chat_template: str | None = None  # Jinja source; None: ChatML (chat.py)
 
@@ -263,8 +263,17 @@ class Tokenizer:
 
     def encode_ordinary(self, text: str, fast: bool | None = None) -> list[int]:
         """Encode untrusted text: special-token strings are ordinary text."""
+        if fast is None and self._ordinary is not None:  # tiktoken's core, once the checks below passed:
+            try:                                         # they cost more than a short text's encoding
+                return self._ordinary(text)
+            except UnicodeEncodeError:                   # lone surrogates: tiktoken's own replacement
+                return self._fast().encode_ordinary(text)
+            except TypeError:                            # not a str: the checked path says what is wrong
+                pass
         if fast is not False and type(text) is str and self.pattern_name is not None and self.fast_path_ok:
-            return self._fast().encode_ordinary(text)  # encode's checks cost more than short texts do
+            enc = self._fast()      # its Rust core's method, under Encoding.encode_ordinary's wrapper
+            self._ordinary = getattr(getattr(enc, "_core_bpe", enc), "encode_ordinary", enc.encode_ordinary)
+            return enc.encode_ordinary(text)
         return self.encode(text, allowed_special="none", fast=fast)
 
     def _split_special(self, text: str, allowed: set[str]) -> Iterator[tuple[str, int | None]]:
