@@ -153,15 +153,19 @@ def convert_rope_layout(state_dict: dict, config, to: str = "half"):
 EXTENSIONS = ("none", "linear", "ntk", "dynamic", "yarn")
 
 
-def extended_config(config, length: int, scaling: str = "none"):
-    """`config` made to accept `length` positions, its RoPE scaled at inference for the ratio
-    s = length / config.context_length (no retraining): "none" only lengthens the tables, "linear"
+def extended_config(config, length: int, scaling: str = "none", factor: float | None = None):
+    """`config` made to accept `length` positions, its RoPE scaled for the ratio s = factor, by
+    default length / config.context_length: "none" only lengthens the tables, "linear"
     interpolates positions by s, "ntk" enlarges the base, "dynamic" grows it with each call's
     length past the trained one, "yarn" blends per frequency with its temperature (the trained
-    context as original_context_length). Sinusoidal and ALiBi models (and NoPE) just get the
-    longer context; learned positions cannot go past their table (ValueError)."""
+    context as original_context_length). The trained weights load into the result unchanged, for
+    inference without retraining or as the start of a fine-tune at `length`. Sinusoidal and ALiBi
+    models (and NoPE) just get the longer context; learned positions cannot go past their table
+    (ValueError). A length not past the trained one returns `config` itself."""
     if scaling not in EXTENSIONS:
         raise ValueError(f"scaling must be one of {EXTENSIONS}, got {scaling!r}")
+    if factor is not None and not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
     trained = config.context_length
     if length <= trained:
         return config
@@ -171,9 +175,8 @@ def extended_config(config, length: int, scaling: str = "none"):
         raise ValueError(f"scaling={scaling!r} needs positions='rope', got {config.positions!r}")
     if config.rope_scaling is not None and scaling != "none":
         raise ValueError("the config already has a rope_scaling; extend it from the unscaled model")
-    rope_scaling = None
-    if scaling != "none":
-        rope_scaling = dict(rope_type=scaling, factor=length / trained,
-                            **({} if scaling in ("linear", "ntk") else {"original_context_length": trained}))
-    return dataclasses.replace(config, context_length=length,
-                               rope_scaling=rope_scaling if scaling != "none" else config.rope_scaling)
+    if scaling == "none":
+        return dataclasses.replace(config, context_length=length)
+    rope_scaling = dict(rope_type=scaling, factor=float(factor or length / trained),
+                        **({} if scaling in ("linear", "ntk") else {"original_context_length": trained}))
+    return dataclasses.replace(config, context_length=length, rope_scaling=rope_scaling)
