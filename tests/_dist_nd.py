@@ -55,6 +55,8 @@ SCENARIOS = {
     "zero2_4": ("untied", dict(parallel="zero2")),
     # 8 ranks
     "pp_tp_fsdp": ("untied", dict(pp=2, tp=2, dp_shard=2)),
+    # one process (a runner's reference)
+    "one_tied": ("tied", dict()),
 }
 
 

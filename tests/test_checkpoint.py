@@ -209,3 +209,30 @@ def test_model_dir_loads_with_a_safetensors_that_has_no_pread_backend(tmp_path, 
     monkeypatch.setattr(safetensors, "safe_open", old_safe_open)
     ids = torch.randint(0, 257, (1, 8))
     assert torch.equal(ck.load_model(tmp_path / "m")(ids), model(ids))
+
+
+def test_a_sharded_run_is_refused_with_the_export_command(tmp_path):
+    """A tensor-parallel run holds dcp-STEP checkpoints that no single process loads directly: the
+    error names the command that makes a model directory of one."""
+    from logitlab.io.checkpoint import load_for_inference
+
+    (tmp_path / "dcp-000004").mkdir()
+    for path in (tmp_path, tmp_path / "dcp-000004"):
+        with pytest.raises(FileNotFoundError, match="logitlab export"):
+            load_for_inference(path)
+
+
+def test_the_best_checkpoint_is_one_of_the_latest_model_shape(tmp_path):
+    """After an extension of the context, a lower loss measured at the old length does not make its
+    checkpoint the best: only checkpoints of the latest model config compete."""
+    import dataclasses
+
+    short = tiny()
+    long = Transformer(dataclasses.replace(short.config, context_length=short.config.context_length * 2))
+    ck.save_checkpoint(tmp_path, 2, short, state={"val_loss": 1.0}, keep_last=None)
+    ck.save_checkpoint(tmp_path, 4, long, state={"val_loss": 3.0}, keep_last=None)
+    ck.save_checkpoint(tmp_path, 6, long, state={"val_loss": 2.5}, keep_last=None)
+    assert ck.best_checkpoint(tmp_path).name == "ckpt-000006"
+    ck.save_checkpoint(tmp_path / "plain", 2, short, state={"val_loss": 1.0}, keep_last=None)
+    ck.save_checkpoint(tmp_path / "plain", 4, short, state={"val_loss": 3.0}, keep_last=None)
+    assert ck.best_checkpoint(tmp_path / "plain").name == "ckpt-000002"

@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import _dist
 import _dist_worker as worker
 import pytest
 import torch
 
 from logitlab import parallel
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(worker.__file__)
 TWO_RANK_SCENARIOS = ("ddp", "ddp_accum", "fsdp", "fsdp_accum", "ddp_resume", "fsdp_resume", "train_ddp")
 if worker.train_has_parallel_field():
@@ -43,37 +39,12 @@ NO_FSDP_IN_TRAIN = ("logitlab.train has no TrainConfig.parallel field: its rank/
 TOL = 1e-5
 
 
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    env.update(extra)
-    return env
-
-
-LAUNCH_TIMEOUT_S = 600  # bounds a hang only: the launch below takes 10-30 s on 2 busy cores
-
-
-def _run(cmd: list[str], timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """cmd in the test environment. Past `timeout` its whole session is killed (torchrun and
-    the ranks it started, which subprocess.run's timeout would leave running) and the test fails."""
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd[1:4])} ... ran past {timeout} s:\n{err[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def _run(cmd: list[str]):
+    return _dist.run(cmd)
 
 
 def _torchrun(out: Path, scenarios) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", "2", str(WORKER), str(out), *scenarios]
-    proc = _run(cmd)
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    _dist.torchrun(2, str(WORKER), str(out), *scenarios)
 
 
 @pytest.fixture(scope="module")
@@ -229,45 +200,14 @@ def test_torchrun_cli_with_fsdp_matches_one_process(tmp_path):
     _close(_val_losses(tmp_path / "two"), _val_losses(tmp_path / "one"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-PORT_TAKEN = ("EADDRINUSE", "address already in use")
-
-
-def _run_pair(tmp_path: Path, scenario: str, timeout_s: float, deadline_s: float,
-              attempts: int = 3) -> tuple[list[subprocess.Popen], int, str]:
-    """Two ranks started directly with torchrun's environment variables (no agent that would
-    tear the survivor down), so the survivor's own reaction is what gets tested. -> (both
-    processes, rank 0's exit status, rank 0's stderr). Rank 0 serves the store on a port that
-    was free a moment before; when another process took it in between, the pair starts again
-    on a new one."""
-    for _ in range(attempts):
-        port, procs = str(_free_port()), []
-        for rank in (0, 1):
-            env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=port, LOGITLAB_TEST_TIMEOUT_S=str(timeout_s))
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), scenario], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
-        try:
-            _, err = procs[0].communicate(timeout=deadline_s)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.communicate()
-        if not (procs[0].returncode != 0 and any(m in err for m in PORT_TAKEN)):
-            return procs, procs[0].returncode, err
-    raise AssertionError(f"rank 0 found its store port taken {attempts} times:\n{err[-2000:]}")
+def _run_pair(tmp_path: Path, scenario: str, timeout_s: float, deadline_s: float):
+    return _dist.run_pair(WORKER, [str(tmp_path), scenario], timeout_s, deadline_s)
 
 
 def test_killed_rank_stops_the_survivor_with_a_clear_error(tmp_path):
     # a collective timeout far beyond the deadline: the survivor must notice the dead peer
     # itself (a closed connection), not by waiting out the timeout
-    procs, code, err = _run_pair(tmp_path, "die", timeout_s=3600, deadline_s=LAUNCH_TIMEOUT_S)
+    procs, code, err = _run_pair(tmp_path, "die", timeout_s=3600, deadline_s=_dist.LAUNCH_TIMEOUT_S)
     assert procs[1].returncode == -9
     assert code != 0
     assert "RankFailureError: rank 0 of 2" in err and "another rank crashed, was killed" in err, err[-2000:]
@@ -276,7 +216,7 @@ def test_killed_rank_stops_the_survivor_with_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_silent_rank_makes_the_survivor_give_up_after_the_timeout(tmp_path):
-    procs, code, err = _run_pair(tmp_path, "hang", timeout_s=10, deadline_s=LAUNCH_TIMEOUT_S)
+    procs, code, err = _run_pair(tmp_path, "hang", timeout_s=10, deadline_s=_dist.LAUNCH_TIMEOUT_S)
     assert code != 0 and "RankFailureError: rank 0 of 2" in err and "10 s timeout" in err, err[-2000:]
     assert "Timed out" in err
 

@@ -10,49 +10,26 @@ sharded checkpoint resumed in one process); the others are marked slow.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
+import _dist
 import _dist_nd as nd
 import pytest
 
 from logitlab import parallel
 from logitlab.parallel import planner
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-LAUNCH_TIMEOUT_S = 600   # bounds a hang only
 DEFAULT_2 = ("memory-ddp", "memory-zero1", "memory-zero2", "memory-fsdp", "tp_sp", "pp_1f1b", "save-tp")
 SLOW_2 = ("tp", "tp_qknorm", "pp_gpipe", "save-pp_interleaved", "fsdp_ac_full", "fsdp_ac_selective", "save-zero1",
           "resume-zero2-from-zero1", "resume-zero1-from-pp_interleaved")
 SLOW_4 = ("tp_fsdp", "pp_fsdp", "hsdp", "memory-zero2_4", "save-tp_fsdp", "resume-hsdp-from-tp_fsdp")
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    return env
-
-
 def launch(out: Path, nproc: int, scenarios, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """torchrun tests/_dist_nd.py on nproc CPU ranks; past the timeout its whole session is killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", str(nproc), str(Path(nd.__file__)), str(out), *scenarios]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"torchrun ran past {LAUNCH_TIMEOUT_S} s:\n{stderr[-4000:]}") from None
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{stderr[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    """torchrun tests/_dist_nd.py on nproc CPU ranks (tests/_dist.py: a hang is killed)."""
+    return _dist.torchrun(nproc, str(Path(nd.__file__)), str(out), *scenarios, expect_ok=expect_ok)
 
 
 def _results(out: Path, scenarios) -> dict:
@@ -79,6 +56,11 @@ def two(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("nd2")
     launch(out, 2, DEFAULT_2)
     return out, _results(out, DEFAULT_2)
+
+
+def _metric(run: Path, key: str) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in records if key in r]
 
 
 def _close(a, b, tol: float = TOL) -> None:
@@ -173,36 +155,9 @@ def test_four_rank_meshes_match_and_reshard(tmp_path, reference, info):
              reference["untied"])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_pair_directly(out: Path, scenario: str) -> tuple[list[subprocess.Popen], str]:
-    """Two ranks started with torchrun's variables but no agent (which would tear the survivor
-    down itself), so the survivor's own reaction is tested. -> (processes, rank 0's stderr)."""
-    port, procs = str(_free_port()), []
-    for rank in (0, 1):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOGITLAB_TEST_TIMEOUT_S": "3600"}
-        procs.append(subprocess.Popen([sys.executable, str(Path(nd.__file__)), str(out), scenario], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
-    try:
-        _, err = procs[0].communicate(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-    return procs, err
-
-
 @pytest.mark.slow
 def test_killed_rank_stops_a_tensor_parallel_job_with_a_clear_error(tmp_path):
-    procs, err = _run_pair_directly(tmp_path, "die-tp_sp")
+    procs, _, err = _dist.run_pair(Path(nd.__file__), [str(tmp_path), "die-tp_sp"], timeout_s=3600)
     assert procs[1].returncode == -9 and procs[0].returncode != 0
     assert "RankFailureError: rank 0 of 2" in err and "another rank crashed, was killed" in err, err[-3000:]
     assert "finished without noticing" not in err
@@ -246,8 +201,31 @@ def test_parallel_runner_matches_one_process_and_resumes_on_another_layout(tmp_p
     _close(got["runner-pp_1f1b"]["losses"], ref.losses)
     resumed = nd.runner("ddp", tmp_path, info, resume_from="pp_1f1b")   # PP2's checkpoint -> 1 process
     _close(resumed.losses, ref.losses[nd.SAVE_AT:])
-    assert (tmp_path / "runner_tp_sp" / "metrics.jsonl").read_text().count("\n") == nd.STEPS
+    records = [json.loads(line) for line in (tmp_path / "runner_tp_sp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, nd.STEPS + 1))
+    assert [r["step"] for r in records if "val_loss" in r] == [0, nd.STEPS]   # the main loop's evaluations
+
+    def vals(name):
+        return [json.loads(line)["val_loss"] for line in (tmp_path / f"runner_{name}" / "metrics.jsonl")
+                .read_text().splitlines() if "val_loss" in json.loads(line)]
+    _close(vals("tp_sp"), vals("fsdp"))
+    _close(vals("pp_1f1b"), vals("fsdp"))    # a forward-only pipeline schedule, padded last batch
     nd.main_loop("zero2", tmp_path, info)                # the main loop, one process, then ZeRO-2 on 2 ranks
     loop = [[json.loads(line)["loss"] for line in (tmp_path / f"runner_{name}" / "metrics.jsonl").read_text()
              .splitlines() if "loss" in json.loads(line)] for name in ("loop_none", "loop_zero2")]
     _close(loop[1], loop[0])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_through_the_main_loop_matches_one_process(tmp_path, info):
+    """The main loop with the N-D hooks (train_parallel) on TP 2: one process's data order, losses
+    and validation losses, run.json and sharded checkpoints."""
+    out = tmp_path
+    nd.prepare_corpus(out / "prep")
+    launch(out, 2, ("runner-tp",))
+    ref = nd.runner("one_tied", out, info)
+    _close(_results(out, ("runner-tp",))["runner-tp"]["losses"], ref.losses)
+    run = out / "runner_tp"
+    _close(_metric(run, "val_loss"), _metric(out / "runner_one_tied", "val_loss"))
+    assert json.loads((run / "run.json").read_text())["train"]["steps"] == nd.STEPS
+    assert sorted(p.name for p in run.glob("dcp-*")) == [f"dcp-{s:06d}" for s in range(nd.SAVE_AT, nd.STEPS + 1, 2)]

@@ -245,6 +245,8 @@ def test_config_errors_come_first(corpus, tmp_path):
         TrainConfig(precision="fp8")
     with pytest.raises(ValueError, match="context_length"):
         train(tiny_model(), _cfg(corpus, tmp_path / "r", seq_len=64))
+    with pytest.raises(ValueError, match="attention='causal'.*mlm_loss"):    # an encoder would copy the target
+        train(tiny_model(attention="bidirectional"), _cfg(corpus, tmp_path / "r"))
     assert not (tmp_path / "r").exists()
     with pytest.raises(FileNotFoundError, match="manifest"):
         train(tiny_model(), _cfg(tmp_path / "nowhere", tmp_path / "r"))

@@ -22,6 +22,7 @@ from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot
     cmd_plot,
     plot_run,
 )
+from logitlab.cli.extend import EXTEND_MAY_CHANGE, extend_run, show_extension
 from logitlab.cli.progress import LiveProgress
 
 # --------------------------------------------------------------------------------------------
@@ -64,6 +65,9 @@ def _model_config(args, table: dict, tokenizer):
     from logitlab.model.families import get_preset
     from logitlab.model.transformer import ModelConfig
 
+    if getattr(args, "rope_scaling_spec", None):
+        raise ValueError("--rope-scaling extends a trained run: use it with --resume RUN_DIR and a longer "
+                         "--context-length (a new run sets rope_scaling in its TOML [model.rope_scaling] table)")
     # no preset and no [model] table: the CPU-sized "tiny" preset rather than GPT-2's 124M defaults
     preset = args.preset or table.get("preset") or (None if "model" in table else "tiny")
     base = _underived(get_preset(preset)) if preset else {}
@@ -97,14 +101,13 @@ def cmd_train(args) -> int:
         table = {"train": _read_run(args.resume)["train"]}
     else:
         table = cli.read_toml(args.config) if args.config else {}
-    cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
-    if cfg.parallel == "zero2" or cfg.dp_replicate > 1 or cfg.activation_checkpointing != "none":
-        from logitlab.train.parallel_run import nd_hooks  # the main loop over a data-parallel mesh
-
-        hooks = nd_hooks(cfg, cfg.parallel_plan(), P.init_distributed(device="cpu" if cfg.device == "cpu" else None))
-    else:
-        hooks = parallel_hooks(cfg)
+    cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
+    # the layout's hooks (train.layouts.parallel_hooks): DDP / FSDP2, an N-D data-parallel mesh, or
+    # tensor / pipeline parallel and ZeRO-1 (and any resume of a sharded checkpoint) with sharded checkpoints
+    hooks = parallel_hooks(cfg, run_dir=args.resume, resume=bool(args.resume))
     con = cli.console() if hooks.main else _quiet_console()
+    if hooks.layout:
+        con.print(f"layout: {hooks.layout} (export one with `logitlab export RUN_DIR/dcp-STEP --out DIR`)")
     try:
         with P.rank_failure_guard():
             return _train_one(args, con, hooks)
@@ -131,7 +134,7 @@ def _train_one(args, con, hooks) -> int:
     else:
         table = cli.read_toml(args.config) if args.config else {}
         # every config error is reported before anything is written (the vocabulary size comes later)
-        train_cfg = cli.build_config(TrainConfig, args, table.get("train", {}))
+        train_cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
         _model_config(args, table, None)
         out = Path(train_cfg.out_dir)
         _check_sources(args, train_cfg)
@@ -145,9 +148,15 @@ def _train_one(args, con, hooks) -> int:
 # logs, and how fast (device, compile, matmul and allocator modes). Everything else would make the
 # resumed run a different run, so a flag that changes it is refused. --steps moves the end of the
 # cosine schedule with the run's end.
+# What the command line chooses where the library leaves a process-wide setting off: a user who
+# runs `logitlab train` owns the process (TrainConfig.keep_freed_memory; --keep-freed-memory off).
+CLI_TRAIN_DEFAULTS = {"keep_freed_memory": "auto"}
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "save_every", "keep_last", "log_every",
                      "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory",
-                     "attention_kernel")
+                     "attention_kernel",
+                     # the layout: a checkpoint loads into any mesh (train.layouts.parallel_hooks)
+                     "tp", "pp", "dp_shard", "dp_replicate", "parallel", "sequence_parallel",
+                     "activation_checkpointing", "pp_schedule")
 
 
 def _read_run(run_dir) -> dict:
@@ -171,12 +180,17 @@ def _resume_configs(args) -> dict:
     from logitlab.train.loop import TrainConfig
 
     run = _read_run(args.resume)
+    extending = extend_run(args, run)   # --context-length/--rope-scaling: run["model"] is the extended model
     conflicts = []
     for name in (f.name for f in dataclasses.fields(ModelConfig)):
+        if extending and name == "context_length":
+            continue
         if hasattr(args, name) and getattr(args, name) != run["model"].get(name):
             conflicts.append(f"--{name.replace('_', '-')} {getattr(args, name)} (the run has {run['model'].get(name)})")
     for name in (f.name for f in dataclasses.fields(TrainConfig)):
         if name in RESUME_MAY_CHANGE or name == "out_dir" or not hasattr(args, name):
+            continue
+        if extending and name in EXTEND_MAY_CHANGE:
             continue
         value = getattr(args, name)
         value = tuple(value) if isinstance(value, list) else value
@@ -205,6 +219,7 @@ def _resume(args, run: dict, con, hooks) -> int:
     tokenizer = Tokenizer.load(tok_file) if tok_file.is_file() else None
     torch.manual_seed(train_cfg.seed)
     result = _run_training(Transformer(model_cfg), train_cfg, tokenizer, con, args.progress, True, hooks, lock=False)
+    show_extension(Path(args.resume), con, result)
     return exit_code(result)
 
 
@@ -254,23 +269,8 @@ def _start(args, table: dict, train_cfg, con, hooks) -> int:
     train_cfg = _fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
     con.print(f"learning rate {train_cfg.lr:g}" + ("" if _given(args, table, "lr") else
               " (the default for a model of this size: 3e-3 under 50 M parameters, else 3e-4)"))
-    if train_cfg.needs_nd_loop():
-        return _train_nd(model, train_cfg, out, con, resume=False)
     result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False)
     return exit_code(result)
-
-
-def _train_nd(model, train_cfg, out, con, resume: bool) -> int:
-    """Tensor or pipeline parallel, or ZeRO-1 (train.parallel_run): sharded checkpoints, one
-    metrics record per step; evaluation and the progress bar are the main loop's only."""
-    from logitlab.train.parallel_run import train_parallel
-
-    plan = train_cfg.parallel_plan()
-    con.print(f"layout: {plan}; sharded checkpoints (export one with `logitlab export RUN_DIR/dcp-STEP --out DIR`)")
-    result = train_parallel(model, train_cfg, plan, run_dir=out, resume=resume)
-    last = f", loss {result.losses[-1]:.4f}" if result.losses else ""
-    con.print(f"done: {result.step} steps{last}; sharded checkpoint {result.checkpoint}")
-    return 0
 
 
 def _given(args, table: dict, name: str) -> bool:
@@ -355,9 +355,13 @@ def register(subparsers) -> None:
                    help="characters of text used to train it (default: 2000000)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint (default: "
                    "a new run)")
+    p.add_argument("--rope-scaling", dest="rope_scaling_spec", metavar="KIND[:FACTOR]",
+                   help="with --resume and a longer --context-length: extend the trained model and fine-tune it "
+                   "there, RoPE scaled by KIND (none, linear, ntk, dynamic, yarn) with FACTOR (when omitted: "
+                   "new length / old); weights and optimizer state carry over (default: none)")
     cli.add_progress_flag(p)
     _add_data_flags(p)
-    cli.add_config_flags(p, TrainConfig)
+    cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS)
     cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(),
                          description="Defaults shown are the tiny preset's (the model without --preset or a "
                          "[model] table); another preset sets its own, and a flag overrides either.")

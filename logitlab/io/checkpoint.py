@@ -104,11 +104,17 @@ def read_state(ckpt: str | os.PathLike) -> dict:
 
 
 def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint with the lowest validation loss (ties: the later one), or None."""
-    best, best_loss = None, float("inf")
-    for p in list_checkpoints(run_dir):
+    """The checkpoint with the lowest validation loss (ties: the later one), or None. Only
+    checkpoints of the latest one's model config compete: after a resume that extended the
+    context, losses measured at the old length do not compare with those at the new one."""
+    ckpts = list_checkpoints(run_dir)
+    best, best_loss, shape = None, float("inf"), None
+    for p in ckpts:
         loss = read_state(p).get("val_loss")
-        if loss is not None and loss <= best_loss:
+        if loss is None or loss > best_loss:
+            continue
+        shape = shape or read_model_config(ckpts[-1])
+        if read_model_config(p) == shape:
             best, best_loss = p, loss
     return best
 
@@ -310,6 +316,10 @@ def resolve_model_dir(path: str | os.PathLike, which: str = "latest") -> Path:
     if ckpt is None and which == "best":
         ckpt = latest_checkpoint(path)
     if ckpt is None:
+        if path.name.startswith("dcp-") or any(path.glob("dcp-*")):
+            raise FileNotFoundError(f"{path} holds sharded (dcp-*) checkpoints, written by a tensor or pipeline "
+                                    f"parallel run: turn one into a model directory first, `logitlab export "
+                                    f"{path} --out DIR`, and read DIR (generate --hf DIR)")
         raise FileNotFoundError(f"{path} holds no checkpoint (expected {CONFIG_FILE} or {CKPT_PREFIX}*/)")
     return ckpt
 

@@ -15,6 +15,7 @@ from logitlab.parallel.setup import (
     DistInfo,
     RankFailureError,
     all_reduce_mean,
+    any_rank,
     barrier,
     current_info,
     destroy,
@@ -36,9 +37,9 @@ from logitlab.parallel.wrap import (
 )
 
 __all__ = ["DEFAULT_TIMEOUT_S", "MESH_DIMS", "PARALLEL_MODES", "DistInfo", "ParallelPlan", "Parallelized",
-           "RankFailureError", "RankMemory", "all_reduce_mean", "barrier", "bubble_fraction", "clip_grad_norm",
-           "clip_grad_norm_nd", "current_info", "destroy", "fsdp_bf16_supported", "full_optimizer_state_dict",
-           "full_state_dict", "init_distributed", "is_main_process", "load_full_state_dict", "load_sharded",
-           "parallelize", "plan_all_stages", "plan_grad_accum", "plan_rank_memory", "rank_failure_guard",
-           "rank_slice", "read_model_state", "save_sharded", "shard_for_rank", "sync_gradients", "unwrap",
-           "wrap_model"]
+           "RankFailureError", "RankMemory", "all_reduce_mean", "any_rank", "barrier", "bubble_fraction",
+           "clip_grad_norm", "clip_grad_norm_nd", "current_info", "destroy", "fsdp_bf16_supported",
+           "full_optimizer_state_dict", "full_state_dict", "init_distributed", "is_main_process",
+           "load_full_state_dict", "load_sharded", "parallelize", "plan_all_stages", "plan_grad_accum",
+           "plan_rank_memory", "rank_failure_guard", "rank_slice", "read_model_state", "save_sharded",
+           "shard_for_rank", "sync_gradients", "unwrap", "wrap_model"]

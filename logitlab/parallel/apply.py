@@ -77,12 +77,19 @@ class Parallelized:
                     out.append(p)
         return out
 
-    def build_optimizer(self, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8):
-        """AdamW over this rank's parameters (ZeroRedundancyOptimizer for parallel='zero1')."""
+    def build_optimizer(self, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8,
+                        param_groups=None):
+        """AdamW over this rank's parameters (ZeroRedundancyOptimizer for parallel='zero1').
+        param_groups: holder -> AdamW groups (default: decay for matrices only), where holder is
+        the module this rank trains (its pipeline stages in one nn.ModuleList)."""
         stage = self.plan.parallel if self.info.distributed and self.plan.dp > 1 else "ddp"
-        holder = nn.ModuleList(self.modules) if len(self.modules) > 1 else self.modules[0]
-        return build_zero_optimizer(holder, stage, lr, weight_decay, betas, eps,
-                                    param_groups=_param_groups(holder, weight_decay))
+        holder = self.holder()
+        groups = param_groups(holder) if param_groups is not None else _param_groups(holder, weight_decay)
+        return build_zero_optimizer(holder, stage, lr, weight_decay, betas, eps, param_groups=groups)
+
+    def holder(self) -> nn.Module:
+        """The one module holding what this rank trains (its stages in an nn.ModuleList)."""
+        return nn.ModuleList(self.modules) if len(self.modules) > 1 else self.modules[0]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool = True,
                          scale: float = 1.0) -> torch.Tensor | None:

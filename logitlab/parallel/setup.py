@@ -205,6 +205,17 @@ def rank_failure_guard(info: DistInfo | None = None) -> Iterator[None]:
 # Means over ranks and rank 0
 # --------------------------------------------------------------------------------------------
 
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag OR'd over every rank (one all-reduce of len(flags) values; every rank must call
+    it): ranks that must stop together (a signal that reached some of them, a time limit that
+    some passed) agree on it before the next collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tuple(bool(f) for f in flags)
+    out = torch.tensor([float(bool(f)) for f in flags], dtype=torch.float64, device=current_info().device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return tuple(bool(v > 0) for v in out.tolist())
+
+
 def all_reduce_mean(value: torch.Tensor | float) -> torch.Tensor | float:
     """Mean over ranks of a tensor (a detached copy) or a Python float (a float, reduced in
     float64 on this rank's device). Every rank must call it. With equal per-rank batches, the

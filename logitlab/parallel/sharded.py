@@ -87,9 +87,10 @@ def _broadcast_path(path: Path | None) -> Path:
 
 
 def save_sharded(directory: str | os.PathLike, par, optimizer=None, *, step: int = 0,
-                 state: dict | None = None) -> Path:
+                 state: dict | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """Write a sharded checkpoint of `par` (a parallel.apply.Parallelized) and its optimizer to
-    `directory` (which must not exist). Collective: every rank calls it. -> the directory."""
+    `directory` (which must not exist). Collective: every rank calls it. `extra_files` (name ->
+    bytes, rank 0's) are written into the same directory before it appears. -> the directory."""
     import torch.distributed.checkpoint as dcp
 
     target = Path(directory)
@@ -110,6 +111,8 @@ def save_sharded(directory: str | os.PathLike, par, optimizer=None, *, step: int
                     "layout": dict(zip(("pp", "dp_replicate", "dp_shard", "tp"), par.plan.shape)),
                     "world_size": par.info.world_size, "has_optimizer": optimizer is not None,
                     "state": state or {}}
+            for name, data in (extra_files or {}).items():
+                files.atomic_write_bytes(tmp / name, data)
             files.atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
             for name in os.listdir(tmp):
                 with open(tmp / name, "rb") as fh:

@@ -1,11 +1,19 @@
 """The set-up of a training run, before its first step: the data and sampler, the model on its
 device, a resume (weights, step, sampler position, optimizer and generator states, so the run
 continues bit for bit) or a fresh seed, the wrapped model with AdamW and the step's loss, and
-the run directory's files. `Run` holds what the loop's parts share."""
+the run directory's files. `Run` holds what the loop's parts share.
+
+A resume may also extend the model's context: when the model given has a longer context_length
+and/or another rope_scaling than the checkpoint's config.json (nothing else may differ), the
+weights and optimizer state load unchanged, the sampler keeps its batch counter but draws
+windows of the new length, and a metrics record {"extended": ...} holds the change with the
+validation loss just before it (at the old length) and of the extended model before its first
+step (at the new one). run.json and every later checkpoint carry the extended config."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +27,7 @@ from logitlab.io import files
 from logitlab.train import runtime
 from logitlab.train.config import TrainConfig
 from logitlab.train.hooks import ParallelHooks
-from logitlab.train.loss import loss_fn
+from logitlab.train.loss import evaluate, loss_fn
 from logitlab.train.optim import build_adamw
 
 RUN_FILE = "run.json"
@@ -51,6 +59,8 @@ class Run:
     last_ckpt: Path | None = None
     tokenizer: object = None
     extra_state: dict | None = None
+    extension: dict | None = None      # a resume that extends the context: {field: [before, after]}
+    tokens_offset: int = 0             # tokens_seen - step * tokens_per_step (non-zero after an extension)
 
     @property
     def has_val(self) -> bool:
@@ -60,6 +70,11 @@ class Run:
     def tokens_per_step(self) -> int:
         """Tokens per optimizer step, summed over all ranks."""
         return self.config.batch_size * self.config.grad_accum * self.seq_len
+
+    @property
+    def tokens_seen(self) -> int:
+        """Training tokens up to this step, each step counted at its own shape."""
+        return self.tokens_offset + self.step * self.tokens_per_step
 
 
 def build_data(model, config: TrainConfig, run_dir: Path, par: ParallelHooks, device: torch.device,
@@ -87,12 +102,65 @@ def load_resume(run: Run, resume: bool) -> dict | None:
     latest = ckpt_io.latest_checkpoint(run.run_dir)
     if latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run.run_dir}")
+    run.extension = context_extension(ckpt_io.read_model_config(latest), run.model.config, latest)
     loaded = ckpt_io.load_checkpoint(latest, None if run.par.load_state else run.model)
     state = loaded["state"]
     run.step, run.best_val, run.metrics = state["step"], state.get("best_val_loss"), loaded["metrics"]
-    run.sampler.load_state_dict(state["sampler"])
+    if run.extension is None:
+        run.sampler.load_state_dict(state["sampler"])
+    elif run.step >= run.config.steps:
+        raise ValueError(f"{latest} is at step {run.step}: extending the model there needs steps beyond it "
+                         f"(steps is {run.config.steps})")
+    else:  # the same counter, windows of the new length (seed unchanged: the run's own data order)
+        if state["sampler"]["seed"] != run.sampler.seed:
+            raise ValueError(f"sampler state has seed={state['sampler']['seed']}, this run has {run.sampler.seed}")
+        run.sampler.index = int(state["sampler"]["index"])
+        run.extension["seq_len"] = [state["sampler"]["seq_len"], run.seq_len]
+        run.extension["batch_size"] = [state["sampler"]["batch_size"], run.config.batch_size]
+        run.best_val = None   # losses at the new length do not compare with those at the old one
+    run.tokens_offset = int(state.get("tokens_seen", run.step * run.tokens_per_step)) - run.step * run.tokens_per_step
     run.last_ckpt = latest
     return loaded
+
+
+EXTENDABLE = ("context_length", "rope_scaling")
+
+
+def context_extension(before, after, where) -> dict | None:
+    """{field: [before, after]} for the EXTENDABLE fields that differ between the checkpoint's
+    ModelConfig and the model's, or None when they are equal. Any other difference, or a
+    shorter context, is a ValueError naming it (`where` is the checkpoint)."""
+    b, a = before.to_dict(), after.to_dict()
+    if b == a:
+        return None
+    other = sorted(k for k in set(b) | set(a) if k not in EXTENDABLE and b.get(k) != a.get(k))
+    if other:
+        shown = "; ".join(f"{k}: {b.get(k)!r} -> {a.get(k)!r}" for k in other)
+        raise ValueError(f"{where}: the model differs from the checkpoint's in {shown}; a resume may change "
+                         f"only {' and '.join(EXTENDABLE)}")
+    if a["positions"] == "learned" and a["context_length"] != b["context_length"]:
+        raise ValueError(f"{where}: positions='learned' has a table of {b['context_length']} rows; its context "
+                         "cannot be extended on a resume")
+    if a["context_length"] < b["context_length"]:
+        raise ValueError(f"{where}: context_length {b['context_length']} -> {a['context_length']}: a resume "
+                         "may lengthen the context, not shorten it")
+    return {k: [b[k], a[k]] for k in EXTENDABLE if b[k] != a[k]}
+
+
+def record_extension(run: Run) -> None:
+    """The metrics record of a context extension (see the module docstring): the last validation
+    loss before it and the extended model's at the new length, before any step."""
+    if run.extension is None:
+        return
+    before = [m["val_loss"] for m in run.metrics if "val_loss" in m]
+    record = {"step": run.step, "extended": dict(run.extension),
+              "val_loss_before": before[-1] if before else None}
+    if run.has_val:
+        c, par = run.config, run.par
+        val = evaluate(run.wrapped, run.val_tokens, run.seq_len, c.batch_size // par.world_size, c.eval_tokens,
+                       run.device, run.amp_dtype, par.rank, par.world_size, par.all_reduce)
+        record.update(val_loss=val, val_ppl=math.exp(min(val, 700.0)))
+    run.metrics.append(record)
 
 
 def build_optimizer(run: Run) -> None:
@@ -138,6 +206,7 @@ def setup(model, config: TrainConfig, run_dir: Path, par: ParallelHooks, resume:
     loaded = load_resume(run, resume)
     build_optimizer(run)
     restore_optimizer(run, loaded)
+    record_extension(run)
     return run
 
 

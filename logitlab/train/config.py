@@ -63,9 +63,10 @@ class TrainConfig:
         "values up to summation order), native = bf16 kernels, auto = the faster of the two, measured "
         "(kernels.cpu_bf16)")
     keep_freed_memory: Literal["auto", "on", "off"] = _f(
-        "auto", "CPU: let malloc keep freed tensor memory for reuse rather than page-faulting it in again "
+        "off", "CPU: let malloc keep freed tensor memory for reuse rather than page-faulting it in again "
         "every step (glibc; process-wide and permanent, see kernels.allocator.keep_freed_memory); auto = "
-        "when compiling in fp32")
+        "when compiling in fp32. Off unless asked, since it changes the whole process; `logitlab train` "
+        "asks for auto")
     compile: bool = _f(False, "torch.compile the model")
     attention_kernel: Literal["sdpa", "triton"] = _f(
         "sdpa", "attention on the model's path (sdpa) or logitlab's Triton FlashAttention kernel (triton: "
@@ -113,8 +114,8 @@ class TrainConfig:
                             activation_checkpointing=self.activation_checkpointing, pp_schedule=self.pp_schedule)
 
     def needs_nd_loop(self) -> bool:
-        """Tensor or pipeline parallel, or ZeRO-1: layouts the main loop does not run
-        (train.parallel_run.train_parallel does)."""
+        """Tensor or pipeline parallel, or ZeRO-1: layouts with sharded checkpoints
+        (train.layouts.sharded_hooks runs them through the main loop)."""
         return self.tp > 1 or self.pp > 1 or self.parallel == "zero1"
 
     def _check_ranges(self) -> None:

@@ -12,10 +12,13 @@ Failure handling: a NaN/inf loss or gradient norm raises TrainingDiverged naming
 the optimizer applies it (the last good checkpoint stays); SIGINT/SIGTERM finish the current
 step, save a checkpoint and return. Progress display is the caller's: `callback(event, record)`.
 
-Several processes: ParallelHooks tells the loop this process's rank (its slice of each global
-batch and of the validation windows), how to wrap the model (DDP/FSDP, before the optimizer is
-built), average a float over ranks, clip sharded gradients, gather full model/optimizer states
-for saving and load them back. Only rank 0 writes files. The defaults are one plain process.
+Several processes: ParallelHooks tells the loop this process's data-parallel rank (its slice of
+each global batch and of the validation windows), how to wrap the model (DDP/FSDP, before the
+optimizer is built), average a float over ranks, clip sharded gradients, gather full
+model/optimizer states for saving and load them back. Only the main process writes files. N-D
+layouts (tensor and pipeline parallel, ZeRO-1: train.layouts.sharded_hooks) run through
+this same loop: their hooks also set the run up, run a micro-step's forward and backward,
+evaluate and write sharded checkpoints (RUN/dcp-STEP). The defaults are one plain process.
 
 Process-wide state: TrainConfig.keep_freed_memory calls kernels.allocator.keep_freed_memory,
 which changes the process's malloc for good (it cannot be undone). The CPU bf16 matmul route
@@ -45,7 +48,8 @@ from logitlab.model import accounting
 from logitlab.train import runtime
 from logitlab.train.build import RUN_FILE, Run, check_new_run_dir, setup, write_run_files
 from logitlab.train.config import TrainConfig
-from logitlab.train.hooks import ParallelHooks, _launched_distributed, parallel_hooks
+from logitlab.train.hooks import ParallelHooks
+from logitlab.train.layouts import parallel_hooks
 from logitlab.train.loss import IGNORE_INDEX, cross_entropy, cross_entropy_reference, evaluate, loss_fn
 from logitlab.train.metrics import MetricsSink
 from logitlab.train.metrics import tensorboard_writer as _tensorboard_writer
@@ -118,14 +122,14 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     schedule step, sampler position, RNG states, metrics) and the run continues exactly.
     `callback(event, record)` receives "start", "step", "eval", "checkpoint" and "end".
     `extra_state` (JSON) is stored in every checkpoint's state.json. `parallel` (ParallelHooks)
-    defaults to parallel_hooks(config) inside a torchrun job or an initialised process group, else
-    to one plain process. The writing process holds the run directory's lock (files.RunLock) for
-    the whole run, so a second training in the same directory is refused; lock=False when the
-    caller already holds it."""
+    defaults to layouts.parallel_hooks(config, run_dir, resume): the layout of a torchrun job or
+    an initialised process group, the N-D hooks for --tp / --pp / zero1 or a resume from a
+    sharded checkpoint, else one plain process. The writing process holds the run directory's
+    lock (files.RunLock) for the whole run, so a second training in the same directory is
+    refused; lock=False when the caller already holds it."""
     run_dir = Path(run_dir or config.out_dir)
     config = config.for_model(model)  # lr: the size's default unless set
-    par = parallel if parallel is not None else (
-        parallel_hooks(config) if _launched_distributed() else ParallelHooks())
+    par = parallel if parallel is not None else parallel_hooks(config, run_dir, resume)
     _check_inputs(model, config, tokenizer, par.world_size)  # every input error before anything is written
     with files.RunLock(run_dir) if (lock and par.main) else contextlib.nullcontext():
         return _train(model, config, run_dir, tokenizer, resume, callback or (lambda event, record: None),
@@ -136,6 +140,10 @@ def _check_inputs(model, config: TrainConfig, tokenizer, world_size: int) -> Non
     """Errors in the data, the model's fit to it, or the batch split: raised before any write."""
     if config.data_dir is None:
         raise ValueError("TrainConfig.data_dir is not set: prepare a corpus first (logitlab prepare)")
+    if model.config.attention != "causal":
+        raise ValueError(f"the training loop trains next-token prediction, which needs attention='causal' "
+                         f"(got {model.config.attention!r}: the model would read the token it predicts); "
+                         "train an encoder with the masked-LM objective, logitlab.train.loss.mlm_loss")
     manifest = data_io.read_manifest(config.data_dir)
     seq_len = config.seq_len or model.config.context_length
     if seq_len > model.config.context_length:
@@ -158,17 +166,14 @@ def train_step(run: Run) -> tuple[float, float, float]:
     clipped AdamW step on the schedule's learning rate. -> (loss, pre-clip gradient norm, lr)."""
     config, par = run.config, run.par
     lr = run.schedule.apply(run.optimizer, run.step)
-    loss_sum = 0.0
+    loss_sum, has_loss = 0.0, False
     for micro in range(config.grad_accum):
         x, y = run.sampler.next()
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-        last = micro == config.grad_accum - 1
-        with par.sync(run.wrapped, last) if par.sync is not None else contextlib.nullcontext():
-            with runtime.autocast(run.device, run.amp_dtype):
-                loss = run.compute_loss(x, y)
-            (loss / config.grad_accum).backward()
-        loss_sum += float(loss.detach())
-    step_loss = loss_sum / config.grad_accum
+        loss = _micro_step(run, x, y, micro == config.grad_accum - 1)
+        if loss is not None:   # None: a pipeline rank without the last stage
+            loss_sum, has_loss = loss_sum + float(loss), True
+    step_loss = loss_sum / config.grad_accum if has_loss else None
     if par.all_reduce is not None:
         step_loss = par.all_reduce(step_loss)
     if not math.isfinite(step_loss):
@@ -188,9 +193,25 @@ def train_step(run: Run) -> tuple[float, float, float]:
     return step_loss, grad_norm, lr
 
 
+def _micro_step(run: Run, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor | None:
+    """Forward and backward of one micro-batch x, y (b, T), the gradients scaled by 1 / grad_accum
+    and synchronised over ranks on the `last` micro-step only -> its mean loss (detached)."""
+    par, accum = run.par, run.config.grad_accum
+    if par.forward_backward is not None:   # N-D layouts: the layout's own step (a pipeline schedule)
+        with runtime.autocast(run.device, run.amp_dtype):
+            return par.forward_backward(run.wrapped, x, y, last, 1.0 / accum)
+    with par.sync(run.wrapped, last) if par.sync is not None else contextlib.nullcontext():
+        with runtime.autocast(run.device, run.amp_dtype):
+            loss = run.compute_loss(x, y)
+        (loss / accum).backward()
+    return loss.detach()
+
+
 def evaluate_run(run: Run) -> float:
     """The fixed validation pass over this rank's windows, averaged over ranks (draws no RNG)."""
     c, par = run.config, run.par
+    if par.evaluate is not None:
+        return par.evaluate(run)
     return evaluate(run.wrapped, run.val_tokens, run.seq_len, c.batch_size // par.world_size, c.eval_tokens,
                     run.device, run.amp_dtype, par.rank, par.world_size, par.all_reduce)
 
@@ -200,27 +221,39 @@ def save(run: Run, val_loss: float | None) -> Path | None:
     writes) -> its path on rank 0, None elsewhere. A full disk or non-finite weights name the
     last good checkpoint."""
     par = run.par
+    if par.save is not None:   # sharded: every rank writes its own shards
+        return _saving(run, lambda: par.save(run, _checkpoint_state(run, val_loss)))
     model_state = par.model_state(run.wrapped) if par.model_state is not None else None  # collective
     opt_state = par.optimizer_state(run.wrapped, run.optimizer) if par.optimizer_state is not None else None
     if not par.main:
         if par.barrier is not None:
             par.barrier()
         return None
-    state = {"sampler": run.sampler.state_dict(), "schedule": dataclasses.asdict(run.schedule),
-             "train_config": run.config.to_dict(), "val_loss": val_loss, "best_val_loss": run.best_val,
-             "tokens_seen": run.step * run.tokens_per_step, **(run.extra_state or {})}
+    path = _saving(run, lambda: ckpt_io.save_checkpoint(
+        run.run_dir, run.step, run.model, run.optimizer, state=_checkpoint_state(run, val_loss),
+        rng=runtime.capture_rng_state(), tokenizer=run.tokenizer, metrics=run.metrics,
+        keep_last=run.config.keep_last, model_state=model_state, optimizer_state=opt_state))
+    if par.barrier is not None:
+        par.barrier()
+    return path
+
+
+def _checkpoint_state(run: Run, val_loss: float | None) -> dict:
+    """What a checkpoint's state.json holds besides the step: the sampler position, schedule,
+    configs, validation losses and tokens seen (and the caller's extra state)."""
+    return {"sampler": run.sampler.state_dict(), "schedule": dataclasses.asdict(run.schedule),
+            "train_config": run.config.to_dict(), "val_loss": val_loss, "best_val_loss": run.best_val,
+            "tokens_seen": run.tokens_seen, **(run.extra_state or {})}
+
+
+def _saving(run: Run, write: Callable[[], Path | None]) -> Path | None:
+    """write(), with a full disk and non-finite weights naming the last good checkpoint."""
     try:
-        path = ckpt_io.save_checkpoint(run.run_dir, run.step, run.model, run.optimizer, state=state,
-                                       rng=runtime.capture_rng_state(), tokenizer=run.tokenizer,
-                                       metrics=run.metrics, keep_last=run.config.keep_last,
-                                       model_state=model_state, optimizer_state=opt_state)
+        return write()
     except files.DiskFullError as exc:
         raise files.DiskFullError(exc.errno, f"{exc.strerror}; {_last_good(run.last_ckpt)}") from exc
     except ckpt_io.NonFiniteError as exc:
         raise TrainingDiverged(f"{exc} at step {run.step}; {_last_good(run.last_ckpt)}") from exc
-    if par.barrier is not None:
-        par.barrier()
-    return path
 
 
 def _keeps_freed_memory(config: TrainConfig, device: torch.device, amp_dtype) -> bool:
@@ -254,7 +287,7 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
     -> (stopped, last loss, last validation loss)."""
     config = run.config
     fpt = flops_per_token(run.model, run.seq_len)
-    peak = accounting.matmul_peak_flops(run.device, run.amp_dtype) * run.par.world_size
+    peak = accounting.matmul_peak_flops(run.device, run.amp_dtype) * (run.par.devices or run.par.world_size)
     save_every = config.eval_every if config.save_every is None else config.save_every
     last_loss = val_loss = None
     started = time.perf_counter()
@@ -262,10 +295,13 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         t0 = time.perf_counter()
         last_loss, grad_norm, lr = train_step(run)
         step, dt, tps = run.step, time.perf_counter() - t0, run.tokens_per_step
-        record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": step * tps,
+        record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.tokens_seen,
                   "tokens_per_s": tps / dt, "mfu": fpt * tps / dt / peak, "time_s": dt}
         out_of_time = config.time_limit_s is not None and time.perf_counter() - started > config.time_limit_s
-        final = step == config.steps or stop.signum is not None or out_of_time
+        signalled = stop.signum is not None
+        if run.par.agree is not None:   # a signal or the time limit may reach the ranks at different steps
+            signalled, out_of_time = run.par.agree(signalled, out_of_time)
+        final = step == config.steps or signalled or out_of_time
         if run.has_val and ((config.eval_every and step % config.eval_every == 0) or final):
             val_loss = evaluate_run(run)
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
@@ -275,13 +311,15 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         if step % config.log_every == 0 or final or "val_loss" in record:
             sink.add(record)
         emit("step", record)
-        if final or stop.signum is not None or (save_every and step % save_every == 0):
+        if run.par.agree is None and stop.signum is not None:   # one process: a signal during this step's
+            signalled = True                                      # evaluation or callback stops it here too
+        if final or signalled or (save_every and step % save_every == 0):
             path = save(run, record.get("val_loss"))
             if path is not None:
                 emit("checkpoint", {"step": step, "path": str(path)})
                 run.last_ckpt = path
-        if stop.signum is not None or out_of_time:
-            return ("signal" if stop.signum is not None else "time"), last_loss, val_loss
+        if signalled or out_of_time:
+            return ("signal" if signalled else "time"), last_loss, val_loss
     return "done", last_loss, val_loss
 
 
@@ -293,14 +331,14 @@ def _train(model, config: TrainConfig, run_dir: Path, tokenizer, resume: bool, e
     route = writer = sink = None
     try:  # the bf16 route, the metrics file and the TensorBoard writer end however the run ends
         route = _install_bf16_route(model, config, device, amp_dtype)   # before wrapping
-        run = setup(model, config, run_dir, par, resume, device, amp_dtype, tokenizer, extra_state)
+        run = (par.setup or setup)(model, config, run_dir, par, resume, device, amp_dtype, tokenizer, extra_state)
         writer = _tensorboard_writer(run_dir) if (par.main and config.tensorboard) else None
         write_run_files(run)
         sink = MetricsSink(run_dir, run.metrics, par.main, writer)
         if _keeps_freed_memory(config, device, amp_dtype):
             allocator.keep_freed_memory()                          # process-wide, cannot be undone
         emit("start", {"step": run.step, "steps": config.steps, "tokens_per_step": run.tokens_per_step,
-                       "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir),
+                       "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir), "layout": par.layout,
                        "bf16_route": route.route if route is not None else None,
                        "bf16_route_timings_s": route.timings if route is not None else None})
         _evaluate_at_start(run, sink, emit)
