@@ -55,9 +55,10 @@ def train(scheme: str, tokens: torch.Tensor, T: int, steps: int) -> Transformer:
 
 
 def fit(model: Transformer, tokens: torch.Tensor, steps: int, batch: int = 16, lr: float = 3e-3,
-        sample=None) -> Transformer:
+        sample=None, tail: tuple[int, float] | None = None) -> Transformer:
     """`steps` AdamW steps (warm-up, cosine decay) on random windows of the model's context + 1,
-    or on the rows sample(generator, batch, T) -> (B, T + 1) returns."""
+    or on the rows sample(generator, batch, T) -> (B, T + 1) returns. tail=(k, w): the last k
+    targets of each row weigh w times the others in the mean loss (an answer at the end)."""
     T = model.config.context_length
     sample = sample or (lambda g, B, T: windows(tokens, g, B, T))
     model.train()
@@ -68,7 +69,11 @@ def fit(model: Transformer, tokens: torch.Tensor, steps: int, batch: int = 16, l
             warm = min(1.0, (step + 1) / 30)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         rows = sample(g, batch, T)                                                # (B, T + 1)
-        loss = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+        nll = F.cross_entropy(model(rows[:, :-1]).transpose(1, 2), rows[:, 1:], reduction="none")  # (B, T)
+        weights = torch.ones_like(nll)
+        if tail is not None:
+            weights[:, -tail[0]:] = tail[1]
+        loss = (nll * weights).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,19 +1,23 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023), generated locally: a five-digit key hidden at a
 chosen depth of filler text, then asked for. Accuracy by evaluation length x depth.
 
-Each example is bytes of held-out tinyshakespeare as the haystack, with the needle
+The haystack is, by default, the paper's own filler: the same few sentences repeated ("The grass
+is green. The sky is blue. ..."), so once a model has learned the filler, the key's digits are the
+only bytes it cannot predict, and copying them is what the loss rewards (--filler text takes real
+tinyshakespeare bytes instead, which a model this small never learned to search through). The
+needle is
 " pass key 48213." inserted at `depth` (0 = the start, 1 = just before the question) and the
 question " pass key? " then the answer "48213" at the end, the whole of exactly L bytes. An
 example counts as retrieved when the model's argmax predicts all five digits (teacher-forced,
 which is what greedy decoding would write when every digit is right).
 
 The tiny models of bench.extrapolation (same shape) are trained at T = --train-len on the same
-kind of examples (haystacks from the training bytes, random keys and depths), so retrieval is a
-learned skill at T, and the question is whether it survives longer haystacks; RoPE is also
-evaluated with YaRN scaling (factor L / T) at inference. CPU-sized; one seed.
+kind of examples (random keys, depths and filler phases), so retrieval is a learned skill at T,
+and the question is whether it survives longer haystacks; RoPE is also evaluated with YaRN
+scaling (factor L / T) at inference. CPU-sized; one seed.
 
     python3 -m bench.passkey [--quick] [--steps 600] [--train-len 64] [--lengths 64,128,256,512]
-        [--schemes rope,alibi,none] [--threads 2]
+        [--schemes rope,alibi,none] [--filler repeated|text] [--plot PNG] [--threads 2]
 
 Results: bench/results/passkey.json and markdown tables on stdout (length rows, depth columns;
 each cell: keys retrieved / single digits right, chance 0.1 for a digit).
@@ -29,8 +33,18 @@ from bench.common import machine_info, markdown_table, publish
 from bench.extrapolation import DATA, SHAPE, at_length, fit, load_bytes
 from logitlab.model import ModelConfig, Transformer
 
-NEEDLE, QUESTION, DIGITS = b" pass key %s.", b" pass key? ", 5
+# The byte just before the digits ("#") is the same in the needle and the question and occurs
+# nowhere else, so the key can be found by matching one byte and copying what follows it (an
+# induction head). With the question " pass key? " (an earlier version) the byte before the answer
+# was a space, as in hundreds of places of the filler, and no model here learned to retrieve.
+NEEDLE, QUESTION, DIGITS = b" pass key #%s.", b" pass key? #", 5
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+FILLER = b" The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+def repeated_filler(n_bytes: int = 1 << 16) -> torch.Tensor:
+    """FILLER repeated to n_bytes (long ids); examples start at random phases of it."""
+    return torch.tensor(list((FILLER * (n_bytes // len(FILLER) + 1))[:n_bytes]), dtype=torch.long)
 
 
 def example(haystack: torch.Tensor, L: int, depth: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,15 +84,18 @@ def accuracy(model: Transformer, haystack: torch.Tensor, L: int, depth: float, n
 
 
 def run(steps: int, T: int, lengths: list[int], schemes=("rope", "alibi", "none"), n: int = 20,
-        data=DATA) -> dict:
-    tokens = load_bytes(data)
-    split = int(0.9 * len(tokens))
-    train_tokens, held_out = tokens[:split], tokens[split:]
+        data=DATA, filler: str = "repeated", answer_weight: float = 10.0) -> dict:
+    if filler == "repeated":
+        train_tokens = held_out = repeated_filler()
+    else:
+        tokens = load_bytes(data)
+        split = int(0.9 * len(tokens))
+        train_tokens, held_out = tokens[:split], tokens[split:]
     rows = []
     for scheme in schemes:
         torch.manual_seed(0)
         model = fit(Transformer(ModelConfig(**SHAPE, context_length=T, positions=scheme)), train_tokens, steps,
-                    sample=sampler(train_tokens))
+                    sample=sampler(train_tokens), tail=(DIGITS, answer_weight))
         for scaling in (("none", "yarn") if scheme == "rope" else ("none",)):
             grid = {}
             for L in lengths:
@@ -87,7 +104,35 @@ def run(steps: int, T: int, lengths: list[int], schemes=("rope", "alibi", "none"
                                                      for d in DEPTHS]
             rows.append({"positions": scheme, "scaling": scaling, "accuracy": grid})
     return {"train_len": T, "steps": steps, "lengths": lengths, "depths": list(DEPTHS), "examples": n,
-            "shape": SHAPE, "rows": rows, "machine": machine_info()}
+            "filler": filler, "answer_weight": answer_weight, "shape": SHAPE, "rows": rows, "machine": machine_info()}
+
+
+def heat_map(result: dict, png) -> None:
+    """One panel per (positions, scaling): keys retrieved by length (rows) x depth (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.8 * len(rows), 3.4), squeeze=False)
+    fig.subplots_adjust(wspace=0.35)
+    for ax, r in zip(axes[0], rows):
+        grid = [[float("nan")] * len(result["depths"]) if acc is None else [a for a, _ in acc]
+                for acc in r["accuracy"].values()]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(result["depths"])), [f"{d:g}" for d in result["depths"]])
+        ax.set_yticks(range(len(grid)), [f"{L}{'*' if L == result['train_len'] else ''}" for L in r["accuracy"]])
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                ax.text(j, i, "-" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                        color="black" if v > 0.6 else "white")
+        ax.set_title(f"{r['positions']}, {r['scaling']}", fontsize=9)
+        ax.set_xlabel("depth")
+    axes[0][0].set_ylabel("length (* = training)")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="keys retrieved")
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    plt.close(fig)
 
 
 def render(result: dict) -> str:
@@ -109,6 +154,11 @@ def main(argv=None) -> None:
     parser.add_argument("--train-len", type=int, default=64)
     parser.add_argument("--lengths", default=None)
     parser.add_argument("--schemes", default="rope,alibi,none")
+    parser.add_argument("--filler", choices=("repeated", "text"), default="repeated",
+                        help="haystack: the repeated filler sentences (default) or tinyshakespeare bytes")
+    parser.add_argument("--plot", help="also write a heat map PNG here")
+    parser.add_argument("--answer-weight", type=float, default=10.0,
+                        help="the answer digits' weight in the training loss (1 = plain language modelling)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-doc", action="store_true", help="accepted for `python3 -m bench`; nothing to update")
     args = parser.parse_args(argv)
@@ -118,8 +168,10 @@ def main(argv=None) -> None:
     if args.quick:
         lengths = [L for L in lengths if L <= 2 * T]
     result = run(40 if args.quick else args.steps, T, lengths, tuple(args.schemes.split(",")),
-                 n=5 if args.quick else 20)
+                 n=5 if args.quick else 20, filler=args.filler, answer_weight=args.answer_weight)
     print(render(result))
+    if args.plot:
+        heat_map(result, args.plot)
     publish("passkey", "Passkey retrieval", result, render, quick=args.quick, doc=False)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 
 import pytest
@@ -330,13 +331,35 @@ def test_passkey_examples_hide_the_key_at_the_depth_and_score_it(tmp_path):
     ids, key = passkey.example(hay, 64, 0.0, g)
     text = bytes(ids.tolist())
     digits = bytes(key.tolist())
-    assert len(ids) == 64 and text.startswith(b" pass key " + digits + b".") and text.endswith(b"? " + digits)
+    assert len(ids) == 64 and text.startswith(b" pass key #" + digits + b".") and text.endswith(b"? #" + digits)
     deep = bytes(passkey.example(hay, 64, 1.0, g)[0].tolist())
-    assert deep.index(b" pass key ") == 64 - 16 - 16                        # just before the question
-    with pytest.raises(ValueError, match="at least 32 bytes"):
+    assert deep.index(b" pass key #") == 64 - 17 - 17                       # just before the question
+    assert deep.count(b"#") == 2                                            # the marker: needle and question only
+    with pytest.raises(ValueError, match="at least 34 bytes"):
         passkey.example(hay, 20, 0.5, g)
-    result = passkey.run(steps=2, T=32, lengths=[32, 64], schemes=("rope",), n=2, data=tmp_path / "absent")
+    filler = bytes(passkey.repeated_filler(300).tolist())
+    assert filler.startswith(passkey.FILLER) and len(filler) == 300 and b"#" not in filler
+    result = passkey.run(steps=2, T=40, lengths=[40, 80], schemes=("rope",), n=2)
+    assert result["filler"] == "repeated"
     assert [(r["positions"], r["scaling"]) for r in result["rows"]] == [("rope", "none"), ("rope", "yarn")]
     assert all(0 <= whole <= digit <= 1 for r in result["rows"] for acc in r["accuracy"].values()
                for whole, digit in acc)
     assert "length \\ depth" in passkey.render(result)
+    passkey.heat_map(result, tmp_path / "pk.png")
+    assert (tmp_path / "pk.png").read_bytes()[:4] == b"\x89PNG"
+    text_result = passkey.run(steps=1, T=40, lengths=[40], schemes=("alibi",), n=1, data=tmp_path / "absent",
+                              filler="text")
+    assert text_result["filler"] == "text" and len(text_result["rows"]) == 1
+
+
+@pytest.mark.slow
+def test_long_context_demo_quick_runs_every_step(tmp_path, capsys):
+    from bench import long_context_demo
+
+    long_context_demo.main(["--quick", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| rope | yarn |" in out and "| learned | none | " in out and "| rope-ft-yarn | none |" in out
+    for name in ("rope", "schemes", "finetune", "curves"):
+        assert (tmp_path / f"long-context-{name}.png").read_bytes()[:4] == b"\x89PNG"
+    run = json.loads((tmp_path / "rope-ft-yarn" / "run.json").read_text())
+    assert run["model"]["context_length"] == 1024 and run["model"]["rope_scaling"]["rope_type"] == "yarn"
