@@ -214,14 +214,15 @@ def test_config_checks_name_the_field():
 # Hugging Face parity
 # --------------------------------------------------------------------------------------------
 
-def _hf_qwen3_5(types, tied, seed=0):
+def _hf_qwen3_5(types, tied, seed=0, rope=None):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
+    extra = {} if rope is None else {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, **rope}}
     cfg = Qwen3_5TextConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=len(types),
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
-                            max_position_embeddings=128, tie_word_embeddings=tied, layer_types=list(types))
+                            max_position_embeddings=128, tie_word_embeddings=tied, layer_types=list(types), **extra)
     model = Qwen3_5ForCausalLM(cfg).eval()
     with torch.no_grad():                                           # norms and decays away from their init
         for _, p in model.named_parameters():
@@ -252,6 +253,31 @@ def test_qwen3_5_loads_with_exact_logits_and_greedy_tokens(tmp_path, types, tied
     assert generate(ours, prompt[0].tolist(), SampleConfig(max_new_tokens=12, temperature=0)).tokens[0] == want
     save_pretrained(ours, tmp_path / "out")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, theirs(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 2.0},
+])
+def test_qwen3_5_rope_scaling_maps_both_ways_with_exact_logits(tmp_path, rope):
+    """Qwen3.5's nested rope_parameters with a scaling (and its partial rotary factor): the same
+    logits as transformers past the original length, and an export that transformers reads back."""
+    from transformers import AutoModelForCausalLM
+
+    from logitlab.io.hf import load_pretrained, save_pretrained
+
+    theirs = _hf_qwen3_5(("linear_attention", "full_attention"), True, rope=rope)
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf").eval()
+    assert ours.config.rope_scaling.rope_type == rope["rope_type"] and ours.config.partial_rotary_factor == 0.25
+    ids = torch.randint(0, 120, (1, 100))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=1e-5, rtol=1e-5)
+    save_pretrained(ours, tmp_path / "out")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.config.rope_parameters["rope_type"] == rope["rope_type"]
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, theirs(ids).logits, atol=1e-5, rtol=1e-5)
 

@@ -266,18 +266,18 @@ def _qwen3_5_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
     if not hf.get("attn_output_gate", True):
         _refuse(arch, "attn_output_gate", False)
     params = hf.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
-        _refuse(arch, "rope_parameters.rope_type", params["rope_type"])
+    theta, scaling = _rope_from_hf(arch, hf, source)      # any rope_type, as for Llama and Qwen3
     n = _need(hf, "num_hidden_layers", source)
     every = hf.get("full_attention_interval", 4)
     types = tuple(hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                             for i in range(n)])
     return _build(
-        source, vocab_size=_need(hf, "vocab_size", source), context_length=_need(hf, "max_position_embeddings", source),
+        source, vocab_size=_need(hf, "vocab_size", source),
+        context_length=_rope_context(_need(hf, "max_position_embeddings", source), scaling), rope_scaling=scaling,
         d_model=_need(hf, "hidden_size", source), n_layers=n, n_heads=_need(hf, "num_attention_heads", source),
         n_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim", 256),
         d_ff=_need(hf, "intermediate_size", source), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        mlp="swiglu", positions="rope", rope_theta=params.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        mlp="swiglu", positions="rope", rope_theta=theta,
         partial_rotary_factor=params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)),
         qk_norm=True, norm_zero_centered=True, attn_gate="elementwise", bias=False, qkv_bias=False,
         tie_embeddings=hf.get("tie_word_embeddings", False), layer_types=types,
@@ -286,18 +286,26 @@ def _qwen3_5_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
         linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4))
 
 
+def _qwen3_5_rope(c: ModelConfig) -> dict:
+    """Qwen3.5's nested rope_parameters, plus max_position_embeddings under dynamic NTK: the theta,
+    the partial rotary factor and the scaling's own keys (as _rope_to_hf writes them) in one dict."""
+    rope = _rope_to_hf(c)
+    params = {"rope_type": "default", **(rope["rope_scaling"] or {}), "rope_theta": rope["rope_theta"],
+              "partial_rotary_factor": c.partial_rotary_factor}
+    return {"rope_parameters": params, **({"max_position_embeddings": rope["max_position_embeddings"]}
+                                          if "max_position_embeddings" in rope else {})}
+
+
 def _qwen3_5_to_hf(c: ModelConfig, dtype: str) -> dict:
     return dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=c.vocab_size,
                 max_position_embeddings=c.context_length, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
                 num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
                 intermediate_size=c.d_ff, hidden_act="silu", rms_norm_eps=c.norm_eps,
-                rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta,
-                                     partial_rotary_factor=c.partial_rotary_factor),
                 tie_word_embeddings=c.tie_embeddings, attention_bias=False, attention_dropout=0.0,
                 layer_types=list(c.layer_kinds), linear_conv_kernel_dim=c.linear_conv_kernel,
                 linear_key_head_dim=c.linear_k_head_dim, linear_value_head_dim=c.linear_v_head_dim,
                 linear_num_key_heads=c.linear_n_k_heads, linear_num_value_heads=c.linear_n_v_heads,
-                initializer_range=c.init_std, torch_dtype=dtype)
+                initializer_range=c.init_std, torch_dtype=dtype, **_qwen3_5_rope(c))
 
 
 def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict:

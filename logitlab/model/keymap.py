@@ -64,7 +64,7 @@ def _qwen3_5(c: ModelConfig, bad) -> str:
     DeltaNet and full attention layers, no biases."""
     arch = "Qwen3_5ForCausalLM"
     need = dict(norm_zero_centered=True, qk_norm=True, attn_gate="elementwise", bias=False, qkv_bias=False,
-                positions="rope", norm="rmsnorm", mlp="swiglu", rope_scaling=None)
+                positions="rope", norm="rmsnorm", mlp="swiglu")
     for field, value in need.items():
         if getattr(c, field) != value:
             bad(field, getattr(c, field), arch)
