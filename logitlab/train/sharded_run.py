@@ -1,6 +1,6 @@
 """The main loop (loop.py) on an N-D layout (logitlab.parallel: tensor/sequence and pipeline
 parallelism, the ZeRO stages, hybrid meshes) with sharded checkpoints: what differs from one
-process, handed to the loop through ParallelHooks by parallel_run.sharded_hooks.
+process, handed to the loop through ParallelHooks by layouts.sharded_hooks.
 
 NDLayout owns this rank's Parallelized model and does the five things the loop leaves to it:
 set the run up (build.build_data's sampler and validation tokens, a seed or a resume, the
