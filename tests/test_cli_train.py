@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _dist
 import pytest
 import torch
 
@@ -140,27 +141,20 @@ def test_train_on_jsonl_trains_the_tokenizer_on_the_text_field(tmp_path):
     assert manifest["documents"] == 200 and manifest["splits"]["val"]["documents"] == 40
 
 
+def _losses(run: Path) -> list[float]:
+    """The training losses of a run's metrics.jsonl (the step-0 record holds only val_loss)."""
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
 def test_torchrun_two_ranks_match_one_process(tmp_path):
     """`torchrun -m logitlab train` with 2 CPU ranks (gloo, FSDP2) gives the loss sequence of one
     process with the same global batch."""
-    import os
-    import subprocess
-    import sys
-
     (tmp_path / "code.txt").write_text(TEXT)
     common = _train_args(tmp_path, "--steps", "3", "--precision", "fp32", "--eval-every", "0")
     assert cli.main(common + ["--out-dir", str(tmp_path / "one")]) == 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "logitlab", *common, "--parallel", "fsdp", "--out-dir", str(tmp_path / "two")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    def losses(run):
-        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in records if "loss" in r]  # (the step-0 record holds only val_loss)
-
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    _dist.torchrun(2, "-m", "logitlab", *common, "--parallel", "fsdp", "--out-dir", str(tmp_path / "two"))
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-5)
     assert latest_checkpoint(tmp_path / "two").name == "ckpt-000003"
 
 
@@ -168,28 +162,15 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
 def test_torchrun_tensor_parallel_matches_one_process_and_exports(tmp_path):
     """`logitlab train --tp 2` on 2 CPU ranks: the losses of one process, sharded checkpoints, and
     `logitlab export` of the sharded checkpoint loads with the same weights."""
-    import os
-    import subprocess
-    import sys
-
     from logitlab.io.hf import load_pretrained
 
     (tmp_path / "code.txt").write_text(TEXT)
     common = _train_args(tmp_path, "--steps", "3", "--precision", "fp32", "--eval-every", "0", "--n-kv-heads", "2",
                          "--vocab-pad-multiple", "1")
     assert cli.main(common + ["--out-dir", str(tmp_path / "one")]) == 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "logitlab", *common, "--tp", "2", "--out-dir", str(tmp_path / "tp")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    def losses(run):
-        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in records if "loss" in r]
-
-    tp = losses(tmp_path / "tp")                     # the main loop, its data order, over a TP mesh
-    assert tp == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    _dist.torchrun(2, "-m", "logitlab", *common, "--tp", "2", "--out-dir", str(tmp_path / "tp"))
+    tp = _losses(tmp_path / "tp")                    # the main loop, its data order, over a TP mesh
+    assert tp == pytest.approx(_losses(tmp_path / "one"), abs=1e-5)
     ckpt = sorted((tmp_path / "tp").glob("dcp-*"))[-1]     # sharded checkpoints (train.sharded_run)
     assert cli.main(["export", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
     exported = load_pretrained(tmp_path / "hf")

@@ -113,17 +113,9 @@ def test_linear_layers_have_no_pattern_and_sink_shares_reads_the_same_weights():
 
 @pytest.fixture
 def checkpoint_dir(tmp_path):
-    from logitlab.io import checkpoint
-    from tests.test_generate import small_tokenizer
+    from tests.test_introspect import _checkpoint
 
-    tok = small_tokenizer()
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2,
-                                    n_heads=4))
-    d = tmp_path / "m"
-    checkpoint.save_model(model, d)
-    tok.save(d / checkpoint.TOKENIZER_FILE)
-    return d, tok
+    return _checkpoint(tmp_path)
 
 
 def test_cli_attention_patterns_json_and_grid(checkpoint_dir, capsys):
