@@ -76,6 +76,12 @@ class Run:
         """Training tokens up to this step, each step counted at its own shape."""
         return self.tokens_offset + self.step * self.tokens_per_step
 
+    def count_tokens_from(self, state: dict) -> None:
+        """Continue a checkpoint's token count (its state's tokens_seen at self.step) at this
+        run's tokens per step, which an extension may have changed."""
+        seen = int(state.get("tokens_seen", self.step * self.tokens_per_step))
+        self.tokens_offset = seen - self.step * self.tokens_per_step
+
 
 def build_data(model, config: TrainConfig, run_dir: Path, par: ParallelHooks, device: torch.device,
                amp_dtype) -> Run:
@@ -118,7 +124,7 @@ def load_resume(run: Run, resume: bool) -> dict | None:
         run.extension["seq_len"] = [state["sampler"]["seq_len"], run.seq_len]
         run.extension["batch_size"] = [state["sampler"]["batch_size"], run.config.batch_size]
         run.best_val = None   # losses at the new length do not compare with those at the old one
-    run.tokens_offset = int(state.get("tokens_seen", run.step * run.tokens_per_step)) - run.step * run.tokens_per_step
+    run.count_tokens_from(state)
     run.last_ckpt = latest
     return loaded
 

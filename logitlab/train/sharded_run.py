@@ -179,8 +179,7 @@ class NDLayout:
                              "context (--context-length, --rope-scaling) is available for runs with gathered "
                              "ckpt-STEP checkpoints, not yet for sharded dcp-STEP ones")
         run.sampler.load_state_dict(state["sampler"])
-        seen = int(state.get("tokens_seen", run.step * run.tokens_per_step))
-        run.tokens_offset = seen - run.step * run.tokens_per_step
+        run.count_tokens_from(state)
         run.last_ckpt = latest
         return loaded
 
