@@ -371,18 +371,59 @@ def test_keep_freed_memory_leaves_the_users_own_malloc_settings(monkeypatch):
         monkeypatch.delenv(name)
 
 
-def test_train_keeps_freed_memory_when_compiling_or_told_to(corpus, tmp_path, monkeypatch):
+def test_fault_watch_keeps_freed_memory_where_page_faults_cost(monkeypatch):
+    from logitlab.kernels import allocator
+
+    def watch(system_per_step, threshold=0.05):
+        clock = {"user": 0.0, "system": 0.0}
+
+        def times():   # each read is one more step's CPU time: 1 s user + system_per_step
+            clock["user"] += 1.0
+            clock["system"] += system_per_step
+            return clock["user"], clock["system"]
+        monkeypatch.setattr(allocator.FaultWatch, "_times", staticmethod(times))
+        applied = []
+        w = allocator.FaultWatch(skip=1, measure=2, threshold=threshold, apply=lambda: applied.append(1) or True)
+        return w, applied
+
+    w, applied = watch(0.25)                      # 1 s user + 0.25 s system per read: share 0.2
+    assert [w.after_step() for _ in range(2)] == [None, None] and applied == []
+    assert w.after_step() == {"keep_freed_memory": True, "system_time_share": 0.2} and applied == [1]
+    assert w.after_step() is None and applied == [1]          # decided once
+    w, applied = watch(0.01)                      # share ~0.01: below the threshold, nothing applied
+    decisions = [w.after_step() for _ in range(3)]
+    assert decisions[-1] == {"keep_freed_memory": False, "system_time_share": 0.0099} and applied == []
+    with pytest.raises(ValueError, match="measure=0"):
+        allocator.FaultWatch(measure=0)
+
+
+def test_train_keeps_freed_memory_when_measured_or_told_to(corpus, tmp_path, monkeypatch):
     import logitlab.kernels.allocator as allocator_mod
 
     calls = []
     monkeypatch.setattr(allocator_mod, "keep_freed_memory", lambda: calls.append(1) or True)
-    for k, (keep, compiled, precision, expected) in enumerate(
-            [("auto", False, "fp32", 0), ("auto", True, "fp32", 1), ("auto", True, "bf16", 0),
-             ("on", False, "fp32", 1), ("on", True, "bf16", 1), ("off", True, "fp32", 0)]):
+    share = {"system": 0.5}   # system seconds per user second the watched steps report
+
+    def times():
+        times.user = getattr(times, "user", 0.0) + 1.0
+        return times.user, times.user * share["system"]
+    monkeypatch.setattr(allocator_mod.FaultWatch, "_times", staticmethod(times))
+    for k, (keep, compiled, precision, system, expected) in enumerate(
+            [("auto", False, "fp32", 0.5, 0), ("auto", True, "fp32", 0.5, 1), ("auto", True, "fp32", 0.0, 0),
+             ("auto", True, "bf16", 0.5, 0), ("on", False, "fp32", 0.0, 1), ("on", True, "bf16", 0.0, 1),
+             ("off", True, "fp32", 0.5, 0)]):
         calls.clear()
-        train(tiny_model(), _cfg(corpus, tmp_path / f"k{k}", steps=1, warmup_steps=0, eval_every=0,
+        share["system"] = system
+        run_dir = tmp_path / f"k{k}"
+        train(tiny_model(), _cfg(corpus, run_dir, steps=3, warmup_steps=0, eval_every=0, log_every=100,
                                  keep_freed_memory=keep, compile=compiled, precision=precision))
-        assert len(calls) == expected, (keep, compiled, precision)
+        assert len(calls) == expected, (keep, compiled, precision, system)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        measured = [r for r in records if "keep_freed_memory" in r]
+        if keep == "auto" and compiled and precision == "fp32":   # the decision is in the metrics, at step 3
+            assert [(r["step"], r["keep_freed_memory"]) for r in measured] == [(3, bool(expected))]
+        else:
+            assert measured == []
     with pytest.raises(ValueError, match="keep_freed_memory must be 'auto', 'on' or 'off', got True"):
         TrainConfig(keep_freed_memory=True)
 

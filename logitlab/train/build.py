@@ -61,6 +61,7 @@ class Run:
     extra_state: dict | None = None
     extension: dict | None = None      # a resume that extends the context: {field: [before, after]}
     tokens_offset: int = 0             # tokens_seen - step * tokens_per_step (non-zero after an extension)
+    fault_watch: object = None         # keep_freed_memory "auto": the allocator.FaultWatch deciding it
 
     @property
     def has_val(self) -> bool:

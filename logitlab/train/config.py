@@ -65,8 +65,9 @@ class TrainConfig:
     keep_freed_memory: Literal["auto", "on", "off"] = _f(
         "off", "CPU: let malloc keep freed tensor memory for reuse rather than page-faulting it in again "
         "every step (glibc; process-wide and permanent, see kernels.allocator.keep_freed_memory); auto = "
-        "when compiling in fp32. Off unless asked, since it changes the whole process; `logitlab train` "
-        "asks for auto")
+        "measured, for compiled fp32 steps: applied after step 3 when the kernel's share of steps 2-3's CPU "
+        "time (page faults) is 0.05 or more (kernels.allocator.FaultWatch; the decision goes into metrics.jsonl). "
+        "Off unless asked, since it changes the whole process; `logitlab train` asks for auto")
     compile: bool = _f(False, "torch.compile the model")
     attention_kernel: Literal["sdpa", "triton"] = _f(
         "sdpa", "attention on the model's path (sdpa) or logitlab's Triton FlashAttention kernel (triton: "

@@ -256,13 +256,16 @@ def _saving(run: Run, write: Callable[[], Path | None]) -> Path | None:
         raise TrainingDiverged(f"{exc} at step {run.step}; {_last_good(run.last_ckpt)}") from exc
 
 
-def _keeps_freed_memory(config: TrainConfig, device: torch.device, amp_dtype) -> bool:
-    """auto: compiled float32 steps only (a compiled fp32 step reuses a few planned buffers, so
+def _freed_memory_policy(config: TrainConfig, device: torch.device, amp_dtype) -> str:
+    """"keep" (now), "watch" (allocator.FaultWatch decides after the first steps) or "leave".
+    auto watches compiled float32 steps only: a compiled fp32 step reuses a few planned buffers, so
     keeping freed memory costs it little peak; under bf16 autocast the casts of every size
-    fragment the kept heap)."""
-    keep = config.keep_freed_memory == "on" or (
-        config.keep_freed_memory == "auto" and config.compile and amp_dtype is None)
-    return device.type == "cpu" and keep
+    fragment the kept heap (docs/benchmarks.md)."""
+    if device.type != "cpu" or config.keep_freed_memory == "off":
+        return "leave"
+    if config.keep_freed_memory == "on":
+        return "keep"
+    return "watch" if config.compile and amp_dtype is None else "leave"
 
 
 def _install_bf16_route(model, config: TrainConfig, device: torch.device, amp_dtype) -> cpu_bf16.Installed | None:
@@ -297,6 +300,10 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         step, dt, tps = run.step, time.perf_counter() - t0, run.tokens_per_step
         record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.tokens_seen,
                   "tokens_per_s": tps / dt, "mfu": fpt * tps / dt / peak, "time_s": dt}
+        decided = run.fault_watch.after_step() if run.fault_watch is not None else None
+        if decided is not None:                # keep_freed_memory "auto", measured (allocator.FaultWatch)
+            record.update(decided)
+            emit("allocator", decided)
         out_of_time = config.time_limit_s is not None and time.perf_counter() - started > config.time_limit_s
         signalled = stop.signum is not None
         if run.par.agree is not None:   # a signal or the time limit may reach the ranks at different steps
@@ -308,7 +315,7 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
             if run.best_val is None or val_loss < run.best_val:
                 run.best_val = val_loss
             emit("eval", record)
-        if step % config.log_every == 0 or final or "val_loss" in record:
+        if step % config.log_every == 0 or final or "val_loss" in record or decided is not None:
             sink.add(record)
         emit("step", record)
         if run.par.agree is None and stop.signum is not None:   # one process: a signal during this step's
@@ -335,8 +342,10 @@ def _train(model, config: TrainConfig, run_dir: Path, tokenizer, resume: bool, e
         writer = _tensorboard_writer(run_dir) if (par.main and config.tensorboard) else None
         write_run_files(run)
         sink = MetricsSink(run_dir, run.metrics, par.main, writer)
-        if _keeps_freed_memory(config, device, amp_dtype):
+        policy = _freed_memory_policy(config, device, amp_dtype)
+        if policy == "keep":
             allocator.keep_freed_memory()                          # process-wide, cannot be undone
+        run.fault_watch = allocator.FaultWatch() if policy == "watch" else None
         emit("start", {"step": run.step, "steps": config.steps, "tokens_per_step": run.tokens_per_step,
                        "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir), "layout": par.layout,
                        "bf16_route": route.route if route is not None else None,
