@@ -393,6 +393,30 @@ def test_compiled_decode_step_gives_the_same_tokens(model):
     assert generate(model, PROMPTS, cfg, step=compiled(model)).tokens == generate(model, PROMPTS, cfg).tokens
 
 
+def test_decode_compile_options_autotune_bf16_and_keep_float32_on_the_packed_gemm(model):
+    """CPU decode steps always freeze and prepack; max-autotune only where it was measured to pay
+    (bf16 weights) unless asked; a different choice is a different compiled step."""
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels.decode import _compile_options, compiled_decode_step
+
+    fp32 = Transformer(model.config).eval()
+    bf16 = Transformer(model.config).eval().to(torch.bfloat16)
+    assert _compile_options(fp32)["freezing"] and _compile_options(fp32)["cpp_wrapper"]
+    assert "max_autotune" not in _compile_options(fp32)
+    assert _compile_options(bf16)["max_autotune"] and _compile_options(fp32, autotune=True)["max_autotune"]
+    assert "max_autotune" not in _compile_options(bf16, autotune=False)
+    assert compiled_decode_step(fp32, step=decode_step) is compiled_decode_step(fp32, step=decode_step)
+    plain = compiled_decode_step(fp32, step=decode_step)
+    assert compiled_decode_step(fp32, step=decode_step, autotune=True) is not plain
+    from argparse import Namespace
+
+    from logitlab.cli.generate import _decode_step  # --autotune on|off|auto reaches the compiled step
+    assert _decode_step(Namespace(compile=True, autotune="on"), fp32) is compiled_decode_step(
+        fp32, step=decode_step, autotune=True)
+    assert _decode_step(Namespace(compile=True, autotune="auto"), fp32) is compiled_decode_step(fp32, step=decode_step)
+    assert _decode_step(Namespace(compile=False, autotune="on"), fp32) is decode_step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_step_with_frozen_weights_follows_weight_changes(model, dtype):

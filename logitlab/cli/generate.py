@@ -97,6 +97,10 @@ def _sample_flags(p) -> None:
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
+    p.add_argument("--autotune", choices=["auto", "on", "off"], default="auto",
+                   help="with --compile on a CPU: inductor's max-autotune over the matrix products (auto: on "
+                   "for bf16 weights, off for float32, where it was measured slower on one CPU and faster on "
+                   "another; kernels.decode)")
 
 
 # -------------------- Loading
@@ -285,4 +289,5 @@ def _decode_step(args, model):
         return decode_step
     from logitlab.kernels.decode import compiled_decode_step
 
-    return compiled_decode_step(model, step=decode_step)
+    autotune = {"auto": None, "on": True, "off": False}[getattr(args, "autotune", "auto")]
+    return compiled_decode_step(model, step=decode_step, autotune=autotune)

@@ -29,26 +29,38 @@ def _guard_options() -> dict:
     return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if _ISOLATE else {}
 
 
-def _compile_options(model) -> dict:
-    """Inductor options for the decode step of `model`, chosen by its device.
+def _compile_options(model, autotune: bool | None = None) -> dict:
+    """Inductor options for the decode step of `model`, chosen by its device and dtype.
 
     On a CPU a decode step is ~40 small kernels around the matrix products, so cpp_wrapper (the
     compiled graph calls its kernels from C++ rather than Python) saves per-kernel overhead, and
-    freezing turns the weights into graph constants, which max_autotune lets inductor prepack for
-    the product it times fastest per matrix shape (its C++ GEMM template, oneDNN's or MKL's
-    packed GEMM, or aten's; the tables it prints are switched off): aten's products with a few
-    rows run far below the memory bandwidth on unpacked weights (docs/benchmarks.md has the
-    step times). The cost: a longer first compile and a packed copy of each weight held while
-    the compiled step lives. Frozen weights are why compiled steps are kept per model and
-    rebuilt when a parameter changes (`compiled_decode_step`). Guards on the model's modules are
-    skipped (a decode step checks several per parameter): the per-model key stands in for them.
+    freezing turns the weights into graph constants, which inductor prepacks for a packed GEMM
+    (MKL's or oneDNN's): aten's products with a few rows run far below the memory bandwidth on
+    unpacked weights (docs/benchmarks.md has the step times). autotune (max_autotune) also times
+    inductor's C++ GEMM template against aten's products per matrix shape and keeps the fastest;
+    None: on for bf16 and fp16 weights, off for float32. Measured on two CPUs (docs/benchmarks.md,
+    "Decode against gpt-fast" and the performance notes): for bf16 the template's AMX kernels
+    made a small Llama's step 1.75x faster on a CPU with AMX, and autotuned bf16 steps led on one
+    without. For float32 the two CPUs disagree: with AMX the autotuned step ran at 0.83x the
+    speed of MKL's packed GEMM alone (small Llama, batch 1 and 8) at twice the compile time (42 s
+    vs 21 s); without AMX it was 1.08x (small Llama, batch 1) to 1.27x (tiny, batch 8) faster. A
+    trick not proven faster is not the default, so float32 keeps the packed GEMM, which also
+    picks the same kernels at every compile (autotune's pick is timed, and can change between
+    compiles on a loaded machine); autotune=True asks for it. The cost of freezing: the packed
+    copy of each weight held while the compiled step lives, which is why compiled steps are kept
+    per model and rebuilt when a parameter changes (`compiled_decode_step`). Guards on the
+    model's modules are skipped (a decode step checks several per parameter): the per-model key
+    stands in for them.
     """
-    device = next(model.parameters()).device
+    first = next(model.parameters())
     options = _guard_options()
-    if device.type == "cpu":
-        options.update(cpp_wrapper=True, freezing=True, max_autotune=True,
-                       max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0,
-                       max_autotune_report_choices_stats=False)
+    if first.device.type == "cpu":
+        options.update(cpp_wrapper=True, freezing=True)
+        if autotune is None:
+            autotune = first.dtype != torch.float32
+        if autotune:
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                           autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
     return options
 
 
@@ -96,7 +108,8 @@ class CompiledStep:
             return self._fn(model, token, cache, positions, attn_mask, greedy)
 
 
-def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callable) -> Callable:
+def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callable,
+                         autotune: bool | None = None) -> Callable:
     """`step` (generate.loop.decode_step, or a function with its signature) through torch.compile,
     as one graph (fullgraph: a graph break is an error) with dynamic shapes (the cache length
     grows every step, so one graph serves every step). -> a callable with decode_step's signature,
@@ -104,16 +117,17 @@ def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callabl
 
     With a model, the compiled step (a CompiledStep) is built for that model (see
     _compile_options) and kept until its weights change; the first call compiles (slow on a
-    CPU), later calls reuse it. backend="aot_eager" traces the same graph without
-    inductor (fast; for tests). Without a model: one generic compiled step (default options)
-    shared by every model."""
+    CPU), later calls reuse it. autotune: inductor's max-autotune over the matrix products (None:
+    on for bf16/fp16 weights on a CPU, off for float32; see _compile_options).
+    backend="aot_eager" traces the same graph without inductor (fast; for tests). Without a
+    model: one generic compiled step (default options) shared by every model."""
     if model is None:
         return _generic_compiled_step(step, backend)
-    key = (_weights_key(model), backend, step)
+    key = (_weights_key(model), backend, step, autotune)
     held = _COMPILED.get(model)
     if held is not None and held[0] == key:
         return held[1]
-    options = _compile_options(model) if backend == "inductor" else _guard_options()
+    options = _compile_options(model, autotune) if backend == "inductor" else _guard_options()
 
     def traced(model, token, cache, positions, attn_mask, greedy):
         return step(model, token, cache, positions, attn_mask, greedy)
