@@ -154,13 +154,15 @@ class SideProcess:
     took 0.6-0.8 s of system time alone and 2-7 s interleaved with logitlab's steps (6.9 s of CPU
     time alone, 10-15 s interleaved), which no choice of malloc settings removed."""
 
-    def __init__(self, side: str, spec: dict):
+    def __init__(self, side: str, spec: dict, serve: Callable | None = None):
+        """serve(conn, side, spec): the child's loop (default: this module's _serve, the
+        transformers comparison); another benchmark passes its own, a module-level function."""
         import multiprocessing
 
         self.side = side
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
-        self._proc = spawn.Process(target=_serve, args=(child, side, spec), daemon=True)
+        self._proc = spawn.Process(target=serve or _serve, args=(child, side, spec), daemon=True)
         self._proc.start()
         child.close()
         self.keep_freed_memory = self._ask("ready")   # whether set_allocator applied the setting
@@ -195,9 +197,7 @@ class SideProcess:
 def _serve(conn, side: str, spec: dict) -> None:
     """SideProcess's child: build the side's model (logitlab: Transformer(config) from seed 0, the
     weights the parent saved; transformers: from_pretrained of that directory) and answer
-    requests until "stop"."""
-    import traceback
-
+    requests until "stop" (serve_requests)."""
     import transformers
 
     if spec["threads"]:
@@ -212,6 +212,17 @@ def _serve(conn, side: str, spec: dict) -> None:
     else:
         torch.manual_seed(0)
         model = Transformer(config)
+    serve_requests(conn, kept, timer, lambda mode, autocast: (forward_step if mode == "forward" else train_step)(
+        side, model, ids, autocast, spec["backend"]), lambda name, args: globals()[name](model, *args))
+
+
+def serve_requests(conn, ready, timer: Callable[[], float], make_step: Callable, call: Callable) -> None:
+    """A side process's request loop: "ready" -> `ready`; "prepare" mode autocast -> make_step(mode,
+    autocast) built (the previous step dropped first) and run once, -> its wall seconds; "step" ->
+    one call timed with `timer`; "call" name args -> call(name, args); "stop" returns. A failure
+    is sent back as its traceback, for the parent to raise naming the side."""
+    import traceback
+
     step = None
     while True:
         request = conn.recv()
@@ -219,11 +230,10 @@ def _serve(conn, side: str, spec: dict) -> None:
             if request[0] == "stop":
                 return
             if request[0] == "ready":
-                value = kept
+                value = ready
             elif request[0] == "prepare":
                 step = None   # the previous step's optimizer state goes first
-                make = forward_step if request[1] == "forward" else train_step
-                step = make(side, model, ids, request[2], spec["backend"])
+                step = make_step(request[1], request[2])
                 start = time.perf_counter()
                 step()
                 value = time.perf_counter() - start
@@ -232,7 +242,7 @@ def _serve(conn, side: str, spec: dict) -> None:
                 step()
                 value = timer() - start
             else:   # "call"
-                value = globals()[request[1]](model, *request[2])
+                value = call(request[1], request[2])
             conn.send((True, value))
         except Exception:   # reported by the parent, naming the side
             conn.send((False, traceback.format_exc()))
