@@ -40,8 +40,8 @@ def _compile_options(model, autotune: bool | None = None) -> dict:
     inductor's C++ GEMM template against aten's products per matrix shape and keeps the fastest;
     None: on for bf16 and fp16 weights, off for float32. Measured on two CPUs (docs/benchmarks.md,
     "Decode against gpt-fast" and the performance notes): for bf16 the template's AMX kernels
-    made a small Llama's step 1.75x faster on a CPU with AMX, and autotuned bf16 steps led on one
-    without. For float32 the two CPUs disagree: with AMX the autotuned step ran at 0.83x the
+    made a small Llama's step 1.75x faster on a CPU with AMX (on the CPU without AMX, bf16 decode
+    was measured with autotuning only). For float32 the two CPUs disagree: with AMX the autotuned step ran at 0.83x the
     speed of MKL's packed GEMM alone (small Llama, batch 1 and 8) at twice the compile time (42 s
     vs 21 s); without AMX it was 1.08x (small Llama, batch 1) to 1.27x (tiny, batch 8) faster. A
     trick not proven faster is not the default, so float32 keeps the packed GEMM, which also

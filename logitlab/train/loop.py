@@ -257,7 +257,7 @@ def _saving(run: Run, write: Callable[[], Path | None]) -> Path | None:
 
 
 def _freed_memory_policy(config: TrainConfig, device: torch.device, amp_dtype) -> str:
-    """"keep" (now), "watch" (allocator.FaultWatch decides after the first steps) or "leave".
+    """-> "keep" (now), "watch" (allocator.FaultWatch decides after the first steps) or "leave".
     auto watches compiled float32 steps only: a compiled fp32 step reuses a few planned buffers, so
     keeping freed memory costs it little peak; under bf16 autocast the casts of every size
     fragment the kept heap (docs/benchmarks.md)."""
