@@ -18,17 +18,17 @@ thread (see clock()), else the wall time. The compile time (the compiled side's 
 its best timed step) is reported on its own and excluded from the timings. MFU = achieved FLOP/s
 (accounting.flops_per_token x tokens; x3 for training) over the best 1024³ matmul rate measured in
 the same run: fp32's for fp32 rows; for bf16 rows the faster of the bf16 and fp32 rates (a product
-of bf16 operands is computed exactly by either kernel, and logitlab uses the faster).
+of bf16 operands is computed exactly by either kernel, and logitlab uses the faster). logitlab's
+bf16 sides install the CPU bf16 routes as its trainer does (kernels.cpu_bf16.install(model, "auto",
+seq_len=T): the products and attention each on the kernels measured faster in that process).
 
 Kernel floor: the time of one step's matrix products and attention alone, run as logitlab runs
 them (cpu_bf16.linear over the model's own Linear and LM-head weights at the step's B*T rows, and
 SDPA at each layer's shapes, under the step's autocast; for training also their backward), best of
 the same number of repetitions in user CPU time (page faults left out). Ceiling = transformers'
 best step time / that floor: the largest ratio an implementation calling the same kernels could
-reach. bf16 rows also
-report the floor with layers.set_bf16_matmul("native") (the bf16 kernels transformers calls under
-autocast) beside logitlab's choice ("auto": float32 GEMMs over bf16-rounded operands on CPUs
-without AMX).
+reach. bf16 rows also report the floor on the bf16 kernels themselves ("native", what
+transformers calls under autocast) beside the routes logitlab's "auto" took.
 
 Memory: the peak resident memory of a training step of each side, each in a fresh process (VmHWM
 above the RSS after the imports, the compiler's included, so that both sides pay the same), after
@@ -45,9 +45,8 @@ import statistics
 import tempfile
 import textwrap
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +55,7 @@ from bench import common
 from bench.common import command_line, machine_info, markdown_table, publish
 from logitlab.io import hf
 from logitlab.kernels import cpu_bf16
-from logitlab.model import accounting, layers
+from logitlab.model import accounting
 from logitlab.model.families import PRESETS
 from logitlab.model.transformer import ModelConfig, Transformer
 from logitlab.train import runtime
@@ -84,6 +83,7 @@ def forward_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: s
         def run():
             return model(input_ids=ids, use_cache=False).logits
     else:
+        install_bf16_route(model, autocast, ids.shape[1])
         run = torch.compile(model, fullgraph=True, backend=backend) if side == "compiled" else model
         run = (lambda f: lambda: f(ids))(run)
 
@@ -106,6 +106,7 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str
         def clip():
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     else:
+        install_bf16_route(model, autocast, ids.shape[1])
         opt = build_adamw(model, LR, WEIGHT_DECAY)
         compute = loss_fn(model, backend if side == "compiled" else False)
 
@@ -115,6 +116,12 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str
         def clip():
             clip_grad_norm(model.parameters(), CLIP)
 
+    return optimizer_step(loss, clip, opt, autocast)
+
+
+def optimizer_step(loss: Callable, clip: Callable, opt, autocast: bool) -> Callable:
+    """-> one training step: loss() under bf16 autocast (when `autocast`), backward, clip(),
+    opt.step(), gradients set to None."""
     def step():
         with _autocast(autocast):
             value = loss()
@@ -312,7 +319,7 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                     row["floor_s"] = ours.call("kernel_floor_s", B, T, mode, dtype == "bf16", repeats)
                     row["ceiling"] = min(times["peer"]) / row["floor_s"]
                     if dtype == "bf16":   # also the bf16 kernels themselves (transformers' under autocast)
-                        row["bf16_matmul"] = ours.call("_current_bf16_matmul")   # the mode the sides ran
+                        row["bf16_route"] = ours.call("_current_bf16_route")   # the routes "auto" took
                         row["floor_native_s"] = ours.call("kernel_floor_s", B, T, mode, True, repeats, "native")
                         row["ceiling_native"] = min(times["peer"]) / row["floor_native_s"]
                     rows.append(row)
@@ -387,28 +394,31 @@ def _line(row: dict) -> str:
 # Kernel floor: a step's matrix products and attention alone
 # --------------------------------------------------------------------------------------------
 
-@contextmanager
-def matmul_mode(mode: str | None) -> Iterator[None]:
-    """layers.set_bf16_matmul(mode) inside the block (None: leave it), the previous mode restored after."""
-    before = layers.bf16_matmul_mode()
-    if mode is not None:
-        layers.set_bf16_matmul(mode)
-    try:
-        yield
-    finally:
-        layers.set_bf16_matmul(before)
-
-
 def _user_time() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_utime
 
 
-def _current_bf16_matmul(model) -> str:
-    return layers.bf16_matmul_mode()
+INSTALLED: list = []   # logitlab's sides: the cpu_bf16.Installed of the current bf16 step
+
+
+def install_bf16_route(model, autocast: bool, T: int) -> None:
+    """The CPU bf16 routes as logitlab's trainer installs them (TrainConfig.bf16_matmul "auto",
+    attention measured at T) for a bf16 step; the previous step's routes are taken out first."""
+    while INSTALLED:
+        INSTALLED.pop().remove()
+    if autocast:
+        INSTALLED.append(cpu_bf16.install(model, "auto", seq_len=T))
+
+
+def _current_bf16_route(model) -> str:
+    """The routes the current bf16 step runs on, as the tables print them."""
+    if not INSTALLED:
+        return "-"
+    return f"{INSTALLED[-1].route} / {INSTALLED[-1].attention_route}"
 
 
 def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool, repeats: int = 3,
-                   bf16_matmul: str | None = None, timer: Callable[[], float] | None = None) -> float:
+                   bf16_matmul: str = "auto", timer: Callable[[], float] | None = None) -> float:
     """Seconds of one forward ("forward") or training step ("train") spent in its matrix products
     and attention alone, as logitlab runs them: cpu_bf16.linear over every Linear weight of `model`
     (q/k/v, o, MLP; biases in the product as the layers add them) and the LM head's V rows, each on
@@ -418,8 +428,8 @@ def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool
     when `autocast`) and, for "forward", no_grad. "train" adds the backward of every one (grad
     input and grad weight, through torch.autograd.grad: no accumulation into .grad, no bias
     gradients, which are sums, not products). Norms, activations, RoPE, the loss and the
-    optimizer are left out. bf16_matmul: the layers.set_bf16_matmul mode to time under (None: the current
-    one; restored afterwards either way). -> the best of `repeats` timings (`timer`; by default
+    optimizer are left out. bf16_matmul: the cpu_bf16 mode whose routes the products and attention
+    take ("auto": measured, as the trainer; "native": the bf16 kernels themselves). -> the best of `repeats` timings (`timer`; by default
     the process's user CPU time with one torch thread, else the wall time) after a warm-up call.
     User time leaves out the system time of page faults on the step's freshly allocated
     (B, T, N) outputs and gradients (up to a second per GPT-2 small training step here), which
@@ -447,22 +457,25 @@ def kernel_floor_s(model: Transformer, B: int, T: int, mode: str, autocast: bool
     def step() -> None:
         with torch.set_grad_enabled(train), _autocast(autocast):
             ys = [linear(x, w, b) for x, (w, b) in zip(inputs, weights)]   # (B, T, N) each
-            ys += [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
-                   for q, k, v in qkv]                                          # (B, H, T, Dh) each
+            ys += [attend(q, k, v, None, True) for q, k, v in qkv]         # (B, H, T, Dh) each
         if train:   # outside autocast, as the step's backward: grad input and grad weight of each
             torch.autograd.grad(ys, inputs + [w for w, _ in weights] + [t for group in qkv for t in group],
                                 grads + attn_grads)
 
-    with matmul_mode(bf16_matmul):
-        route = cpu_bf16.install(model, layers.bf16_matmul_mode())   # the route the mode picks
-        route.remove()
-        linear = cpu_bf16.linear if route.route == "fp32" else F.linear
-        step()   # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            start = timer()
-            step()
-            best = min(best, timer() - start)
+    route = cpu_bf16.install(model, bf16_matmul, seq_len=T)         # the routes the mode picks
+    route.remove()
+    linear = cpu_bf16.linear if route.route == "fp32" else F.linear
+    if route.attention_route == "fp32":
+        def attend(q, k, v, mask, causal):
+            return cpu_bf16.attention_via_fp32(cpu_bf16._sdpa, q, k, v, mask, causal)
+    else:
+        attend = cpu_bf16._sdpa
+    step()   # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = timer()
+        step()
+        best = min(best, timer() - start)
     return best
 
 
@@ -515,7 +528,7 @@ def _ratio_cell(r: dict) -> str:
 
 def _floor_text(result: dict) -> str:
     """The paragraph on the matmul floor and ceiling columns."""
-    modes = " / ".join(sorted({f'"{r["bf16_matmul"]}"' for r in result["rows"] if "bf16_matmul" in r}))
+    routes = ", ".join(sorted({r["bf16_route"] for r in result["rows"] if "bf16_route" in r}))
     return f"""
 
 Kernel floor: one step's matrix products and attention alone, run as logitlab runs them:
@@ -527,10 +540,10 @@ optimizer are not in it. Best of {result['repeats']} after a warm-up, timed in u
 thread; the system time of page faults on fresh outputs is not kernel work). Ceiling =
 transformers' best step time / that floor: the largest ratio an implementation calling the same
 kernels could reach. In bf16 the
-floor runs in the mode logitlab's sides ran (layers.set_bf16_matmul {modes or "-"}; "auto" is float32
-GEMMs over bf16-rounded operands on a CPU without AMX, the bf16 kernels with AMX); the last column
-is the floor with the bf16 kernels themselves ("native", what transformers calls under autocast)
-and transformers' step over it."""
+floor runs on the routes logitlab's sides took (kernels.cpu_bf16.install "auto", products / attention:
+{routes or "-"}; fp32 = float32 kernels over bf16-rounded operands, native = the bf16 kernels); the
+last column is the floor with the bf16 kernels themselves ("native", what transformers calls under
+autocast) and transformers' step over it."""
 
 
 def render(result: dict) -> str:
@@ -604,8 +617,8 @@ Compile time (wall time of the first call less the best step) is reported apart,
 the timings; it is short when inductor's on-disk cache holds the graphs from an earlier run (a
 cold compile took 20-70 s here). MFU against the best 1024³ matmul rate measured in the same run
 ({rates}): fp32 rows against fp32's, bf16 rows against the faster of the two (either kernel
-computes a product of bf16 operands exactly, and logitlab's bf16 products run as float32 GEMMs
-on this CPU), the same denominator for every side of a row.{_floor_text(result) if floors else ""}
+computes a product of bf16 operands exactly, and logitlab's bf16 products take the faster), the
+same denominator for every side of a row.{_floor_text(result) if floors else ""}
 
 Command: `{cmd}` — machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}
 ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']},
@@ -625,11 +638,11 @@ the (B, T, V) logits and their backward (1.01-1.04x faster than compiling the mo
 compiled side also keeps freed memory (above), which spares it the page faults of reallocating
 each step's activations (0.1-0.4 s of system time per step alone, more when other processes run
 between the steps, as here: transformers' steps pay it, and eager logitlab's). In bf16 logitlab
-computes each product as a float32 GEMM over the bf16-rounded operands (layers.set_bf16_matmul,
-"auto" on a CPU without AMX): exact products, float32 accumulation, the result rounded to bf16,
-which are the bf16 kernel's values up to summation order, in about 0.6 of its time here (compare
-the two floor columns); that, not the elementwise work, is where the bf16 ratios come from.
-Attention stays on the bf16 SDPA kernel, as transformers'. On a heavily loaded machine (load
+takes, for the products and for attention each, the kernels its "auto" measured faster in that
+process (kernels.cpu_bf16; the route column of the floor paragraph): on a CPU whose bf16 kernels
+are slow, float32 kernels over the bf16-rounded operands (exact products, float32 accumulation,
+the result rounded to bf16: the bf16 kernel's values up to summation order); compare the two
+floor columns for what that is worth on the machine of the run. On a heavily loaded machine (load
 average 4-6) the compiled ratios came out larger (small Llama fp32 training 1.20x in CPU time): other
 jobs' memory traffic slows the memory-bound elementwise work that compiling removes, so read the
 ratios of a quiet run (load average about 1 from the benchmark itself). Measured without gain

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from bench.common import command_line, cpu_flags, machine_info, markdown_table, publish
-from bench.model import SideProcess, clock, serve_requests
+from bench.model import SideProcess, _current_bf16_route, clock, install_bf16_route, optimizer_step, serve_requests
 from logitlab.io import hf
-from logitlab.kernels import allocator, cpu_bf16
+from logitlab.kernels import allocator
 from logitlab.model import accounting
 from logitlab.model.families import PRESETS
 from logitlab.model.transformer import Transformer
@@ -55,7 +55,6 @@ POINTS = {  # name -> (config, B, T)
 }
 SIDES = ("logitlab", "nanogpt", "nanogpt-fused")
 LR, WEIGHT_DECAY, BETAS, CLIP = 1e-5, 0.1, (0.9, 0.95), 1.0
-ROUTE: list = []   # logitlab's side: the cpu_bf16.Installed of its bf16 step
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -90,8 +89,7 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool):
     model.train()
     targets = torch.roll(ids, -1, dims=1)
     if side == "logitlab":
-        if autocast:   # the route the trainer installs for bf16 (TrainConfig.bf16_matmul "auto")
-            ROUTE.append(cpu_bf16.install(model, "auto"))
+        install_bf16_route(model, autocast, ids.shape[1])   # as the trainer (TrainConfig.bf16_matmul "auto")
         opt = build_adamw(model, LR, WEIGHT_DECAY, BETAS)
         compute = loss_fn(model, True)
 
@@ -113,14 +111,7 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool):
         def clip():
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
 
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            value = loss()
-        value.backward()
-        clip()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return optimizer_step(loss, clip, opt, autocast)
 
 
 def _serve(conn, side: str, spec: dict) -> None:
@@ -155,8 +146,8 @@ def _serve(conn, side: str, spec: dict) -> None:
             return train_step(side, model, ids, autocast)
 
     def call(name: str, args):
-        if name == "bf16_route":   # the route logitlab's "auto" measured and took in this process
-            return ROUTE[-1].route if ROUTE else "native"
+        if name == "bf16_route":   # the routes logitlab's "auto" measured and took in this process
+            return _current_bf16_route(model)
         raise ValueError(f"unknown call {name!r}")
     serve_requests(conn, kept, timer, make_step, call)
 
@@ -218,7 +209,7 @@ def _line(row: dict, sides) -> str:
 
 def render(result: dict) -> str:
     sides = result["sides"]
-    headers = ["shape", "dtype", "B x T", "bf16 route (auto)"] + [f"{s} ms" for s in sides]
+    headers = ["shape", "dtype", "B x T", "bf16 route (auto): products / attention"] + [f"{s} ms" for s in sides]
     headers += [f"ratio vs {s}" for s in sides[1:]] + ["MFU " + " / ".join(sides), "compile s " + " / ".join(sides)]
     rows = []
     for r in result["rows"]:
@@ -241,8 +232,9 @@ ratio is the graphs' alone. nanoGPT's MLP uses the exact GELU, logitlab's GPT-2 
 form. Ratio = peer time / logitlab time per round (> 1: logitlab faster), median (min-max) of
 {result['repeats']} rounds; ms: the best round, {"CPU time (one torch thread)" if result['clock'] == "cpu" else "wall time"}.
 MFU against the best 1024³ matmul rate measured in the same run ({rates}; bf16 rows against the
-faster of the two). "bf16 route": the products' route logitlab's "auto" measured and took in its
-process (native: the bf16 kernels, as nanoGPT's; fp32: float32 GEMMs over bf16-rounded operands).
+faster of the two). "bf16 route": the routes logitlab's "auto" measured and took in its process,
+products / attention (native: the bf16 kernels, as nanoGPT's; fp32: float32 kernels over
+bf16-rounded operands).
 
 Command: `{result['command'].replace(' --no-doc', '')}` — machine: {m['nproc']} CPUs ({m['cpu']};
 {", ".join(result['cpu_flags']) or "no listed features"}), torch {m['torch']} ({m['torch_threads']} threads),

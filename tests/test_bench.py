@@ -112,30 +112,39 @@ def test_model_bench_allocator_setting_is_the_trainers(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])
-def test_model_bench_kernel_floor_is_positive_and_keeps_the_bf16_mode(mode):
-    """fp32, bf16 autocast in the current mode and in "native": positive times; the bf16 matmul
-    mode is the one set before, also when the timed block raises. 4 x 32 = 128 rows: enough for
-    layers.linear's float32-GEMM path in bf16."""
-    from logitlab.model import layers
+def test_model_bench_kernel_floor_is_positive_and_leaves_the_model_as_it_was(mode):
+    """fp32, and bf16 autocast on the routes "auto" measures, on float32 kernels and on the bf16
+    kernels: positive times; the model keeps its plain classes and no gradient. 4 x 32 = 128 rows:
+    enough for cpu_bf16's float32-GEMM route in bf16."""
+    from logitlab.model.attention import Attention
 
     model = Transformer(MICRO)
-    before = layers.bf16_matmul_mode()
-    layers.set_bf16_matmul("fp32")   # a non-default mode, to see that it is restored
-    try:
-        for autocast, bf16_matmul in ((False, None), (True, None), (True, "native")):
-            # wall time: a micro model's step can take less than the user-time clock's tick (0.0)
-            assert model_bench.kernel_floor_s(model, 4, 32, mode, autocast, repeats=1,
-                                              bf16_matmul=bf16_matmul, timer=time.perf_counter) > 0
-            assert layers.bf16_matmul_mode() == "fp32"
-        with pytest.raises(ValueError, match="mode"):
-            model_bench.kernel_floor_s(model, 2, 8, "backward", False)
-        with pytest.raises(RuntimeError, match="inside"), model_bench.matmul_mode("native"):
-            assert layers.bf16_matmul_mode() == "native"
-            raise RuntimeError("inside")
-        assert layers.bf16_matmul_mode() == "fp32"
-        assert all(p.grad is None for p in model.parameters())   # autograd.grad: nothing accumulated
-    finally:
-        layers.set_bf16_matmul(before)
+    classes = [type(m) for m in model.modules()]
+    for autocast, bf16_matmul in ((False, "auto"), (True, "auto"), (True, "fp32"), (True, "native")):
+        # wall time: a micro model's step can take less than the user-time clock's tick (0.0)
+        assert model_bench.kernel_floor_s(model, 4, 32, mode, autocast, repeats=1,
+                                          bf16_matmul=bf16_matmul, timer=time.perf_counter) > 0
+    with pytest.raises(ValueError, match="mode"):
+        model_bench.kernel_floor_s(model, 2, 8, "backward", False)
+    assert [type(m) for m in model.modules()] == classes and Attention in classes
+    assert all(p.grad is None for p in model.parameters())   # autograd.grad: nothing accumulated
+
+
+def test_model_bench_installs_the_trainers_bf16_routes_for_bf16_steps_only():
+    """logitlab's bf16 sides run on the routes the trainer would install ("auto" at the step's T),
+    each step's replacing the last; an fp32 step runs the plain model."""
+    from logitlab.kernels import cpu_bf16
+
+    model = Transformer(MICRO)
+    ids = torch.randint(0, MICRO.vocab_size, (2, 16))
+    model_bench.train_step("ours", model, ids, True)
+    assert len(model_bench.INSTALLED) == 1 and model_bench.INSTALLED[0].attention_shape[2] == 16
+    assert model_bench._current_bf16_route(model).count("/") == 1
+    model_bench.forward_step("ours", model, ids, True)
+    assert len(model_bench.INSTALLED) == 1
+    model_bench.train_step("ours", model, ids, False)
+    assert model_bench.INSTALLED == [] and model_bench._current_bf16_route(model) == "-"
+    assert not any(isinstance(m, (cpu_bf16.Bf16ViaFp32Linear, cpu_bf16.Bf16ViaFp32Attention)) for m in model.modules())
 
 
 def test_model_bench_training_steps_do_the_same_work(monkeypatch, tmp_path):

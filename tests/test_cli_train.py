@@ -229,3 +229,24 @@ def test_train_help_shows_the_tiny_presets_defaults_once_each(capsys, monkeypatc
         with pytest.raises(SystemExit):
             cli.main([sub, "--help"])
         assert re.search(r"examples?:", capsys.readouterr().out)
+
+
+def test_progress_names_the_bf16_routes_and_the_times_that_chose_them():
+    """A bf16 run on a CPU says which kernels its products and attention run on (the start record
+    of train.loop: kernels.cpu_bf16's choice and measurements); an fp32 run says nothing of it."""
+    from rich.console import Console
+
+    from logitlab.cli.progress import LiveProgress
+
+    start = {"step": 0, "steps": 2, "tokens_per_step": 128, "device": "cpu", "amp": "torch.bfloat16",
+             "run_dir": "runs/x", "bf16_route": "fp32", "bf16_route_timings_s": {"native": 2.5, "fp32": 0.5},
+             "bf16_attention_route": "native", "bf16_attention_timings_s": {"native": 0.008, "fp32": 0.0095}}
+    con = Console(record=True, width=300, force_terminal=False)
+    LiveProgress(con, True)("start", start)
+    text = con.export_text()
+    assert "training on cpu (bf16 autocast)" in text
+    assert ("bf16 on the CPU: products on float32 kernels (measured: float32 500.0 ms, bf16 2,500.0 ms); "
+            "attention on bf16 kernels (measured: float32 9.5 ms, bf16 8.0 ms)") in text
+    con = Console(record=True, width=300, force_terminal=False)
+    LiveProgress(con, True)("start", dict(start, amp="None", bf16_route=None, bf16_route_timings_s=None))
+    assert "bf16 on the CPU" not in con.export_text()

@@ -438,8 +438,172 @@ def test_install_auto_measures_and_picks_the_faster_route(monkeypatch, slow):
     fast = "fp32" if slow == "native" else "native"
     assert handle.route == fast and handle.timings[slow] > handle.timings[fast]
     assert handle.weight_shape == (128, 32)                         # the largest: mlp.up_proj (F, D)
-    assert list(cpu_bf16.MEASURED) == [("cpu", (128, 32), cpu_bf16.MEASURE_ROWS)]
+    assert list(cpu_bf16.MEASURED) == [("cpu", (128, 32), cpu_bf16.MEASURE_ROWS),
+                                       ("attention", 4, 4, cpu_bf16.MEASURE_QUERIES, 8)]
     swapped = type(model.blocks[0].mlp.down_proj) is cpu_bf16.Bf16ViaFp32Linear
     assert swapped == (fast == "fp32")
     handle.remove()
     assert type(model.blocks[0].mlp.down_proj) is torch.nn.Linear
+
+
+# --- bf16 attention through float32 SDPA (logitlab.kernels.cpu_bf16) ---------------------------
+
+def _attention_and_grads(q, k, v, grad, attend):
+    """attend(q, k, v) over bf16 leaves -> (out, (dq, dk, dv)) for the output gradient `grad`."""
+    q, k, v = (t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v)
+    out.float().backward(grad)
+    return out, (q.grad, k.grad, v.grad)
+
+
+def _qkv_grad(B=2, H=4, Hkv=2, T=40, Dh=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, T, Dh, generator=g), torch.randn(B, Hkv, T, Dh, generator=g),
+            torch.randn(B, Hkv, T, Dh, generator=g), torch.randn(B, H, T, Dh, generator=g))
+
+
+def test_bf16_attention_via_fp32_is_float32_attention_of_the_bf16_operands():
+    """The route computes SDPA in float32 over the bf16 q, k, v and rounds the output to bf16:
+    exactly that, its gradients those of the float32 attention rounded to bf16, and no farther
+    from a float64 reference than the bf16 kernel is (which also rounds its softmax weights)."""
+    from logitlab.kernels import cpu_bf16
+    q, k, v, grad = _qkv_grad()
+    sdpa = cpu_bf16._sdpa
+
+    def routed(q, k, v):
+        return cpu_bf16.attention_via_fp32(sdpa, q, k, v, None, True)
+    out, grads = _attention_and_grads(q, k, v, grad, routed)
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    qb, kb, vb = (t.to(torch.bfloat16).float().requires_grad_() for t in (q, k, v))
+    exact = sdpa(qb, kb, vb, None, True)
+    exact.backward(_round(grad))
+    torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=0, atol=0)
+    for g, e in zip(grads, (qb.grad, kb.grad, vb.grad)):
+        torch.testing.assert_close(g.float(), _round(e), rtol=0, atol=0)
+
+    q64, k64, v64 = (t.to(torch.bfloat16).double().requires_grad_() for t in (q, k, v))
+    ref = eager_attention(q64, repeat_kv(k64, 2), repeat_kv(v64, 2), is_causal=True)[0]
+    ref.backward(_round(grad).double())
+    native, native_grads = _attention_and_grads(q, k, v, grad, lambda q, k, v: sdpa(q, k, v, None, True))
+
+    def err(a, b):
+        return float((a.detach().double() - b.detach()).abs().max())
+    assert err(out, ref) <= err(native, ref) + 1e-6
+    torch.testing.assert_close(out.float(), native.float(), rtol=2e-2, atol=2e-2)   # the same attention
+    for g, n, r in zip(grads, native_grads, (q64.grad, k64.grad, v64.grad)):
+        assert err(g, r) <= 2 * err(n, r) + 1e-3
+        torch.testing.assert_close(g.float(), n.float(), rtol=5e-2, atol=5e-2)
+
+
+def _spy_attention(monkeypatch):
+    """Records the query count T of every call that takes the float32 attention route."""
+    from logitlab.kernels import cpu_bf16
+    calls, real = [], cpu_bf16.attention_via_fp32
+    monkeypatch.setattr(cpu_bf16, "attention_via_fp32",
+                        lambda attend, q, *a: calls.append(q.shape[-2]) or real(attend, q, *a))
+    return calls
+
+
+def test_install_fp32_routes_bf16_attention_with_enough_queries_only(monkeypatch):
+    """Installed, a bf16-autocast forward and backward takes the float32 attention route in every
+    layer and agrees with the plain model; float32 calls, a decode step (T = 1), the eager path and
+    need_weights keep the plain attention; removed, the plain Attention classes are back."""
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels import cpu_bf16
+    from logitlab.model.cache import KVCache
+    from logitlab.model.transformer import Transformer
+    torch.manual_seed(0)
+    model = Transformer(tiny(n_kv_heads=2, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False))
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        logits.float().square().mean().backward()
+        return logits.float(), [p.grad.clone() for p in model.parameters()]
+    plain, plain_grads = run()
+    calls = _spy_attention(monkeypatch)
+    handle = cpu_bf16.install(model, "fp32")
+    assert handle.attention_route == "fp32"
+    assert all(type(b.attn) is cpu_bf16.Bf16ViaFp32Attention for b in model.blocks)
+    routed, routed_grads = run()
+    assert calls == [24, 24]                                        # each layer's attention, forward
+    torch.testing.assert_close(routed, plain, rtol=3e-2, atol=3e-2)
+    for r, p in zip(routed_grads, plain_grads):
+        torch.testing.assert_close(r, p, rtol=0.1, atol=5e-3)
+
+    calls.clear()
+    with torch.no_grad():
+        model(ids)                                                  # float32: untouched
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.forward_with_attention(ids)                       # need_weights: the eager reference
+            model.attn_impl = "eager"
+            model(ids)
+            model.attn_impl = "sdpa"
+            cache = KVCache.for_model(model.config, batch_size=2, max_len=32, dtype=torch.bfloat16)
+            model(ids, cache=cache)                                 # a prefill of 24 queries: routed
+            decode_step(model, ids[:, -1:], cache)                  # one query: the bf16 kernel
+    assert calls == [24, 24]
+    handle.remove()
+    assert all(type(b.attn) is Attention for b in model.blocks)
+    again, _ = run()
+    assert torch.equal(again, plain)
+
+
+@pytest.mark.parametrize("slow", ["native", "fp32"])
+def test_install_auto_measures_attention_and_picks_the_faster_route(monkeypatch, slow):
+    """"auto" times attention forward and backward by both routes at the model's heads and the
+    given sequence length, and installs the float32 route only when it is the faster."""
+    import time
+
+    from logitlab.kernels import cpu_bf16
+    monkeypatch.setattr(cpu_bf16, "MEASURED", {})
+    real = getattr(cpu_bf16, f"{slow}_attention")
+    monkeypatch.setattr(cpu_bf16, f"{slow}_attention", lambda q, k, v: time.sleep(0.02) or real(q, k, v))
+    model = _padded_model()
+    handle = cpu_bf16.install(model, "auto", seq_len=20)
+    fast = "fp32" if slow == "native" else "native"
+    assert handle.attention_route == fast and handle.attention_timings[slow] > handle.attention_timings[fast]
+    assert handle.attention_shape == (4, 4, 20, 8) and ("attention", 4, 4, 20, 8) in cpu_bf16.MEASURED
+    assert (type(model.blocks[0].attn) is cpu_bf16.Bf16ViaFp32Attention) == (fast == "fp32")
+    record = handle.record()
+    assert record["bf16_attention_route"] == fast and set(record["bf16_attention_timings_s"]) == {"native", "fp32"}
+    handle.remove()
+    assert type(model.blocks[0].attn) is Attention
+    with pytest.raises(ValueError, match="seq_len must be a positive"):
+        cpu_bf16.install(model, "auto", seq_len=0)
+
+
+def test_best_time_stops_timing_a_route_that_already_lost():
+    """race times the float32 route first and stops timing the native one once a call of it takes
+    more than twice the float32 route's best: the slower route is not timed again and again."""
+    import time
+
+    from logitlab.kernels import cpu_bf16
+    calls = []
+    timings = cpu_bf16.race(lambda: calls.append("fp32"), lambda: calls.append("native") or time.sleep(0.01))
+    assert calls.count("fp32") == 4 and calls.count("native") == 2      # warm-up + one timed call
+    assert timings["native"] > timings["fp32"]
+
+
+def test_bf16_attention_route_compiles_to_the_same_values():
+    """Compiled (aot_eager), the installed route gives the eager route's logits and gradients."""
+    from logitlab.kernels import cpu_bf16
+    from logitlab.model.transformer import Transformer
+    torch.manual_seed(0)
+    model = Transformer(tiny(n_kv_heads=2, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False))
+    cpu_bf16.install(model, "fp32")
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def loss(ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(ids).float().square().mean()
+    runs = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        value = fn(ids)
+        value.backward()
+        runs.append((value.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=0)

@@ -272,14 +272,22 @@ def test_bf16_matmul_mode_is_the_runs_and_is_restored(corpus, tmp_path):
     model's plain layers are back afterwards, also when the run fails; nothing process-wide."""
     from logitlab.kernels import cpu_bf16
 
+    from logitlab.model.attention import Attention
+
     seen = []
     model = tiny_model()
-    cfg = _cfg(corpus, tmp_path / "mm", steps=1, warmup_steps=0, precision="bf16", bf16_matmul="fp32")
-    kinds = lambda: {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}  # noqa: E731
+    cfg = _cfg(corpus, tmp_path / "mm", steps=2, warmup_steps=0, precision="bf16", bf16_matmul="fp32")
+    kinds = lambda: {type(m) for m in model.modules() if isinstance(m, (torch.nn.Linear, Attention))}  # noqa: E731
+    routed = {cpu_bf16.Bf16ViaFp32Linear, cpu_bf16.Bf16ViaFp32Attention}
     train(model, cfg, callback=lambda event, record: seen.append((event, kinds(), record.get("bf16_route"))))
-    assert seen[0] == ("start", {cpu_bf16.Bf16ViaFp32Linear}, "fp32")
-    assert {frozenset(k) for event, k, _ in seen if event != "end"} == {frozenset({cpu_bf16.Bf16ViaFp32Linear})}
-    assert kinds() == {torch.nn.Linear}
+    assert seen[0] == ("start", routed, "fp32")
+    assert {frozenset(k) for event, k, _ in seen if event != "end"} == {frozenset(routed)}
+    assert kinds() == {torch.nn.Linear, Attention}
+    # the routes are on the run's first step record in metrics.jsonl (fp32 asked for: nothing measured)
+    records = [json.loads(line) for line in (tmp_path / "mm" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps[0]["step"] == 1 and steps[0]["bf16_route"] == steps[0]["bf16_attention_route"] == "fp32"
+    assert steps[0]["bf16_route_timings_s"] is None and all("bf16_route" not in r for r in steps[1:])
 
     def fail(event, record):
         if event == "step":
@@ -288,7 +296,7 @@ def test_bf16_matmul_mode_is_the_runs_and_is_restored(corpus, tmp_path):
     with pytest.raises(RuntimeError, match="stop here"):
         train(model, _cfg(corpus, tmp_path / "mm2", steps=1, warmup_steps=0, precision="bf16", bf16_matmul="fp32"),
               callback=fail)
-    assert kinds() == {torch.nn.Linear}
+    assert kinds() == {torch.nn.Linear, Attention}
     with pytest.raises(ValueError, match="bf16_matmul must be one of .*'bf16'"):
         TrainConfig(bf16_matmul="bf16")
 

@@ -19,6 +19,8 @@ class LiveProgress:
             if not self.quiet:
                 self.con.print(f"training on {r['device']} ({_precision(r['amp'])}), "
                                f"{r['tokens_per_step']:,} tokens/step -> {r['run_dir']}")
+                if r.get("bf16_route") is not None:
+                    self.con.print(bf16_routes(r))
             if self.enabled:
                 self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=30),
                                     TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  "
@@ -46,6 +48,20 @@ class LiveProgress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+def bf16_routes(r: dict) -> str:
+    """The CPU bf16 routes of a start record (kernels.cpu_bf16.Installed.record) as one line:
+    which kernels the products and attention run on, and the times that decided it."""
+    def part(name: str, route: str, timings: dict | None) -> str:
+        how = "float32 kernels" if route == "fp32" else "bf16 kernels"
+        if timings:
+            how += f" (measured: float32 {1e3 * timings['fp32']:,.1f} ms, bf16 {1e3 * timings['native']:,.1f} ms)"
+        return f"{name} on {how}"
+    parts = [part("products", r["bf16_route"], r.get("bf16_route_timings_s"))]
+    if r.get("bf16_attention_route") is not None:
+        parts.append(part("attention", r["bf16_attention_route"], r.get("bf16_attention_timings_s")))
+    return "bf16 on the CPU: " + "; ".join(parts)
 
 
 def _precision(amp: str) -> str:

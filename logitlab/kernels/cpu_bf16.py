@@ -1,18 +1,28 @@
-"""bf16 matrix products on CPU through float32 GEMMs, installed into a built model from outside.
+"""bf16 matrix products and attention on CPU through float32 kernels, installed into a built
+model from outside.
 
 A float32 GEMM over bf16-rounded operands computes what a bf16 GEMM computes: the product of
 two bf16 numbers is exact in float32, and bf16 kernels accumulate in float32 too; only the
 summation order differs, as between any two kernels. The result is rounded to bf16, as autocast's
-is. Some CPUs run their float32 GEMMs faster than their bf16 ones, so the route can be the faster
+is. Some CPUs run their float32 GEMMs faster than their bf16 ones (a CPU without bf16
+instructions runs bf16 products through a slow generic loop), so the route can be the faster
 one; which is faster is measured (install(model, "auto")), never guessed from CPU flags.
 
-    handle = install(model, "auto")   # "native": nothing; "fp32": always; "auto": the faster
-    handle.route, handle.timings      # what was chosen and the two measured times
-    handle.remove()                   # the model's classes and head product as they were
+Attention gets the same treatment on its own measurement: SDPA over the bf16 q, k, v upcast to
+float32 (exactly), its output rounded to bf16. The bf16 kernel rounds its softmax weights to
+bf16 before multiplying them with V; the float32 route keeps them in float32, so it is the same
+attention, computed at least as accurately (tests/test_layers.py holds both to a float64
+reference).
 
-The reference is F.linear under bf16 autocast (or on bf16 tensors); `linear` here must equal it
-up to summation order (tests/test_layers.py). Products with few rows (a decode step) and every
-product that is not a bf16 product on CPU run F.linear itself.
+    handle = install(model, "auto", seq_len=256)   # "native": nothing; "fp32": always; "auto": the faster
+    handle.route, handle.timings                   # the products: what was chosen, the two times
+    handle.attention_route, handle.attention_timings   # attention: the same, forward + backward
+    handle.remove()                                # the model's classes and head product as they were
+
+The reference is F.linear (and SDPA) under bf16 autocast, or on bf16 tensors; `linear` here must
+equal it up to summation order (tests/test_layers.py). Products with few rows (a decode step),
+attention with few queries, and everything that is not a bf16 product on CPU run the plain
+kernels themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.model.attention import Attention
 from logitlab.model.transformer import Transformer
 
 MODES = ("auto", "native", "fp32")
@@ -33,10 +44,15 @@ MIN_ROWS = 128
 MIN_ROWS_LARGE = 512
 LARGE_WEIGHT = 1 << 22                                             # elements (16 MiB in fp32)
 MEASURE_ROWS = 512
+# Queries below which attention keeps the bf16 kernel: a decode step (T = 1) would upcast the
+# whole K/V cache for one query row.
+MIN_QUERIES = 16
+MEASURE_QUERIES = 256            # the attention measured: one sequence of this many positions (or seq_len)
 
 MEASURED: dict[tuple[str, tuple[int, ...], int], dict[str, float]] = {}
 """Per-process measurement cache of install(..., "auto"): (device type, weight shape, rows) ->
-{"native": seconds, "fp32": seconds}, the best timed product of each route. Filled on first
+{"native": seconds, "fp32": seconds}, the best timed product of each route, and ("attention",
+H, Hkv, T, Dh) -> the same for one sequence's attention forward and backward. Filled on first
 use, never written to disk; clear it to measure again."""
 
 
@@ -124,6 +140,38 @@ class Bf16ViaFp32Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def wants_fp32_attention(q: torch.Tensor) -> bool:
+    """True when attention over q (B, H, T, Dh) is a bf16 attention on CPU with at least
+    MIN_QUERIES queries (under autocast q is bf16: the projection's output)."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-2] >= MIN_QUERIES
+
+
+def attention_via_fp32(attend, q, k, v, mask, is_causal):
+    """round_bf16(attend(q, k, v) in float32): `attend` (Attention._attend's SDPA route) over the
+    bf16 q (B, H, T, Dh), k, v (B, Hkv, S, Dh) upcast to float32 (exact), autocast off so that
+    it stays float32; a float mask (ALiBi's bias) is upcast too. -> out (B, H, T, Dh) bf16."""
+    with torch.autocast("cpu", enabled=False):
+        mask32 = mask.float() if mask is not None and mask.is_floating_point() else mask
+        out = attend(q.float(), k.float(), v.float(), mask32, is_causal)
+    return out.to(q.dtype)
+
+
+class Bf16ViaFp32Attention(Attention):
+    """Attention (same parameters, keys, projections, cache) whose SDPA route runs in float32 for
+    a bf16 attention on CPU with enough queries (wants_fp32_attention); everything else, the eager
+    reference and need_weights among it, runs as in Attention. install swaps the class of a
+    model's Attention modules to this one."""
+
+    def _attend(self, q, k, v, mask, is_causal, impl, need_weights):
+        """q (B, H, T, Dh), k, v (B, Hkv, S, Dh) -> (out (B, H, T, Dh), weights or None)."""
+        if need_weights or impl == "eager" or self.sinks is not None or not wants_fp32_attention(q):
+            return super()._attend(q, k, v, mask, is_causal, impl, need_weights)
+
+        def sdpa(q, k, v, mask, is_causal):
+            return super(Bf16ViaFp32Attention, self)._attend(q, k, v, mask, is_causal, impl, False)[0]
+        return attention_via_fp32(sdpa, q, k, v, mask, is_causal), None
+
+
 # ------------------------------------------------------------------------------------------
 # "auto": measure both routes once per shape
 # ------------------------------------------------------------------------------------------
@@ -140,15 +188,58 @@ def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return Bf16LinearViaFp32.apply(x, weight, None)
 
 
-def best_time(fn, *args, repeats: int = 3) -> float:
-    """Seconds of the fastest of `repeats` calls of fn(*args), after one warm-up call."""
+def best_time(fn, *args, repeats: int = 3, losing: float = float("inf")) -> float:
+    """Seconds of the fastest of `repeats` calls of fn(*args), after one warm-up call; stops
+    early once a timed call takes longer than `losing` (that call's time is then returned: enough
+    to tell that fn is the slower route without timing it again)."""
     fn(*args)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn(*args)
         best = min(best, time.perf_counter() - start)
+        if best > losing:
+            break
     return best
+
+
+def race(fp32, native, *args) -> dict[str, float]:
+    """{"fp32": s, "native": s}: the best time of each route over args; the native route stops
+    being timed once a call takes more than twice the fp32 route's best (see best_time)."""
+    fast = best_time(fp32, *args)
+    return {"native": best_time(native, *args, losing=2 * fast), "fp32": fast}
+
+
+def _sdpa(q, k, v, mask, is_causal):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def native_attention(q, k, v) -> torch.Tensor:
+    """The reference route: causal SDPA over bf16 q, k, v, forward and backward."""
+    out = _sdpa(q, k, v, None, True)
+    out.float().sum().backward()
+    return out
+
+
+def fp32_attention(q, k, v) -> torch.Tensor:
+    """The float32 route (attention_via_fp32), forward and backward."""
+    out = attention_via_fp32(_sdpa, q, k, v, None, True)
+    out.float().sum().backward()
+    return out
+
+
+def measure_attention(heads: int, kv_heads: int, queries: int, head_dim: int) -> dict[str, float]:
+    """{"native": s, "fp32": s}: causal attention over one sequence of `queries` positions (bf16
+    q (1, heads, T, Dh), k and v (1, kv_heads, T, Dh)), forward and backward by each route, best
+    of a few, cached in MEASURED."""
+    key = ("attention", heads, kv_heads, queries, head_dim)
+    if key not in MEASURED:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, queries, head_dim, generator=g).to(torch.bfloat16).requires_grad_()
+                   for h in (heads, kv_heads, kv_heads))
+        MEASURED[key] = race(fp32_attention, native_attention, q, k, v)
+    return MEASURED[key]
 
 
 def measure(weight: torch.Tensor, rows: int = MEASURE_ROWS) -> dict[str, float]:
@@ -159,7 +250,7 @@ def measure(weight: torch.Tensor, rows: int = MEASURE_ROWS) -> dict[str, float]:
         w = weight.detach()
         x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, torch.bfloat16)
         with torch.no_grad():
-            MEASURED[key] = {"native": best_time(native_product, x, w), "fp32": best_time(fp32_product, x, w)}
+            MEASURED[key] = race(fp32_product, native_product, x, w)
     return MEASURED[key]
 
 
@@ -170,15 +261,24 @@ def measure(weight: torch.Tensor, rows: int = MEASURE_ROWS) -> dict[str, float]:
 @dataclass
 class Installed:
     """What install did: `route` ("native": nothing installed, or "fp32"), `timings` ({"native":
-    s, "fp32": s} when "auto" measured, else None) and `weight_shape` (the product measured).
-    remove() restores the swapped classes and head products exactly."""
+    s, "fp32": s} when "auto" measured, else None) and `weight_shape` (the product measured);
+    the same for attention: `attention_route`, `attention_timings` and `attention_shape` (H, Hkv,
+    T, Dh). remove() restores the swapped classes and head products exactly."""
 
     mode: str
     route: str
     timings: dict[str, float] | None = None
     weight_shape: tuple[int, ...] | None = None
+    attention_route: str = "native"
+    attention_timings: dict[str, float] | None = None
+    attention_shape: tuple[int, ...] | None = None
     _classes: list[tuple[nn.Module, type]] = field(default_factory=list, repr=False)
     _heads: list[tuple[Transformer, object]] = field(default_factory=list, repr=False)
+
+    def record(self) -> dict:
+        """What was chosen and measured, for a run's metrics: JSON-ready."""
+        return {"bf16_route": self.route, "bf16_route_timings_s": self.timings,
+                "bf16_attention_route": self.attention_route, "bf16_attention_timings_s": self.attention_timings}
 
     def remove(self) -> None:
         for module, cls in reversed(self._classes):
@@ -188,26 +288,29 @@ class Installed:
         self._classes, self._heads = [], []
 
 
-def install(model: nn.Module, mode: str) -> Installed:
-    """Route the bf16 products of `model` on CPU through float32 GEMMs.
+def install(model: nn.Module, mode: str, seq_len: int | None = None) -> Installed:
+    """Route the bf16 products and attention of `model` on CPU through float32 kernels.
 
     mode "native": install nothing; "fp32": swap the class of every plain nn.Linear module to
-    Bf16ViaFp32Linear and route each Transformer's padded LM-head product (head_matmul) through
-    `linear`; "auto": measure both routes once at the model's largest Linear weight (MEASURE_ROWS
-    rows, see measure) and install "fp32" only when it is the faster; a model not on the CPU gets
+    Bf16ViaFp32Linear, route each Transformer's padded LM-head product (head_matmul) through
+    `linear`, and swap every plain Attention to Bf16ViaFp32Attention; "auto": measure each route
+    once, the products at the model's largest Linear weight (MEASURE_ROWS rows, see measure),
+    attention at its heads over one sequence of seq_len positions (MEASURE_QUERIES when None; see
+    measure_attention), and install each only where it is the faster; a model not on the CPU gets
     "native". Products that are not bf16 products on CPU, or have few rows, run as before either
     way. -> Installed; its remove() undoes this."""
     if mode not in MODES:
         raise ValueError(f"bf16 matmul mode must be one of {MODES}, got {mode!r}")
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"seq_len must be a positive number of positions, got {seq_len}")
     linears = [m for m in model.modules() if type(m) is nn.Linear]
-    handle = Installed(mode=mode, route="native" if mode == "native" else "fp32")
+    attentions = [m for m in model.modules() if type(m) is Attention]
+    first = next(model.parameters(), None)
+    on_cpu = first is not None and first.device.type == "cpu"
+    route = "native" if mode == "native" else "fp32"
+    handle = Installed(mode=mode, route=route, attention_route=route if attentions else "native")
     if mode == "auto":
-        weight = max((m.weight for m in linears), key=lambda w: w.numel(), default=None)
-        if weight is None or weight.device.type != "cpu":
-            handle.route = "native"
-        else:
-            handle.timings, handle.weight_shape = measure(weight), tuple(weight.shape)
-            handle.route = "fp32" if handle.timings["fp32"] < handle.timings["native"] else "native"
+        _measure_routes(handle, linears, attentions, on_cpu, seq_len)
     if handle.route == "fp32":
         for module in linears:
             handle._classes.append((module, type(module)))
@@ -216,4 +319,26 @@ def install(model: nn.Module, mode: str) -> Installed:
             if isinstance(sub, Transformer):
                 handle._heads.append((sub, sub.head_matmul))
                 sub.head_matmul = linear
+    if handle.attention_route == "fp32":
+        for module in attentions:
+            handle._classes.append((module, type(module)))
+            module.__class__ = Bf16ViaFp32Attention
     return handle
+
+
+def _measure_routes(handle: Installed, linears: list, attentions: list, on_cpu: bool, seq_len: int | None) -> None:
+    """install's "auto": time each route and keep the faster on `handle`."""
+    weight = max((m.weight for m in linears), key=lambda w: w.numel(), default=None)
+    if weight is None or not on_cpu:
+        handle.route = "native"
+    else:
+        handle.timings, handle.weight_shape = measure(weight), tuple(weight.shape)
+        handle.route = "fp32" if handle.timings["fp32"] < handle.timings["native"] else "native"
+    if not attentions or not on_cpu:
+        handle.attention_route = "native"
+        return
+    a = attentions[0]
+    handle.attention_shape = (a.n_heads, a.n_kv_heads, seq_len or MEASURE_QUERIES, a.head_dim)
+    handle.attention_timings = measure_attention(*handle.attention_shape)
+    faster = handle.attention_timings["fp32"] < handle.attention_timings["native"]
+    handle.attention_route = "fp32" if faster else "native"

@@ -62,6 +62,7 @@ class Run:
     extension: dict | None = None      # a resume that extends the context: {field: [before, after]}
     tokens_offset: int = 0             # tokens_seen - step * tokens_per_step (non-zero after an extension)
     fault_watch: object = None         # keep_freed_memory "auto": the allocator.FaultWatch deciding it
+    route_record: dict | None = None   # the CPU bf16 routes installed (cpu_bf16.Installed.record), until recorded
 
     @property
     def has_val(self) -> bool:

@@ -269,11 +269,13 @@ def _freed_memory_policy(config: TrainConfig, device: torch.device, amp_dtype) -
 
 
 def _install_bf16_route(model, config: TrainConfig, device: torch.device, amp_dtype) -> cpu_bf16.Installed | None:
-    """The CPU bf16 matmul route for this run (only where there are bf16 products on a CPU)."""
+    """The CPU bf16 matmul and attention routes for this run (only where there are bf16 products
+    on a CPU), attention measured at the run's sequence length."""
     bf16 = amp_dtype == torch.bfloat16 or any(p.dtype == torch.bfloat16 for p in model.parameters())
     if device.type != "cpu" or not bf16:
         return None
-    return cpu_bf16.install(model, config.bf16_matmul)
+    seq_len = config.seq_len or getattr(getattr(model, "config", None), "context_length", None)
+    return cpu_bf16.install(model, config.bf16_matmul, seq_len=seq_len)
 
 
 def _evaluate_at_start(run: Run, sink: MetricsSink, emit) -> None:
@@ -300,10 +302,15 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         step, dt, tps = run.step, time.perf_counter() - t0, run.tokens_per_step
         record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.tokens_seen,
                   "tokens_per_s": tps / dt, "mfu": fpt * tps / dt / peak, "time_s": dt}
+        measured = run.route_record is not None   # this process's bf16 routes, on its first step's record
+        if measured:
+            record.update(run.route_record)
+            run.route_record = None
         decided = run.fault_watch.after_step() if run.fault_watch is not None else None
         if decided is not None:                # keep_freed_memory "auto", measured (allocator.FaultWatch)
             record.update(decided)
             emit("allocator", decided)
+            measured = True
         out_of_time = config.time_limit_s is not None and time.perf_counter() - started > config.time_limit_s
         signalled = stop.signum is not None
         if run.par.agree is not None:   # a signal or the time limit may reach the ranks at different steps
@@ -315,7 +322,7 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
             if run.best_val is None or val_loss < run.best_val:
                 run.best_val = val_loss
             emit("eval", record)
-        if step % config.log_every == 0 or final or "val_loss" in record or decided is not None:
+        if step % config.log_every == 0 or final or "val_loss" in record or measured:
             sink.add(record)
         emit("step", record)
         if run.par.agree is None and stop.signum is not None:   # one process: a signal during this step's
@@ -346,10 +353,10 @@ def _train(model, config: TrainConfig, run_dir: Path, tokenizer, resume: bool, e
         if policy == "keep":
             allocator.keep_freed_memory()                          # process-wide, cannot be undone
         run.fault_watch = allocator.FaultWatch() if policy == "watch" else None
+        run.route_record = route.record() if route is not None else None
         emit("start", {"step": run.step, "steps": config.steps, "tokens_per_step": run.tokens_per_step,
                        "device": str(device), "amp": str(amp_dtype), "run_dir": str(run_dir), "layout": par.layout,
-                       "bf16_route": route.route if route is not None else None,
-                       "bf16_route_timings_s": route.timings if route is not None else None})
+                       **(run.route_record or {"bf16_route": None, "bf16_route_timings_s": None})})
         _evaluate_at_start(run, sink, emit)
         with _StopFlag() as stop:
             stopped, last_loss, val_loss = _loop(run, sink, stop, emit)
