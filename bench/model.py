@@ -4,15 +4,19 @@
     python3 -m bench.model --quick        # the small Llama at half size, 2 repeats (a smoke run)
 
 Both sides hold the same weights: logitlab builds the model, save_pretrained writes it, transformers
-loads that directory (its default SDPA attention unless --peer-attn eager). Three sides, each in a
+loads that directory (its default SDPA attention unless --peer-attn eager). Four sides, each in a
 process of its own (SideProcess: the sides' heaps apart), run in turn (logitlab eager, logitlab
-compiled, transformers; A B C A B C ... after a warm-up), each timing its own steps:
-- forward: logits under no_grad; compiled = `torch.compile(model, fullgraph=True)`;
+compiled, transformers, transformers compiled; A B C D A B C D ... after a warm-up), each timing
+its own steps:
+- forward: logits under no_grad; compiled = `torch.compile(model, fullgraph=True)` (transformers:
+  `torch.compile(model)`, its model as a user compiles it);
 - training step, as each library's trainer runs it: forward + float32 cross-entropy (the same
   function on both sides) + backward + clipping to global norm 1.0 + fused AdamW (logitlab:
   optim.build_adamw, what `logitlab train` uses; transformers: torch's fused AdamW, the default
   optimizer of transformers.Trainer with torch >= 2.8). Compiled = train.loss_fn(model, True), the
-  model and the loss compiled as one graph, which is what `logitlab train --compile` runs.
+  model and the loss compiled as one graph, which is what `logitlab train --compile` runs;
+  transformers compiled: its model and F.cross_entropy on the float32 logits through one
+  torch.compile (default options), the optimizer eager on both.
 bf16 is torch.autocast over fp32 weights. Timed with the process's CPU time when torch runs one
 thread (see clock()), else the wall time. The compile time (the compiled side's first call less
 its best timed step) is reported on its own and excluded from the timings. MFU = achieved FLOP/s
@@ -59,7 +63,7 @@ from logitlab.model import accounting
 from logitlab.model.families import PRESETS
 from logitlab.model.transformer import ModelConfig, Transformer
 from logitlab.train import runtime
-from logitlab.train.loop import cross_entropy, loss_fn
+from logitlab.train.loop import loss_fn
 from logitlab.train.optim import build_adamw, clip_grad_norm
 
 SMALL_LLAMA = ModelConfig(vocab_size=8192, context_length=256, d_model=384, n_layers=6, n_heads=6,
@@ -69,7 +73,10 @@ POINTS = {  # name -> (config, batch, T)
     "gpt2-small": (PRESETS["gpt2"], 4, 256),
     "small-llama": (SMALL_LLAMA, 8, 256),
 }
-SIDES = ("ours", "compiled", "peer")
+SIDES = ("ours", "compiled", "peer", "peer-compiled")
+PEERS = ("peer", "peer-compiled")
+NAMES = {"ours": "logitlab eager", "compiled": "logitlab compiled", "peer": "transformers",
+         "peer-compiled": "transformers compiled"}
 LR, WEIGHT_DECAY, CLIP = 1e-5, 0.1, 1.0
 
 def _autocast(enabled: bool):
@@ -79,9 +86,11 @@ def _autocast(enabled: bool):
 def forward_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str = "inductor") -> Callable:
     """One forward (logits (B, T, V), no grad) of `side`'s model; compiled: fullgraph torch.compile."""
     model.eval()
-    if side == "peer":
-        def run():
+    if side in PEERS:
+        def logits(ids):
             return model(input_ids=ids, use_cache=False).logits
+        run = torch.compile(logits, backend=backend) if side == "peer-compiled" else logits
+        run = (lambda f: lambda: f(ids))(run)
     else:
         install_bf16_route(model, autocast, ids.shape[1])
         run = torch.compile(model, fullgraph=True, backend=backend) if side == "compiled" else model
@@ -97,11 +106,16 @@ def train_step(side: str, model, ids: torch.Tensor, autocast: bool, backend: str
     """One training step of `side` on ids (B, T) predicting ids shifted by one (see the module docstring)."""
     model.train()
     targets = torch.roll(ids, -1, dims=1)
-    if side == "peer":
+    if side in PEERS:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
 
+        def peer_loss(ids, targets):   # F.cross_entropy on float32 logits, as the eager peer's
+            return F.cross_entropy(model(input_ids=ids, use_cache=False).logits.float().flatten(0, 1),
+                                   targets.flatten())
+        compute = torch.compile(peer_loss, backend=backend) if side == "peer-compiled" else peer_loss
+
         def loss():
-            return cross_entropy(model(input_ids=ids, use_cache=False).logits, targets)
+            return compute(ids, targets)
 
         def clip():
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -138,7 +152,7 @@ def set_allocator(side: str, spec: dict) -> bool:
     TrainConfig.keep_freed_memory "auto"), its bf16 and eager sides and transformers' with glibc's
     defaults; spec["peer_keep_freed_memory"] gives transformers the setting too. -> applied?"""
     if ((side == "compiled" and spec.get("dtype", "fp32") == "fp32")
-            or (side == "peer" and spec.get("peer_keep_freed_memory"))):
+            or (side in PEERS and spec.get("peer_keep_freed_memory"))):
         return runtime.keep_freed_memory()
     return False
 
@@ -213,7 +227,7 @@ def _serve(conn, side: str, spec: dict) -> None:
     _, timer = clock()
     config = ModelConfig.from_dict(spec["config"])
     ids = torch.randint(0, config.vocab_size, (spec["B"], spec["T"]), generator=torch.Generator().manual_seed(0))
-    if side == "peer":
+    if side in PEERS:
         model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=torch.float32,
                                                                   attn_implementation=spec["peer_attn"])
     else:
@@ -267,9 +281,9 @@ def rotate(sides: dict[str, SideProcess], mode: str, autocast: bool, repeats: in
     return first, times
 
 
-def _ratios(times: dict, side: str) -> dict:
-    """Median, min and max over rounds of peer time / `side` time (> 1: `side` faster)."""
-    r = [p / s for s, p in zip(times[side], times["peer"])]
+def _ratios(times: dict, side: str, peer: str = "peer") -> dict:
+    """Median, min and max over rounds of `peer` time / `side` time (> 1: `side` faster)."""
+    r = [p / s for s, p in zip(times[side], times[peer])]
     return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
 
@@ -310,10 +324,12 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                                flops=fwd_flops * (3 if mode == "train" else 1), times=times)
                     for side in sides:
                         row[f"{side}_tok_s"] = B * T / min(times[side])
-                    for side in sides[:-1]:
+                    for side in ("ours", "compiled")[:1 + compile]:
                         row[f"{side}_ratio"] = _ratios(times, side)
                     if compile:
+                        row["compiled_vs_peer_compiled"] = _ratios(times, "compiled", "peer-compiled")
                         row["compile_s"] = first["compiled"] - min(times["compiled"])
+                        row["peer_compile_s"] = first["peer-compiled"] - min(times["peer-compiled"])
                     # the products alone, and the largest ratio any side on the same kernels could reach
                     ours = procs["ours"]   # the floor in logitlab's process, on its model
                     row["floor_s"] = ours.call("kernel_floor_s", B, T, mode, dtype == "bf16", repeats)
@@ -331,10 +347,10 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                     spec = dict(config=config.to_dict(), directory=str(directory), dtype=dtype, B=B, T=T,
                                 threads=threads, peer_attn=peer_attn, backend=backend,
                                 peer_keep_freed_memory=peer_keep_freed_memory)
-                    got = {side: peak_rss_mib(dict(spec, side=side)) for side in sides}
+                    got = {side: peak_rss_mib(dict(spec, side=side)) for side in sides if side != "peer-compiled"}
                     mem.append(dict(model=name, dtype=dtype, batch=B, T=T, **got))
                     print(f"{name:12s} train    {dtype:5s} peak RSS above imports (MiB): "
-                          + ", ".join(f"{s} {got[s]['step_mib']:.0f}" for s in sides), flush=True)
+                          + ", ".join(f"{s} {mib['step_mib']:.0f}" for s, mib in got.items()), flush=True)
     # MFU against the best matmul rate of the whole run: bf16 products against the faster kernel
     peak = {"fp32": rates["fp32"], "bf16": max(rates["bf16"], rates["fp32"])}
     for row in rows:
@@ -348,7 +364,7 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
 
 def _allocator_text(result: dict) -> str:
     """The paragraph on each side's allocator setting; keep_freed_memory is {dtype: {side: bool}}."""
-    names = {"ours": "logitlab eager", "compiled": "logitlab compiled", "peer": "transformers"}
+    names = NAMES
     kept = {(side, dtype) for dtype, sides in result.get("keep_freed_memory", {}).items()
             for side, on in sides.items() if on}
     if not kept:
@@ -371,7 +387,7 @@ def _allocator_text(result: dict) -> str:
         listed = ", ".join(off[:-1]) + " and " + off[-1] if len(off) > 1 else off[0]
         text += (f", {listed} with glibc's defaults, as their trainers leave them, under which "
                  "each step page-faults its large activations in again")
-        if not any(side == "peer" for side, _ in kept):
+        if not any(side in PEERS for side, _ in kept):
             text += " (`--peer-keep-freed-memory` gives transformers the setting too)"
     return "\n" + textwrap.fill(text.strip() + ".", 100, break_on_hyphens=False)
 
@@ -383,7 +399,8 @@ def _line(row: dict) -> str:
     if "compiled_tok_s" in row:
         text += (f", compiled {row['compiled_tok_s']:8.0f} x{row['compiled_ratio']['median']:.2f} "
                  f"({row['compiled_ratio']['min']:.2f}-{row['compiled_ratio']['max']:.2f}; "
-                 f"compile {row['compile_s']:.0f} s)")
+                 f"compile {row['compile_s']:.0f} s); transformers compiled {row['peer-compiled_tok_s']:8.0f}, "
+                 f"compiled vs it x{row['compiled_vs_peer_compiled']['median']:.2f}")
     text += f"; kernel floor {1e3 * row['floor_s']:.0f} ms (ceiling x{row['ceiling']:.2f})"
     if "floor_native_s" in row:
         text += f", native bf16 {1e3 * row['floor_native_s']:.0f} ms (x{row['ceiling_native']:.2f})"
@@ -501,7 +518,7 @@ def _peak_rss_child(spec: dict) -> int:
     config = ModelConfig.from_dict(spec["config"])
     ids = torch.randint(0, config.vocab_size, (spec["B"], spec["T"]), generator=torch.Generator().manual_seed(0))
     base = common.reset_peak_rss()
-    if spec["side"] == "peer":
+    if spec["side"] in PEERS:
         model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=torch.float32,
                                                                   attn_implementation=spec["peer_attn"])
     else:
@@ -552,10 +569,11 @@ def render(result: dict) -> str:
     compiled = "compiled" in result.get("sides", SIDES)
     headers = ["model", "step", "dtype", "B x T", "transformers tok/s", "logitlab eager tok/s", "eager ratio"]
     if compiled:
-        headers += ["logitlab compiled tok/s", "compiled ratio"]
-    headers += ["MFU transformers / eager" + (" / compiled" if compiled else "")]
+        headers += ["logitlab compiled tok/s", "compiled ratio", "transformers compiled tok/s",
+                    "compiled vs transformers compiled"]
+    headers += ["MFU transformers / eager" + (" / compiled / transformers compiled" if compiled else "")]
     if compiled:
-        headers += ["compile s"]
+        headers += ["compile s (logitlab / transformers)"]
     floors = any("floor_s" in r for r in result["rows"])
     if floors:
         headers += ["kernel floor ms", "ceiling (transformers step / floor)", "bf16 native floor ms (ceiling)"]
@@ -564,10 +582,12 @@ def render(result: dict) -> str:
         row = [r["model"], r["mode"], r["dtype"], f"{r['batch']} x {r['T']}", f"{r['peer_tok_s']:,.0f}",
                f"{r['ours_tok_s']:,.0f}", _ratio_cell(r["ours_ratio"])]
         if compiled:
-            row += [f"{r['compiled_tok_s']:,.0f}", _ratio_cell(r["compiled_ratio"])]
-        row += [" / ".join(f"{r[f'{s}_mfu']:.0%}" for s in ("peer", "ours", "compiled") if f"{s}_mfu" in r)]
+            row += [f"{r['compiled_tok_s']:,.0f}", _ratio_cell(r["compiled_ratio"]),
+                    f"{r['peer-compiled_tok_s']:,.0f}", _ratio_cell(r["compiled_vs_peer_compiled"])]
+        row += [" / ".join(f"{r[f'{s}_mfu']:.0%}" for s in ("peer", "ours", "compiled", "peer-compiled")
+                           if f"{s}_mfu" in r)]
         if compiled:
-            row += [f"{r['compile_s']:.0f}"]
+            row += [f"{r['compile_s']:.0f} / {r['peer_compile_s']:.0f}"]
         if floors:
             row += [f"{1e3 * r['floor_s']:,.0f}" if "floor_s" in r else "-",
                     f"{r['ceiling']:.2f}x" if "ceiling" in r else "-",
@@ -666,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="transformers' attention kernel (default sdpa, its default)")
     parser.add_argument("--models", nargs="*", choices=list(POINTS), default=None,
                         help="which shapes to run (default: all; --quick: small-llama)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the compiled logitlab side")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled sides (logitlab's and transformers')")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     parser.add_argument("--peer-keep-freed-memory", action="store_true",

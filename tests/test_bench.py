@@ -4,6 +4,7 @@ writers, the dispatcher."""
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 
 import pytest
@@ -60,10 +61,11 @@ def test_roofline_run_and_render(monkeypatch):
     assert result["machine"]["numpy"] and isinstance(cpu_flags(), list)
 
 
-@pytest.mark.slow  # about 100 s on 2 cores: three sides, compiled and eager, in child processes
-def test_model_bench_three_sides_and_memory_at_a_tiny_shape():
-    """Eager, compiled (aot_eager traces what inductor would compile) and transformers, forward
-    and training step in fp32 and bf16, then the peak-memory child processes; the section renders."""
+@pytest.mark.slow  # about 2 minutes on 2 cores: four sides, compiled and eager, in child processes
+def test_model_bench_four_sides_and_memory_at_a_tiny_shape():
+    """Eager, compiled (aot_eager traces what inductor would compile), transformers and
+    transformers compiled, forward and training step in fp32 and bf16, then the peak-memory child
+    processes; the section renders."""
     result = model_bench.run(quick=True, repeats=1, models=["micro"], points={"micro": (MICRO, 2, 16)},
                              threads=1, backend="aot_eager")   # quick: B and T halved, memory in fp32 only
     rows = result["rows"]
@@ -72,23 +74,28 @@ def test_model_bench_three_sides_and_memory_at_a_tiny_shape():
     for r in rows:
         assert all(r[f"{side}_tok_s"] > 0 and r[f"{side}_mfu"] > 0 for side in model_bench.SIDES)
         assert r["ours_ratio"]["min"] <= r["ours_ratio"]["median"] <= r["ours_ratio"]["max"]
-        assert r["compiled_ratio"]["median"] > 0 and "compile_s" in r
+        assert r["compiled_ratio"]["median"] > 0 and "compile_s" in r and "peer_compile_s" in r
+        c = r["compiled_vs_peer_compiled"]
+        assert c["median"] == pytest.approx(statistics.median(
+            p / o for o, p in zip(r["times"]["compiled"], r["times"]["peer-compiled"])))
     assert [m["dtype"] for m in result["memory"]] == ["fp32"] and result["clock"] == "cpu"
     for m in result["memory"]:
-        for side in model_bench.SIDES:
+        for side in ("ours", "compiled", "peer"):
             assert m[side]["step_mib"] >= 0 and m[side]["first_mib"] >= m[side]["between_mib"] - 1
     for r in rows:
         assert r["floor_s"] > 0 and r["ceiling"] == pytest.approx(min(r["times"]["peer"]) / r["floor_s"])
         assert ("floor_native_s" in r) == (r["dtype"] == "bf16")
     text = model_bench.render(result)
-    assert "| micro | train | bf16 | 1 x 8 |" in text and "compiled ratio" in text
+    assert "| micro | train | bf16 | 1 x 8 |" in text and "compiled vs transformers compiled" in text
     assert "| micro | fp32 | 1 x 8 |" in text and "logitlab compiled MiB" in text
     assert "ceiling (transformers step / floor)" in text and "Kernel floor:" in text
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert result["keep_freed_memory"] == {"fp32": {"ours": False, "compiled": glibc, "peer": False},
-                                           "bf16": {"ours": False, "compiled": False, "peer": False}}
+    peers = {"peer": False, "peer-compiled": False}
+    assert result["keep_freed_memory"] == {"fp32": {"ours": False, "compiled": glibc, **peers},
+                                           "bf16": {"ours": False, "compiled": False, **peers}}
     flat = " ".join(text.split())
-    assert ("logitlab eager, logitlab compiled in bf16 and transformers with glibc's defaults" in flat) == glibc
+    assert ("logitlab eager, logitlab compiled in bf16, transformers and transformers compiled with glibc's "
+            "defaults" in flat) == glibc
 
 
 def test_model_bench_allocator_setting_is_the_trainers(monkeypatch):
@@ -162,14 +169,15 @@ def test_model_bench_training_steps_do_the_same_work(monkeypatch, tmp_path):
     ours = Transformer(MICRO)
     before = ours.blocks[1].mlp.down_proj.weight.detach().clone()
     hf.save_pretrained(ours, tmp_path)
-    sides = {"ours": ours, "compiled": copy.deepcopy(ours),
-             "peer": transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)}
+    sides = {"ours": ours, "compiled": copy.deepcopy(ours)}
+    for peer in model_bench.PEERS:
+        sides[peer] = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     for side, m in sides.items():
         step = model_bench.train_step(side, m, ids, False, backend="aot_eager")
         step()
         step()
     after = [m.blocks[1].mlp.down_proj.weight for m in (ours, sides["compiled"])]
-    after.append(sides["peer"].model.layers[1].mlp.down_proj.weight)
+    after += [sides[peer].model.layers[1].mlp.down_proj.weight for peer in model_bench.PEERS]
     # AdamW moves each weight by about lr per step, so a tenth of it tells a different update apart
     assert (after[0] - before).abs().mean() > 1e-3
     for w in after[1:]:

@@ -387,6 +387,44 @@ def test_frozen_compiled_step_traces_the_weights_as_constants(model):
     assert inputs_traced(False) - inputs_traced(True) >= n_params
 
 
+def test_compiled_step_traces_module_floats_as_constants(model):
+    """A norm's eps is a constant: traced as a symbolic float (dynamo's default with dynamic shapes
+    and the module guards skipped), AOT autograd pins it and restarts the whole trace, a second
+    compile attempt. CompiledStep traces with specialize_float, so the backend is called once; the
+    global flag is restored afterwards."""
+    import torch._dynamo
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels.decode import CompiledStep
+    from logitlab.model.cache import KVCache
+
+    aot = aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward))
+
+    def attempts(step_class) -> int:
+        calls = []
+
+        def backend(gm, example_inputs):                       # AOT autograd, where the restart starts
+            calls.append(1)
+            return aot(gm, example_inputs)
+        torch._dynamo.reset()
+        step = step_class(torch.compile(decode_step, backend=backend, dynamic=True, fullgraph=True), freezing=False)
+        with torch.inference_mode():
+            cache = KVCache.for_model(model.config, 1, 16)
+            cache.length = 3
+            step(model, torch.tensor([[1]]), cache, torch.tensor([[3]]), None, greedy=True)
+        assert dynamo_config.specialize_float is False
+        return len(calls)
+
+    class Plain(CompiledStep):                                 # the same step without the flag
+        def __call__(self, model, *args, **kwargs):
+            return self._fn(model, *args, **kwargs)
+    assert attempts(Plain) == 2                                # the restart this avoids
+    assert attempts(CompiledStep) == 1
+
+
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_same_tokens(model):
     cfg = SampleConfig(temperature=0, max_new_tokens=16)
@@ -415,6 +453,11 @@ def test_decode_compile_options_autotune_bf16_and_keep_float32_on_the_packed_gem
         fp32, step=decode_step, autotune=True)
     assert _decode_step(Namespace(compile=True, autotune="auto"), fp32) is compiled_decode_step(fp32, step=decode_step)
     assert _decode_step(Namespace(compile=False, autotune="on"), fp32) is decode_step
+    # --freeze off: the weights stay graph inputs (a step inductor's on-disk cache can serve)
+    assert _compile_options(fp32, freeze=False)["freezing"] is False and _compile_options(fp32, freeze=None)["freezing"]
+    unfrozen = _decode_step(Namespace(compile=True, autotune="auto", freeze="off"), fp32)
+    assert unfrozen is compiled_decode_step(fp32, step=decode_step, freeze=False) and unfrozen is not plain
+    assert unfrozen._freezing is False and compiled_decode_step(fp32, step=decode_step)._freezing is True
 
 
 @pytest.mark.slow

@@ -271,7 +271,6 @@ def test_bf16_matmul_mode_is_the_runs_and_is_restored(corpus, tmp_path):
     """TrainConfig.bf16_matmul holds during the run (installed into the model's layers) and the
     model's plain layers are back afterwards, also when the run fails; nothing process-wide."""
     from logitlab.kernels import cpu_bf16
-
     from logitlab.model.attention import Attention
 
     seen = []

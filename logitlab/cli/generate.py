@@ -101,6 +101,10 @@ def _sample_flags(p) -> None:
                    help="with --compile on a CPU: inductor's max-autotune over the matrix products (auto: on "
                    "for bf16 weights, off for float32, where it was measured slower on one CPU and faster on "
                    "another; kernels.decode)")
+    p.add_argument("--freeze", choices=["auto", "on", "off"], default="auto",
+                   help="with --compile on a CPU: the weights as prepacked graph constants (auto: on; faster steps, "
+                   "but a float32 step is compiled again in every new process, where off lets inductor's on-disk "
+                   "cache serve a later run in seconds; kernels.decode)")
 
 
 # -------------------- Loading
@@ -289,5 +293,6 @@ def _decode_step(args, model):
         return decode_step
     from logitlab.kernels.decode import compiled_decode_step
 
-    autotune = {"auto": None, "on": True, "off": False}[getattr(args, "autotune", "auto")]
-    return compiled_decode_step(model, step=decode_step, autotune=autotune)
+    choice = {"auto": None, "on": True, "off": False}
+    return compiled_decode_step(model, step=decode_step, autotune=choice[getattr(args, "autotune", "auto")],
+                                freeze=choice[getattr(args, "freeze", "auto")])

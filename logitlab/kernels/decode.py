@@ -4,8 +4,9 @@ model and kept until its weights change.
 Generation never imports this module: the caller builds the step here and hands it to
 generate.generate / generate.stream as `step=` (the CLI does so for --compile). The step it
 compiles is passed in too (generate.loop.decode_step, the eager reference it must equal), so
-this module reads nothing of generation. What it changes outside a call: inductor's global
-`freezing` flag, set only for the duration of each call of a frozen step and restored after.
+this module reads nothing of generation. What it changes outside a call: two global compiler
+flags read while tracing (inductor's `freezing` for a frozen step, dynamo's `specialize_float`),
+set only for the duration of each guarded call and restored after (CompiledStep).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _guard_options() -> dict:
     return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if _ISOLATE else {}
 
 
-def _compile_options(model, autotune: bool | None = None) -> dict:
+def _compile_options(model, autotune: bool | None = None, freeze: bool | None = None) -> dict:
     """Inductor options for the decode step of `model`, chosen by its device and dtype.
 
     On a CPU a decode step is ~40 small kernels around the matrix products, so cpp_wrapper (the
@@ -46,16 +47,19 @@ def _compile_options(model, autotune: bool | None = None) -> dict:
     vs 21 s); without AMX it was 1.08x (small Llama, batch 1) to 1.27x (tiny, batch 8) faster. A
     trick not proven faster is not the default, so float32 keeps the packed GEMM, which also
     picks the same kernels at every compile (autotune's pick is timed, and can change between
-    compiles on a loaded machine); autotune=True asks for it. The cost of freezing: the packed
+    compiles on a loaded machine); autotune=True asks for it. The costs of freezing: the packed
     copy of each weight held while the compiled step lives, which is why compiled steps are kept
-    per model and rebuilt when a parameter changes (`compiled_decode_step`). Guards on the
-    model's modules are skipped (a decode step checks several per parameter): the per-model key
-    stands in for them.
+    per model and rebuilt when a parameter changes (`compiled_decode_step`), and, for float32
+    weights, no reuse of inductor's on-disk cache (oneDNN's packed weights cannot be saved into
+    it), so every new process compiles the step again (docs/benchmarks.md, "Decode against
+    gpt-fast": ~20 s against ~8 s unfrozen on a warm cache); freeze=False trades the packed GEMM's
+    speed for that. freeze None: on for a CPU. Guards on the model's modules are skipped (a decode
+    step checks several per parameter): the per-model key stands in for them.
     """
     first = next(model.parameters())
     options = _guard_options()
     if first.device.type == "cpu":
-        options.update(cpp_wrapper=True, freezing=True)
+        options.update(cpp_wrapper=True, freezing=freeze is not False)
         if autotune is None:
             autotune = first.dtype != torch.float32
         if autotune:
@@ -79,20 +83,26 @@ class CompiledStep:
         self._fn, self._freezing = fn, freezing
 
     def __call__(self, model, token, cache, positions=None, attn_mask=None, greedy=False):
-        if not self._freezing:
-            return self._fn(model, token, cache, positions, attn_mask, greedy)
-        # torch.compile(options=...) hands its options to inductor only, but dynamo decides while
-        # tracing, from inductor's global flag, whether parameters become graph constants: they
-        # are graph inputs otherwise, and inductor then finds nothing to freeze (no prepacked
-        # weights, aten's products). A call traces only when no compiled graph fits, so the flag
-        # is set around each call and restored after it.
+        # Two flags read while dynamo traces, set around each call (a call traces only when no
+        # compiled graph fits) and restored after it:
+        # - torch.compile(options=...) hands its options to inductor only, but dynamo decides,
+        #   from inductor's global `freezing` flag, whether parameters become graph constants:
+        #   they are graph inputs otherwise, and inductor then finds nothing to freeze (no
+        #   prepacked weights, aten's products);
+        # - with dynamic=True and the module guards skipped, dynamo traces a module's float
+        #   attributes (a norm's eps) as symbolic floats; AOT autograd's tensorify pass then pins
+        #   them and restarts the whole trace: a second compile attempt, ~10 s of a 35-45 s first
+        #   call (docs/benchmarks.md). specialize_float makes them the constants they are.
+        import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
-        before, inductor_config.freezing = inductor_config.freezing, True
+        freezing, floats = inductor_config.freezing, dynamo_config.specialize_float
+        inductor_config.freezing = freezing or self._freezing
+        dynamo_config.specialize_float = True
         try:
             return self._fn(model, token, cache, positions, attn_mask, greedy)
         finally:
-            inductor_config.freezing = before
+            inductor_config.freezing, dynamo_config.specialize_float = freezing, floats
 
     def trusted(self, model, token, cache, positions=None, attn_mask=None, greedy=False):
         """The same step with dynamo's guards skipped, except those telling this step's
@@ -109,7 +119,7 @@ class CompiledStep:
 
 
 def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callable,
-                         autotune: bool | None = None) -> Callable:
+                         autotune: bool | None = None, freeze: bool | None = None) -> Callable:
     """`step` (generate.loop.decode_step, or a function with its signature) through torch.compile,
     as one graph (fullgraph: a graph break is an error) with dynamic shapes (the cache length
     grows every step, so one graph serves every step). -> a callable with decode_step's signature,
@@ -118,16 +128,18 @@ def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callabl
     With a model, the compiled step (a CompiledStep) is built for that model (see
     _compile_options) and kept until its weights change; the first call compiles (slow on a
     CPU), later calls reuse it. autotune: inductor's max-autotune over the matrix products (None:
-    on for bf16/fp16 weights on a CPU, off for float32; see _compile_options).
+    on for bf16/fp16 weights on a CPU, off for float32); freeze: the weights as prepacked graph
+    constants (None: on a CPU; False: aten's products on the weights as they are, and a compile
+    that inductor's on-disk cache can serve to the next process; see _compile_options).
     backend="aot_eager" traces the same graph without inductor (fast; for tests). Without a
     model: one generic compiled step (default options) shared by every model."""
     if model is None:
         return _generic_compiled_step(step, backend)
-    key = (_weights_key(model), backend, step, autotune)
+    key = (_weights_key(model), backend, step, autotune, freeze)
     held = _COMPILED.get(model)
     if held is not None and held[0] == key:
         return held[1]
-    options = _compile_options(model, autotune) if backend == "inductor" else _guard_options()
+    options = _compile_options(model, autotune, freeze) if backend == "inductor" else _guard_options()
 
     def traced(model, token, cache, positions, attn_mask, greedy):
         return step(model, token, cache, positions, attn_mask, greedy)
