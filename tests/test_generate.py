@@ -460,6 +460,27 @@ def test_decode_compile_options_autotune_bf16_and_keep_float32_on_the_packed_gem
     assert unfrozen._freezing is False and compiled_decode_step(fp32, step=decode_step)._freezing is True
 
 
+
+def test_frozen_step_cache_key_carries_the_weights(model):
+    """Inductor keys a frozen graph by its weights' shapes only, yet a GEMM template can bake
+    repacked copies of the values into it: on a CPU where that happens (AMX), another model of
+    the same architecture was served the first one's weights. The frozen options carry a digest
+    of the values into the cache key: equal for equal weights, different after any change."""
+    import copy
+
+    from logitlab.kernels.decode import _compile_options
+
+    m = Transformer(model.config).eval()
+    m.load_state_dict(model.state_dict())
+    digest = _compile_options(m)["post_grad_custom_post_pass"]
+    assert digest.uuid() == _compile_options(copy.deepcopy(m))["post_grad_custom_post_pass"].uuid()
+    with torch.no_grad():
+        m.final_norm.weight[0] += 1e-3                   # one value of one small weight
+    assert _compile_options(m)["post_grad_custom_post_pass"].uuid() != digest.uuid()
+    digest(None)                                         # the pass itself changes nothing
+    assert _compile_options(m.to(torch.bfloat16))["post_grad_custom_post_pass"].uuid() != digest.uuid()
+    assert "post_grad_custom_post_pass" not in _compile_options(m, freeze=False)
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_step_with_frozen_weights_follows_weight_changes(model, dtype):

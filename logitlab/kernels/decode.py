@@ -12,11 +12,13 @@ set only for the duration of each guarded call and restored after (CompiledStep)
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import weakref
 from typing import Callable
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (weights key, step)
 
@@ -51,21 +53,47 @@ def _compile_options(model, autotune: bool | None = None, freeze: bool | None = 
     copy of each weight held while the compiled step lives, which is why compiled steps are kept
     per model and rebuilt when a parameter changes (`compiled_decode_step`), and, for float32
     weights, no reuse of inductor's on-disk cache (oneDNN's packed weights cannot be saved into
-    it), so every new process compiles the step again (docs/benchmarks.md, "Decode against
-    gpt-fast": ~20 s against ~8 s unfrozen on a warm cache); freeze=False trades the packed GEMM's
-    speed for that. freeze None: on for a CPU. Guards on the model's modules are skipped (a decode
-    step checks several per parameter): the per-model key stands in for them.
+    it), so every new process compiles the step again (docs/benchmarks.md has the times);
+    freeze=False trades the packed GEMM's speed for that. freeze None: on for a CPU.
+
+    A frozen step's compiled graph is keyed in inductor's caches (in memory and on disk) by its
+    frozen weights' shapes, not their values, yet may hold constants derived from the values (a
+    GEMM template's repacked weights): the same architecture with other weights, in this process
+    or a later one, would be served those stale constants. The options therefore carry a digest of
+    the weights into the cache key (_WeightsDigest). Guards on the model's modules are skipped (a
+    decode step checks several per parameter): the per-model key stands in for them.
     """
     first = next(model.parameters())
     options = _guard_options()
     if first.device.type == "cpu":
         options.update(cpp_wrapper=True, freezing=freeze is not False)
+        if options["freezing"]:
+            options["post_grad_custom_post_pass"] = _WeightsDigest(model)
         if autotune is None:
             autotune = first.dtype != torch.float32
         if autotune:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
                            autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
     return options
+
+
+class _WeightsDigest(CustomGraphPass):
+    """A graph pass that changes nothing: inductor puts a custom pass's uuid() into the key of its
+    caches, and this one's is a hash of the model's parameter and buffer values (blake2b over their
+    bytes, about a second per GB), so a frozen graph is reused only for the very same weights."""
+
+    def __init__(self, model):
+        digest = hashlib.blake2b(digest_size=16)
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data)
+        self._uuid = "logitlab-weights-" + digest.hexdigest()
+
+    def __call__(self, graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self._uuid
 
 
 def _weights_key(model) -> tuple:
@@ -91,8 +119,8 @@ class CompiledStep:
         #   prepacked weights, aten's products);
         # - with dynamic=True and the module guards skipped, dynamo traces a module's float
         #   attributes (a norm's eps) as symbolic floats; AOT autograd's tensorify pass then pins
-        #   them and restarts the whole trace: a second compile attempt, ~10 s of a 35-45 s first
-        #   call (docs/benchmarks.md). specialize_float makes them the constants they are.
+        #   them and restarts the whole trace, a second compile attempt (a quarter of a first
+        #   call's time; docs/benchmarks.md). specialize_float makes them the constants they are.
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
