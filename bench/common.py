@@ -94,8 +94,17 @@ def machine_info() -> dict:
 
 
 def command_line() -> str:
+    """The command as typed, for a results file and its docs section; an absolute path outside
+    the repository (a peer's clone) is shown by its last part only, as `.../name`, since where
+    one machine keeps its clones says nothing to a reader."""
     module = Path(sys.argv[0]).stem
-    return " ".join(["python3 -m bench." + module, *sys.argv[1:]])
+    return " ".join(["python3 -m bench." + module, *map(_shown_path, sys.argv[1:])])
+
+
+def _shown_path(arg: str) -> str:
+    if not arg.startswith("/") or Path(arg).resolve().is_relative_to(ROOT):
+        return arg
+    return ".../" + Path(arg).name
 
 
 def write_results(name: str, payload: dict) -> Path:

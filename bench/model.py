@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import resource
 import statistics
 import tempfile
@@ -290,7 +291,7 @@ def _ratios(times: dict, side: str, peer: str = "peer") -> dict:
 def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa",
         models: list[str] | None = None, compile: bool = True, memory: bool = True,
         threads: int | None = None, backend: str = "inductor", points: dict | None = None,
-        peer_keep_freed_memory: bool = False) -> dict:
+        peer_keep_freed_memory: bool = False, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict:
     repeats = repeats or (2 if quick else 3)
     points = points or POINTS
     models = models or (["small-llama"] if quick else list(points))
@@ -312,7 +313,7 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
             directory = Path(tmp) / "hf"
             torch.manual_seed(0)
             hf.save_pretrained(Transformer(config), directory)     # the weights every side holds
-            for dtype in ("fp32", "bf16"):   # processes per dtype: the allocator setting is process-wide
+            for dtype in dtypes:   # processes per dtype: the allocator setting is process-wide
                 spec = dict(config=config.to_dict(), directory=str(directory), B=B, T=T, threads=threads, dtype=dtype,
                             peer_attn=peer_attn, backend=backend, peer_keep_freed_memory=peer_keep_freed_memory)
                 procs = {side: SideProcess(side, spec) for side in sides}
@@ -343,7 +344,7 @@ def run(quick: bool = False, repeats: int | None = None, peer_attn: str = "sdpa"
                 for proc in procs.values():
                     proc.close()
             if memory:
-                for dtype in ("fp32",) if quick else ("fp32", "bf16"):
+                for dtype in dtypes[:1] if quick else dtypes:
                     spec = dict(config=config.to_dict(), directory=str(directory), dtype=dtype, B=B, T=T,
                                 threads=threads, peer_attn=peer_attn, backend=backend,
                                 peer_keep_freed_memory=peer_keep_freed_memory)
@@ -678,7 +679,7 @@ A point worth doubting is worth re-measuring alone:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="the small Llama only (unless --models), half-size batches, 2 repeats, fp32 memory")
+                        help="the small Llama only (unless --models), half-size batches, 2 repeats, memory in the first dtype only")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed rounds per point (default 3; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -686,6 +687,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="transformers' attention kernel (default sdpa, its default)")
     parser.add_argument("--models", nargs="*", choices=list(POINTS), default=None,
                         help="which shapes to run (default: all; --quick: small-llama)")
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
+                        help="the dtypes to time (default both)")
+    parser.add_argument("--section", default="Model", metavar="TITLE",
+                        help="the docs/benchmarks.md section to rewrite (default Model; another title keeps "
+                             "that one and writes or rewrites its own, e.g. for another machine, with results "
+                             "in bench/results/model-<title>.json)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled sides (logitlab's and transformers')")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
@@ -700,8 +707,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     result = run(args.quick, args.repeats, args.peer_attn, args.models, compile=not args.no_compile,
                  memory=not args.no_memory, threads=args.threads,
-                 peer_keep_freed_memory=args.peer_keep_freed_memory)
-    publish("model", "Model", result, render, args.quick, not args.no_doc)
+                 peer_keep_freed_memory=args.peer_keep_freed_memory, dtypes=tuple(args.dtypes))
+    name = "model" if args.section == "Model" else "model-" + re.sub(r"[^a-z0-9]+", "-", args.section.lower()).strip("-")
+    publish(name, args.section, result, render, args.quick, not args.no_doc)
     return 0
 
 

@@ -13,7 +13,7 @@ import torch
 from bench import __main__ as dispatcher
 from bench import model as model_bench
 from bench import roofline, scaling
-from bench.common import cpu_flags
+from bench.common import ROOT, command_line, cpu_flags
 from logitlab.model.transformer import ModelConfig, Transformer
 
 MICRO = ModelConfig(vocab_size=256, context_length=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
@@ -264,3 +264,12 @@ def test_generate_bench_runs_both_of_our_sides():
     assert result.tokens == generate(ours, prompts.tolist(), generate_bench.SampleConfig(temperature=0,
                                                                                           max_new_tokens=3)).tokens
     assert callable(sides["compiled"](3))   # built with the compiled step (compiles on first call)
+
+
+def test_command_line_shows_paths_outside_the_repository_by_their_last_part(monkeypatch):
+    """A results file records the command as typed, except where a machine keeps its peers'
+    clones: that says nothing to a reader, and the repository's paths stay as they are."""
+    monkeypatch.setattr("sys.argv", ["/x/bench/nanogpt.py", "--nanogpt", "/home/me/src/nanoGPT", "--out",
+                                     str(ROOT / "bench" / "results"), "--threads", "1"])
+    assert command_line() == (f"python3 -m bench.nanogpt --nanogpt .../nanoGPT --out {ROOT / 'bench' / 'results'}"
+                              " --threads 1")
