@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -128,6 +129,23 @@ def publish(name: str, title: str, result: dict, render, quick: bool = False, do
     if doc:
         update_doc_section(title, render(result))
     return path
+
+
+def add_section_option(parser, default: str) -> None:
+    """--section TITLE: the docs/benchmarks.md section a benchmark writes (default its own), so
+    that another machine's run keeps the default section and writes one of its own."""
+    parser.add_argument("--section", default=default, metavar="TITLE",
+                        help=f"the docs/benchmarks.md section to write (default {default!r}); another title keeps "
+                             "that one and writes or rewrites its own, e.g. for another machine, with the results "
+                             "in bench/results/<name>-<title>.json")
+
+
+def results_name(name: str, section: str, default: str) -> str:
+    """The results file's name for a run written to `section`: `name` for the default section,
+    else `name` and the title's words joined by '-'."""
+    if section == default:
+        return name
+    return name + "-" + re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
 
 
 def update_doc_section(title: str, body: str) -> Path:

@@ -40,7 +40,16 @@ import time
 import types
 from pathlib import Path
 
-from bench.common import ROOT, command_line, cpu_flags, machine_info, markdown_table, publish
+from bench.common import (
+    ROOT,
+    add_section_option,
+    command_line,
+    cpu_flags,
+    machine_info,
+    markdown_table,
+    publish,
+    results_name,
+)
 
 SHAPE = dict(vocab_size=8192, context_length=1024, d_model=384, n_layers=6, n_heads=6, n_kv_heads=2,
              d_ff=1024, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False, tie_embeddings=False)
@@ -237,12 +246,13 @@ commit {m['commit']}, load average {m.get('load_avg_1m', '-')} at the end.
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpt-fast", metavar="FOLDER", help="a clone of gpt-fast outside this repository")
-    parser.add_argument("--dtypes", nargs="*", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     parser.add_argument("--compiles", type=int, default=3, help="cold compiles per compiled side (default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per process (default 3)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    add_section_option(parser, "Decode against gpt-fast")
     parser.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -255,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)   # as every child does (machine_info reports it)
     result = run(args.gpt_fast, args.dtypes, args.compiles, args.repeats, args.threads, args.new_tokens)
-    publish("gptfast", "Decode against gpt-fast", result, render, doc=not args.no_doc)
+    name = results_name("gptfast", args.section, "Decode against gpt-fast")
+    publish(name, args.section, result, render, doc=not args.no_doc)
     return 0
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import resource
 import statistics
 import tempfile
@@ -57,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import common
-from bench.common import command_line, machine_info, markdown_table, publish
+from bench.common import add_section_option, command_line, machine_info, markdown_table, publish, results_name
 from logitlab.io import hf
 from logitlab.kernels import cpu_bf16
 from logitlab.model import accounting
@@ -689,10 +688,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which shapes to run (default: all; --quick: small-llama)")
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
                         help="the dtypes to time (default both)")
-    parser.add_argument("--section", default="Model", metavar="TITLE",
-                        help="the docs/benchmarks.md section to rewrite (default Model; another title keeps "
-                             "that one and writes or rewrites its own, e.g. for another machine, with results "
-                             "in bench/results/model-<title>.json)")
+    add_section_option(parser, "Model")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled sides (logitlab's and transformers')")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
@@ -708,8 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.quick, args.repeats, args.peer_attn, args.models, compile=not args.no_compile,
                  memory=not args.no_memory, threads=args.threads,
                  peer_keep_freed_memory=args.peer_keep_freed_memory, dtypes=tuple(args.dtypes))
-    name = "model" if args.section == "Model" else "model-" + re.sub(r"[^a-z0-9]+", "-", args.section.lower()).strip("-")
-    publish(name, args.section, result, render, args.quick, not args.no_doc)
+    publish(results_name("model", args.section, "Model"), args.section, result, render, args.quick, not args.no_doc)
     return 0
 
 

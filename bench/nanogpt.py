@@ -38,7 +38,15 @@ from pathlib import Path
 
 import torch
 
-from bench.common import command_line, cpu_flags, machine_info, markdown_table, publish
+from bench.common import (
+    add_section_option,
+    command_line,
+    cpu_flags,
+    machine_info,
+    markdown_table,
+    publish,
+    results_name,
+)
 from bench.model import SideProcess, _current_bf16_route, clock, install_bf16_route, optimizer_step, serve_requests
 from logitlab.io import hf
 from logitlab.kernels import allocator
@@ -256,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="apply kernels.allocator.keep_freed_memory in every side's process")
     parser.add_argument("--no-fused-peer", action="store_true", help="skip the nanogpt-fused side")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    add_section_option(parser, "Training against nanoGPT")
     args = parser.parse_args(argv)
     if not (Path(args.nanogpt) / "model.py").is_file():
         parser.error(f"--nanogpt {args.nanogpt}: no model.py there (give the folder of a nanoGPT clone)")
@@ -263,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     result = run(args.nanogpt, args.shapes, args.dtypes, args.repeats, args.threads,
                  args.keep_freed_memory, not args.no_fused_peer)
-    title = "Training against nanoGPT" + (" (kept freed memory)" if args.keep_freed_memory else "")
-    publish("nanogpt-kept" if args.keep_freed_memory else "nanogpt", title, result, render, doc=not args.no_doc)
+    kept = " (kept freed memory)" if args.keep_freed_memory else ""
+    name = results_name("nanogpt-kept" if kept else "nanogpt", args.section, "Training against nanoGPT")
+    publish(name, args.section + kept, result, render, doc=not args.no_doc)
     return 0
 
 
