@@ -463,8 +463,8 @@ def test_decode_compile_options_autotune_bf16_and_keep_float32_on_the_packed_gem
 
 def test_frozen_step_cache_key_carries_the_weights(model):
     """Inductor keys a frozen graph by its weights' shapes only, yet a GEMM template can bake
-    repacked copies of the values into it: on a CPU where that happens (AMX), another model of
-    the same architecture was served the first one's weights. The frozen options carry a digest
+    repacked copies of the values into it: on a CPU where that happens, another model of the
+    same architecture was served the first one's weights (the slow test below, bf16). The frozen options carry a digest
     of the values into the cache key: equal for equal weights, different after any change."""
     import copy
 
