@@ -607,3 +607,18 @@ def test_bf16_attention_route_compiles_to_the_same_values():
         runs.append((value.detach(), [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
     torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp32_share, route", [(0.5, "fp32"), (0.9, "fp32"), (0.95, "native"), (1.2, "native")])
+def test_install_auto_keeps_the_plain_kernels_on_a_near_tie(monkeypatch, fp32_share, route):
+    """A float32 route is taken only where it measured clearly faster (at most PROVEN of the native
+    time), for the products and for attention alike: a tie within a shared machine's noise keeps
+    the bf16 kernels."""
+    from logitlab.kernels import cpu_bf16
+    timings = {"native": 1.0, "fp32": fp32_share}
+    monkeypatch.setattr(cpu_bf16, "measure", lambda weight: timings)
+    monkeypatch.setattr(cpu_bf16, "measure_attention", lambda *shape: timings)
+    assert cpu_bf16.PROVEN == 0.9
+    handle = cpu_bf16.install(_padded_model(), "auto")
+    assert (handle.route, handle.attention_route) == (route, route)
+    handle.remove()

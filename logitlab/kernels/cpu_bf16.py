@@ -48,6 +48,12 @@ MEASURE_ROWS = 512
 # whole K/V cache for one query row.
 MIN_QUERIES = 16
 MEASURE_QUERIES = 256            # the attention measured: one sequence of this many positions (or seq_len)
+# "auto" takes a float32 route only where it measured at most this fraction of the native route's
+# time: a near tie keeps the plain kernels. Timings on a shared machine move by several percent
+# between calls, and inside a compiled step the route's casts cost more than in the measurement
+# (one CPU measured attention at 10.8 ms by the float32 route against 12.1 ms, yet in its compiled
+# GPT-2 small bf16 step the route's casts took 0.26 s where SDPA saved 0.14 s).
+PROVEN = 0.9
 
 MEASURED: dict[tuple[str, tuple[int, ...], int], dict[str, float]] = {}
 """Per-process measurement cache of install(..., "auto"): (device type, weight shape, rows) ->
@@ -296,9 +302,10 @@ def install(model: nn.Module, mode: str, seq_len: int | None = None) -> Installe
     `linear`, and swap every plain Attention to Bf16ViaFp32Attention; "auto": measure each route
     once, the products at the model's largest Linear weight (MEASURE_ROWS rows, see measure),
     attention at its heads over one sequence of seq_len positions (MEASURE_QUERIES when None; see
-    measure_attention), and install each only where it is the faster; a model not on the CPU gets
-    "native". Products that are not bf16 products on CPU, or have few rows, run as before either
-    way. -> Installed; its remove() undoes this."""
+    measure_attention), and install each only where it is clearly the faster (chosen: at most
+    PROVEN of the native time); a model not on the CPU gets "native". Products that are not bf16
+    products on CPU, or have few rows, run as before either way. -> Installed; its remove()
+    undoes this."""
     if mode not in MODES:
         raise ValueError(f"bf16 matmul mode must be one of {MODES}, got {mode!r}")
     if seq_len is not None and seq_len < 1:
@@ -326,19 +333,24 @@ def install(model: nn.Module, mode: str, seq_len: int | None = None) -> Installe
     return handle
 
 
+def chosen(timings: dict[str, float]) -> str:
+    """"fp32" where the float32 route measured at most PROVEN of the native route's time, else
+    "native" (the plain kernels keep a near tie)."""
+    return "fp32" if timings["fp32"] <= PROVEN * timings["native"] else "native"
+
+
 def _measure_routes(handle: Installed, linears: list, attentions: list, on_cpu: bool, seq_len: int | None) -> None:
-    """install's "auto": time each route and keep the faster on `handle`."""
+    """install's "auto": time each route and keep the chosen one (see chosen) on `handle`."""
     weight = max((m.weight for m in linears), key=lambda w: w.numel(), default=None)
     if weight is None or not on_cpu:
         handle.route = "native"
     else:
         handle.timings, handle.weight_shape = measure(weight), tuple(weight.shape)
-        handle.route = "fp32" if handle.timings["fp32"] < handle.timings["native"] else "native"
+        handle.route = chosen(handle.timings)
     if not attentions or not on_cpu:
         handle.attention_route = "native"
         return
     a = attentions[0]
     handle.attention_shape = (a.n_heads, a.n_kv_heads, seq_len or MEASURE_QUERIES, a.head_dim)
     handle.attention_timings = measure_attention(*handle.attention_shape)
-    faster = handle.attention_timings["fp32"] < handle.attention_timings["native"]
-    handle.attention_route = "fp32" if faster else "native"
+    handle.attention_route = chosen(handle.attention_timings)
