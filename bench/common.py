@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -99,7 +100,7 @@ def command_line() -> str:
     the repository (a peer's clone) is shown by its last part only, as `.../name`, since where
     one machine keeps its clones says nothing to a reader."""
     module = Path(sys.argv[0]).stem
-    return " ".join(["python3 -m bench." + module, *map(_shown_path, sys.argv[1:])])
+    return shlex.join(["python3", "-m", "bench." + module, *map(_shown_path, sys.argv[1:])])
 
 
 def _shown_path(arg: str) -> str:

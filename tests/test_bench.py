@@ -270,6 +270,6 @@ def test_command_line_shows_paths_outside_the_repository_by_their_last_part(monk
     """A results file records the command as typed, except where a machine keeps its peers'
     clones: that says nothing to a reader, and the repository's paths stay as they are."""
     monkeypatch.setattr("sys.argv", ["/x/bench/nanogpt.py", "--nanogpt", "/home/me/src/nanoGPT", "--out",
-                                     str(ROOT / "bench" / "results"), "--threads", "1"])
+                                     str(ROOT / "bench" / "results"), "--section", "On another machine"])
     assert command_line() == (f"python3 -m bench.nanogpt --nanogpt .../nanoGPT --out {ROOT / 'bench' / 'results'}"
-                              " --threads 1")
+                              " --section 'On another machine'")         # quoted as a shell needs it
