@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nanogpt", required=True, metavar="FOLDER",
                         help="a clone of nanoGPT outside this repository (the folder holding its model.py)")
-    parser.add_argument("--shapes", nargs="*", choices=list(POINTS), default=list(POINTS))
-    parser.add_argument("--dtypes", nargs="*", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    parser.add_argument("--shapes", nargs="+", choices=list(POINTS), default=list(POINTS))
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per point (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--keep-freed-memory", action="store_true",
