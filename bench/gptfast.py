@@ -25,6 +25,9 @@ RoPE layout by positions.convert_rope_layout, the gate/up matrix split as it exp
 greedy decoding (gpt-fast: top_k=1). Decode tok/s = (N - 1) / (time for N new tokens - time for 1),
 best of the repeats in that process; first call = wall seconds of the first generation of N
 tokens, compile included. Ratios are logitlab / peer tok/s (> 1: logitlab faster).
+Each compiled process also records what inductor's max-autotune picked for every product it
+timed (autotune_picks), so that a spread between cold compiles can be told apart: a different
+kernel picked, or the same kernels at another speed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -95,8 +99,46 @@ def _gpt_fast(folder: str, config, dtype):
     return model.to(dtype).eval(), gf
 
 
+def autotune_picks() -> list[dict]:
+    """A list that fills, for the rest of this process, with one entry per product inductor's
+    max-autotune times: {"op": its name and input shapes, "pick": the fastest choice, "ms": each
+    choice's time}; a choice is named without inductor's running number, so that two compiles'
+    picks compare. Nothing is timed (and nothing added) where the inductor cache already holds
+    the picks, or where autotuning is off; [] stays empty where this torch has no such hook."""
+    picks: list[dict] = []
+    try:
+        from torch._inductor.select_algorithm import add_feedback_saver
+    except ImportError:
+        return picks
+
+    def kind(choice) -> str:
+        name = re.sub(r"_\d+$", "", getattr(choice, "name", type(choice).__name__))
+        description = getattr(choice, "description", "")
+        return f"{name} ({description})" if description else name
+
+    def saved(timings, name, input_nodes, *rest) -> None:
+        shapes = "x".join(str(tuple(node.get_size())) for node in input_nodes)
+        ms = {kind(c): round(float(t), 5) for c, t in timings.items()}
+        picks.append({"op": f"{name} {shapes}", "pick": min(ms, key=ms.get), "ms": ms})
+
+    add_feedback_saver(saved)
+    return picks
+
+
+def same_picks(runs: list[dict]) -> str:
+    """Whether every run that timed its products picked the same kernel for each: "yes (n
+    products)", "no: k of n products differ", or "-" (nothing timed)."""
+    timed = [[(p["op"], p["pick"]) for p in r.get("autotune_picks", [])] for r in runs]
+    timed = [t for t in timed if t]
+    if not timed:
+        return "-"
+    differ = sum(len({t[i] if i < len(t) else None for t in timed}) > 1 for i in range(max(map(len, timed))))
+    return f"yes ({len(timed[0])} products)" if differ == 0 else f"no: {differ} of {max(map(len, timed))} differ"
+
+
 def _child(spec: dict) -> None:
-    """One side in this fresh process: -> prints JSON {first_s, tok_s: [per repeat], tokens}."""
+    """One side in this fresh process: -> prints JSON {first_s, tok_s: [per repeat], tokens,
+    autotune_picks}."""
     import torch
 
     from logitlab.generate import SampleConfig, decode_step, generate
@@ -109,6 +151,7 @@ def _child(spec: dict) -> None:
     config = ModelConfig(**SHAPE)
     prompt = torch.randint(0, config.vocab_size, (spec["prompt"],), generator=torch.Generator().manual_seed(0))
     side, N = spec["side"], spec["new_tokens"]
+    picks = autotune_picks() if side in COMPILED else []
     if side.startswith("logitlab"):
         torch.manual_seed(0)
         model = Transformer(config).to(dtype).eval()
@@ -151,7 +194,7 @@ def _child(spec: dict) -> None:
         t = time.perf_counter()
         run(N)
         tok_s.append((N - 1) / max(time.perf_counter() - t - one, 1e-9))
-    print(json.dumps({"first_s": first_s, "tok_s": tok_s, "tokens": tokens}))
+    print(json.dumps({"first_s": first_s, "tok_s": tok_s, "tokens": tokens, "autotune_picks": picks}))
 
 
 def measure(spec: dict, cache_dir: str) -> dict:
@@ -201,7 +244,7 @@ def _line(point: dict) -> str:
 
 def render(result: dict) -> str:
     headers = ["dtype", "side", "decode tok/s, cold compiles", "warm", "spread (max/min, cold)",
-               "first call s, cold", "warm", "same tokens as logitlab eager"]
+               "first call s, cold", "warm", "same tokens as logitlab eager", "same autotune picks, cold"]
     rows = []
     for p in result["points"]:
         for side, runs in p["runs"].items():
@@ -213,7 +256,8 @@ def render(result: dict) -> str:
                          f"{max(rates) / min(rates):.2f}" if len(rates) > 1 else "-",
                          " / ".join(f"{r['first_s']:.1f}" for r in cold) if side in COMPILED else "-",
                          " / ".join(f"{r['first_s']:.1f}" for r in warm) or "-",
-                         "yes" if p["same_tokens"][side] else "no"])
+                         "yes" if p["same_tokens"][side] else "no",
+                         same_picks(cold) if side in COMPILED else "-"])
     ratio_rows = []
     for p in result["points"]:
         med = {s: statistics.median(_best(r) for r in runs if r.get("cache") != "warm") for s, runs in p["runs"].items()}
@@ -227,6 +271,8 @@ new tokens after a 16-token prompt, against gpt-fast's decode loop: compiled wit
 compiled with logitlab's CPU options for the dtype ("tuned": kernels.decode._compile_options,
 freezing and the C++ wrapper, and max-autotune for bf16), and eager. "same tokens": bf16's
 rounding inside fused kernels can flip a near-tie, so compiled bf16 tokens may part from eager ones.
+"same autotune picks": whether every cold compile of the side picked the same kernel for each
+product max-autotune timed ("-": nothing timed, as without autotuning).
 Every figure is a fresh process with an empty inductor cache (cold: as on a new machine;
 {result['compiles']} per compiled side, in turn), then one more reusing the last cache (warm).
 Decode tok/s: best of {result['repeats']} generations in that process; first call: the wall time of

@@ -43,8 +43,39 @@ def test_gptfast_table_reads_cold_and_warm_runs():
     text = gptfast.render(dict(command="python3 -m bench.gptfast", machine=MACHINE, cpu_flags=[], shape=gptfast.SHAPE,
                                compiles=2, repeats=2, new_tokens=8, points=[point]))
     assert "| fp32 | 2.00 | 1.25 | 1.50 | 1.50 |" in text       # vs its options, equal options, eager, first call
-    assert "| fp32 | logitlab | 400 / 400 | 400 | 1.00 | 30.0 / 30.0 | 1.0 | yes |" in text
-    assert "| fp32 | gpt-fast eager | 100 | - | - | - | - | no |" in text
+    assert "| fp32 | logitlab | 400 / 400 | 400 | 1.00 | 30.0 / 30.0 | 1.0 | yes | - |" in text
+    assert "| fp32 | gpt-fast eager | 100 | - | - | - | - | no | - |" in text
+
+
+def test_autotune_picks_compare_between_compiles():
+    def run(*picks):
+        return dict(autotune_picks=[{"op": f"mm {i}", "pick": p, "ms": {p: 0.1}} for i, p in enumerate(picks)])
+    assert gptfast.same_picks([run("cpp", "aten"), run("cpp", "aten"), dict(autotune_picks=[])]) == "yes (2 products)"
+    assert gptfast.same_picks([run("cpp", "aten"), run("cpp", "cpp")]) == "no: 1 of 2 differ"
+    assert gptfast.same_picks([run("cpp"), run("cpp", "aten")]) == "no: 1 of 2 differ"
+    assert gptfast.same_picks([dict(tok_s=[1.0]), dict(autotune_picks=[])]) == "-"
+
+
+def test_autotune_picks_are_heard_from_inductor(monkeypatch):
+    import torch._inductor.select_algorithm as select
+
+    heard = []
+    monkeypatch.setattr(select, "add_feedback_saver", heard.append)
+
+    class Choice:
+        def __init__(self, name, description=""):
+            self.name, self.description = name, description
+
+    class Node:
+        def get_size(self):
+            return [1, 384]
+
+    picks = gptfast.autotune_picks()
+    assert len(heard) == 1 and picks == []
+    timings = {Choice("cpp_gemm_12", "block=(1,32)"): 0.02, Choice("aten_mm"): 0.05}
+    heard[0](timings, "mm", [Node(), Node()], [], None, {})
+    assert picks == [{"op": "mm (1, 384)x(1, 384)", "pick": "cpp_gemm (block=(1,32))",
+                      "ms": {"cpp_gemm (block=(1,32))": 0.02, "aten_mm": 0.05}}]
 
 
 
