@@ -100,11 +100,11 @@ def _gpt_fast(folder: str, config, dtype):
 
 
 def autotune_picks() -> list[dict]:
-    """A list that fills, for the rest of this process, with one entry per product inductor's
-    max-autotune times: {"op": its name and input shapes, "pick": the fastest choice, "ms": each
-    choice's time}; a choice is named without inductor's running number, so that two compiles'
-    picks compare. Nothing is timed (and nothing added) where the inductor cache already holds
-    the picks, or where autotuning is off; [] stays empty where this torch has no such hook."""
+    """A list that fills, for the rest of this process, with one entry per product for which
+    inductor's max-autotune selects a kernel: {"op": its name and input shapes, "pick": the
+    fastest choice, "ms": each choice's time (timed in this process, or as inductor's cache
+    recorded them)}; a choice is named without inductor's running number, so that two compiles'
+    picks compare. It stays empty where autotuning is off, or where this torch has no such hook."""
     picks: list[dict] = []
     try:
         from torch._inductor.select_algorithm import add_feedback_saver
@@ -272,7 +272,7 @@ compiled with logitlab's CPU options for the dtype ("tuned": kernels.decode._com
 freezing and the C++ wrapper, and max-autotune for bf16), and eager. "same tokens": bf16's
 rounding inside fused kernels can flip a near-tie, so compiled bf16 tokens may part from eager ones.
 "same autotune picks": whether every cold compile of the side picked the same kernel for each
-product max-autotune timed ("-": nothing timed, as without autotuning).
+product max-autotune chose for ("-": no autotuning).
 Every figure is a fresh process with an empty inductor cache (cold: as on a new machine;
 {result['compiles']} per compiled side, in turn), then one more reusing the last cache (warm).
 Decode tok/s: best of {result['repeats']} generations in that process; first call: the wall time of
