@@ -41,20 +41,24 @@ def _compile_options(model, autotune: bool | None = None, freeze: bool | None = 
     (MKL's or oneDNN's): aten's products with a few rows run far below the memory bandwidth on
     unpacked weights (docs/benchmarks.md has the step times). autotune (max_autotune) also times
     inductor's C++ GEMM template against aten's products per matrix shape and keeps the fastest;
-    None: on for bf16 and fp16 weights, off for float32. Measured on two CPUs (docs/benchmarks.md,
-    "Decode against gpt-fast" and the performance notes): for bf16 the template's AMX kernels
-    made a small Llama's step 1.75x faster on a CPU with AMX (on the CPU without AMX, bf16 decode
-    was measured with autotuning only). For float32 the two CPUs disagree: with AMX the autotuned step ran at 0.83x the
-    speed of MKL's packed GEMM alone (small Llama, batch 1 and 8) at twice the compile time (42 s
-    vs 21 s); without AMX it was 1.08x (small Llama, batch 1) to 1.27x (tiny, batch 8) faster. A
+    None: on for bf16 and fp16 weights, off for float32. Measured on three CPUs
+    (docs/benchmarks.md, "Decode against gpt-fast" and the performance notes): for bf16 the
+    template's AMX kernels made a small Llama's step 1.75x faster on a CPU with AMX, and on an
+    AVX-512 BF16 CPU without AMX the step ran at 346-503 tok/s against 265-284 without autotuning
+    (most of a cold bf16 compile's extra time there is the timing itself: each candidate's C++ is
+    compiled to be timed). For float32 two CPUs disagree: with AMX the autotuned step ran at 0.83x
+    the speed of MKL's packed GEMM alone (small Llama, batch 1 and 8) at twice the compile time (42
+    s vs 21 s); without AMX it was 1.08x (small Llama, batch 1) to 1.27x (tiny, batch 8) faster. A
     trick not proven faster is not the default, so float32 keeps the packed GEMM, which also
     picks the same kernels at every compile (autotune's pick is timed, and can change between
     compiles on a loaded machine); autotune=True asks for it. The costs of freezing: the packed
     copy of each weight held while the compiled step lives, which is why compiled steps are kept
-    per model and rebuilt when a parameter changes (`compiled_decode_step`), and, for float32
-    weights, no reuse of inductor's on-disk cache (oneDNN's packed weights cannot be saved into
-    it), so every new process compiles the step again (docs/benchmarks.md has the times);
-    freeze=False trades the packed GEMM's speed for that. freeze None: on for a CPU.
+    per model and rebuilt when a parameter changes (`compiled_decode_step`), and no reuse of
+    inductor's on-disk cache for a graph holding any weight packed for oneDNN (such weights cannot
+    be saved into it): every float32 step, and on some CPUs a bf16 one (measured on an AVX-512
+    BF16 CPU without AMX, not on an AVX2 one), is compiled again in every new process
+    (docs/benchmarks.md has the times); freeze=False trades the packed GEMM's speed for that.
+    freeze None: on for a CPU.
 
     A frozen step's compiled graph is keyed in inductor's caches (in memory and on disk) by its
     frozen weights' shapes, not their values, yet may hold constants derived from the values (a
