@@ -127,7 +127,7 @@ def autotune_picks() -> list[dict]:
 
 def same_picks(runs: list[dict]) -> str:
     """Whether every run that timed its products picked the same kernel for each: "yes (n
-    products)", "no: k of n products differ", or "-" (nothing timed)."""
+    products)", "no: k of n differ" (k of the n products), or "-" (nothing timed)."""
     timed = [[(p["op"], p["pick"]) for p in r.get("autotune_picks", [])] for r in runs]
     timed = [t for t in timed if t]
     if not timed:
