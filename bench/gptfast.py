@@ -33,6 +33,7 @@ kernel picked, or the same kernels at another speed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -132,8 +133,9 @@ def same_picks(runs: list[dict]) -> str:
     timed = [t for t in timed if t]
     if not timed:
         return "-"
-    differ = sum(len({t[i] if i < len(t) else None for t in timed}) > 1 for i in range(max(map(len, timed))))
-    return f"yes ({len(timed[0])} products)" if differ == 0 else f"no: {differ} of {max(map(len, timed))} differ"
+    columns = list(itertools.zip_longest(*timed))                  # one per product, a pick per run
+    differ = sum(len(set(column)) > 1 for column in columns)
+    return f"yes ({len(columns)} products)" if differ == 0 else f"no: {differ} of {len(columns)} differ"
 
 
 def _child(spec: dict) -> None:
