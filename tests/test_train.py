@@ -501,6 +501,74 @@ def test_loss_fn_compiled_equals_eager_in_loss_and_gradients(fullgraph):
         torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _gradients(model, ids, targets, compile_fn=None) -> dict:
+    model.zero_grad(set_to_none=True)
+    loss = (compile_fn or (lambda f: f))(lambda i, t: cross_entropy(model(i), t))(ids, targets)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_embedding_pass_sums_the_lookup_rows_into_the_heads_gradient(tied):
+    """kernels.compiled.TiedEmbeddingGrad on the backward graph inductor would get (its
+    decompositions, run here without inductor): the tied table's gradient sum is rewritten once
+    (nothing in an untied model), and every gradient equals eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    from logitlab.kernels.compiled import TiedEmbeddingGrad
+
+    torch.manual_seed(0)
+    model = tiny_model(dropout=0.0, tie_embeddings=tied)
+    ids = torch.randint(0, 257, (2, 12))
+    ids[0, :4] = ids[1, 5]                                      # one row looked up five times
+    targets = torch.randint(0, 257, (2, 12))
+    passes = []
+
+    def backward(gm, _):
+        passes.append(TiedEmbeddingGrad())
+        passes[-1](gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward,
+                           decompositions=select_decomp_table())
+    got = _gradients(model, ids, targets, lambda f: torch.compile(f, backend=backend, fullgraph=True))
+    assert [p.rewritten for p in passes] == [1 if tied else 0]
+    want = _gradients(model, ids, targets)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_loss_fn_with_inductor_sums_a_tied_tables_gradient_in_place(monkeypatch):
+    """train.loss_fn(model, True): inductor with training_options (the tied-embedding pass, which
+    rewrites the backward graph); the gradients equal eager's, the tied table's too."""
+    import torch._inductor.config as inductor_config
+
+    from logitlab.kernels import compiled
+    from logitlab.train import loss as loss_module
+
+    handed = []
+
+    def options():
+        handed.append(compiled.training_options())
+        return handed[-1]
+
+    monkeypatch.setattr(loss_module, "training_options", options)
+    torch.manual_seed(0)
+    model = tiny_model(dropout=0.0, tie_embeddings=True)
+    ids, targets = torch.randint(0, 257, (2, 12)), torch.randint(0, 257, (2, 12))
+    want = _gradients(model, ids, targets)
+    model.zero_grad(set_to_none=True)
+    with inductor_config.patch(fx_graph_cache=False):   # compiled here, not served from a cache
+        loss_module.loss_fn(model, True)(ids, targets).backward()
+    assert handed[0]["post_grad_custom_pre_pass"].rewritten == 1   # its last call: the backward graph
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 # -------------------- the default learning rate and the time budget
 
 def test_default_lr_follows_the_models_size():

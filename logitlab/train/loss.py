@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from logitlab.data import tokens as data_io
-from logitlab.kernels.compiled import CrossEntropy
+from logitlab.kernels.compiled import CrossEntropy, training_options
 from logitlab.train import runtime
 
 IGNORE_INDEX = -100  # a target equal to it adds nothing to the loss (F.cross_entropy's default)
@@ -93,7 +93,9 @@ def loss_fn(model, compile: bool | str = False, fullgraph: bool = True) -> Calla
     compile: False (eager), True (inductor) or a torch.compile backend name. Compiled, the model
     and the loss are traced as one graph, so the float32 upcast of the (B, T, V) logits, the
     log-softmax and their backward fuse with the LM head's output instead of running as separate
-    passes over B x T x V floats (the largest tensors of a small model's step).
+    passes over B x T x V floats (the largest tensors of a small model's step); with inductor,
+    kernels.compiled.training_options() adds its graph passes (a tied embedding's gradient
+    summed in place).
     fullgraph: a graph break is an error (the plain model has none); pass False for a model
     wrapped by DDP/FSDP, whose hooks may break the graph."""
     def loss(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -101,7 +103,8 @@ def loss_fn(model, compile: bool | str = False, fullgraph: bool = True) -> Calla
     if not compile:
         return loss
     backend = compile if isinstance(compile, str) else "inductor"
-    return torch.compile(loss, fullgraph=fullgraph, backend=backend)
+    options = training_options() if backend == "inductor" else None
+    return torch.compile(loss, fullgraph=fullgraph, backend=backend, options=options)
 
 
 @torch.no_grad()
