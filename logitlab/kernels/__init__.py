@@ -2,7 +2,8 @@
 
 - cpu_bf16: bf16 products on CPU through float32 GEMMs; install(model, mode) -> handle (route,
   timings, remove()). Reference: F.linear under bf16 autocast.
-- compiled: formulas written for torch.compile (CrossEntropy). Reference: F.cross_entropy.
+- compiled: formulas and graph passes written for torch.compile (CrossEntropy, TiedEmbeddingGrad,
+  training_options). Reference: F.cross_entropy; the graph as traced.
 - decode: the compiled decode step. Reference: generate.loop.decode_step.
 - allocator: keep_freed_memory, a process-wide allocator setting applied by an explicit call.
 - Triton (GPU; tested on CPU through Triton's interpreter), in the order they are taught:

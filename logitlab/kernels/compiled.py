@@ -132,5 +132,6 @@ def _fold_scatter(graph: torch.fx.Graph, add: torch.fx.Node, dense: torch.fx.Nod
 
 
 def training_options() -> dict:
-    """torch.compile options (inductor) for a training step: the graph passes above."""
+    """torch.compile options (inductor) for a training step: the graph passes above (as inductor's
+    post_grad_custom_pre_pass, so within this compile they take that slot's place)."""
     return {"post_grad_custom_pre_pass": TiedEmbeddingGrad()}
