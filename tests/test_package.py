@@ -14,6 +14,15 @@ def test_import_has_no_side_effects():
     assert out.stdout.strip() == "False"
 
 
+def test_the_cli_and_training_do_not_import_the_compiler():
+    """torch._inductor takes seconds to import: only a compile that needs it imports it (the
+    training step's graph passes are imported by loss_fn when it compiles with inductor)."""
+    code = ("import sys, logitlab.cli, logitlab.train.loop, logitlab.generate; "
+            "print('torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_public_names_resolve():
     for name in logitlab.__all__:
         assert getattr(logitlab, name) is not None

@@ -510,14 +510,14 @@ def _gradients(model, ids, targets, compile_fn=None) -> dict:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_tied_embedding_pass_sums_the_lookup_rows_into_the_heads_gradient(tied):
-    """kernels.compiled.TiedEmbeddingGrad on the backward graph inductor would get (its
+    """kernels.graph_passes.TiedEmbeddingGrad on the backward graph inductor would get (its
     decompositions, run here without inductor): the tied table's gradient sum is rewritten once
     (nothing in an untied model), and every gradient equals eager's."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
-    from logitlab.kernels.compiled import TiedEmbeddingGrad
+    from logitlab.kernels.graph_passes import TiedEmbeddingGrad
 
     torch.manual_seed(0)
     model = tiny_model(dropout=0.0, tie_embeddings=tied)
@@ -543,20 +543,20 @@ def test_tied_embedding_pass_sums_the_lookup_rows_into_the_heads_gradient(tied):
 
 
 def test_loss_fn_with_inductor_sums_a_tied_tables_gradient_in_place(monkeypatch):
-    """train.loss_fn(model, True): inductor with training_options (the tied-embedding pass, which
+    """train.loss_fn(model, True): inductor with graph_passes.training_options (the tied-embedding pass, which
     rewrites the backward graph); the gradients equal eager's, the tied table's too."""
     import torch._inductor.config as inductor_config
 
-    from logitlab.kernels import compiled
+    from logitlab.kernels import graph_passes
     from logitlab.train import loss as loss_module
 
-    handed = []
+    handed, build = [], graph_passes.training_options
 
     def options():
-        handed.append(compiled.training_options())
+        handed.append(build())
         return handed[-1]
 
-    monkeypatch.setattr(loss_module, "training_options", options)
+    monkeypatch.setattr(graph_passes, "training_options", options)
     torch.manual_seed(0)
     model = tiny_model(dropout=0.0, tie_embeddings=True)
     ids, targets = torch.randint(0, 257, (2, 12)), torch.randint(0, 257, (2, 12))

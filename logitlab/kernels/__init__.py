@@ -2,8 +2,9 @@
 
 - cpu_bf16: bf16 products on CPU through float32 GEMMs; install(model, mode) -> handle (route,
   timings, remove()). Reference: F.linear under bf16 autocast.
-- compiled: formulas and graph passes written for torch.compile (CrossEntropy, TiedEmbeddingGrad,
-  training_options). Reference: F.cross_entropy; the graph as traced.
+- compiled: formulas written for torch.compile (CrossEntropy). Reference: F.cross_entropy.
+- graph_passes: inductor graph passes for a training step (TiedEmbeddingGrad, training_options;
+  imported only by a compile that uses them). Reference: the graph as traced.
 - decode: the compiled decode step. Reference: generate.loop.decode_step.
 - allocator: keep_freed_memory, a process-wide allocator setting applied by an explicit call.
 - Triton (GPU; tested on CPU through Triton's interpreter), in the order they are taught:
@@ -16,6 +17,6 @@
   the norms, the MLP and train.loss.
 """
 
-__all__ = ["allocator", "compiled", "cpu_bf16", "decode", "triton_attention", "triton_attention_steps",
-           "triton_basics", "triton_common", "triton_cross_entropy", "triton_flash_bwd", "triton_flash_fwd",
-           "triton_install", "triton_io", "triton_norm", "triton_swiglu"]
+__all__ = ["allocator", "compiled", "cpu_bf16", "decode", "graph_passes", "triton_attention",
+           "triton_attention_steps", "triton_basics", "triton_common", "triton_cross_entropy", "triton_flash_bwd",
+           "triton_flash_fwd", "triton_install", "triton_io", "triton_norm", "triton_swiglu"]

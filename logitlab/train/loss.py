@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from logitlab.data import tokens as data_io
-from logitlab.kernels.compiled import CrossEntropy, training_options
+from logitlab.kernels.compiled import CrossEntropy
 from logitlab.train import runtime
 
 IGNORE_INDEX = -100  # a target equal to it adds nothing to the loss (F.cross_entropy's default)
@@ -94,7 +94,7 @@ def loss_fn(model, compile: bool | str = False, fullgraph: bool = True) -> Calla
     and the loss are traced as one graph, so the float32 upcast of the (B, T, V) logits, the
     log-softmax and their backward fuse with the LM head's output instead of running as separate
     passes over B x T x V floats (the largest tensors of a small model's step); with inductor,
-    kernels.compiled.training_options() adds its graph passes (a tied embedding's gradient
+    kernels.graph_passes.training_options() adds its graph passes (a tied embedding's gradient
     summed in place).
     fullgraph: a graph break is an error (the plain model has none); pass False for a model
     wrapped by DDP/FSDP, whose hooks may break the graph."""
@@ -103,7 +103,11 @@ def loss_fn(model, compile: bool | str = False, fullgraph: bool = True) -> Calla
     if not compile:
         return loss
     backend = compile if isinstance(compile, str) else "inductor"
-    options = training_options() if backend == "inductor" else None
+    options = None
+    if backend == "inductor":
+        from logitlab.kernels.graph_passes import training_options  # imports inductor: only here
+
+        options = training_options()
     return torch.compile(loss, fullgraph=fullgraph, backend=backend, options=options)
 
 
