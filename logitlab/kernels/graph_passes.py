@@ -50,13 +50,10 @@ class TiedEmbeddingGrad(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.rewritten = 0
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs:
-                pair = [a for a in node.args if isinstance(a, torch.fx.Node)]
-                if len(pair) == 2:
-                    for dense, scatter in (pair, pair[::-1]):
-                        if _fold_scatter(graph, node, dense, scatter):
-                            self.rewritten += 1
-                            break
+            if (node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs
+                    and all(isinstance(a, torch.fx.Node) for a in node.args)):
+                a, b = node.args                                     # either side may be the scatter
+                self.rewritten += _fold_scatter(graph, node, a, b) or _fold_scatter(graph, node, b, a)
 
     def uuid(self) -> str:
         return "logitlab-tied-embedding-grad-1"
