@@ -17,9 +17,9 @@ run on the same machine). Sides:
   its own options (mode="reduce-overhead", fullgraph=True, the settings its generate.py makes);
   "gpt-fast eager": the same uncompiled;
 - "gpt-fast tuned": its decode_one_token compiled with logitlab's CPU inductor options for the
-  dtype (decode._compile_options: freezing and the C++ wrapper, and for bf16 max-autotune over
-  the C++ GEMM template and aten), inductor's freezing flag set for the process, so that the
-  options are equal.
+  dtype (decode._compile_options: freezing and the C++ wrapper, and for bf16 max-autotune with
+  the C++ GEMM template pinned where it applies, decode.template_pinned), inductor's freezing
+  flag set for the process, so that the options are equal.
 The same weights (logitlab's seed-0 model; q and k rows permuted into gpt-fast's interleaved
 RoPE layout by positions.convert_rope_layout, the gate/up matrix split as it expects), the same random prompt,
 greedy decoding (gpt-fast: top_k=1). Decode tok/s = (N - 1) / (time for N new tokens - time for 1),
@@ -170,7 +170,13 @@ def _child(spec: dict) -> None:
 
             inductor_config.freezing = True   # as decode.CompiledStep sets it around its calls
             options = {k: v for k, v in decode._compile_options(model).items() if k != "guard_filter_fn"}
-            gf.decode_one_token = torch.compile(gf.decode_one_token, fullgraph=True, options=options)
+            compiled = torch.compile(gf.decode_one_token, fullgraph=True, options=options)
+            pin = decode._autotune_mode(model, None, options["freezing"]) == "template"
+
+            def tuned(*args, **kwargs):   # the template pinned around its calls, as CompiledStep does
+                with decode.template_pinned(pin):
+                    return compiled(*args, **kwargs)
+            gf.decode_one_token = tuned
         model.setup_caches(max_batch_size=1, max_seq_length=spec["prompt"] + N)
 
         @torch.no_grad()
@@ -271,10 +277,11 @@ def render(result: dict) -> str:
 {result['shape']['n_heads']} heads / {result['shape']['n_kv_heads']} KV heads, vocabulary {result['shape']['vocab_size']}), {result['new_tokens']}
 new tokens after a 16-token prompt, against gpt-fast's decode loop: compiled with its own options,
 compiled with logitlab's CPU options for the dtype ("tuned": kernels.decode._compile_options,
-freezing and the C++ wrapper, and max-autotune for bf16), and eager. "same tokens": bf16's
+freezing and the C++ wrapper, and for bf16 max-autotune with the C++ GEMM template pinned
+wherever it applies, nothing timed), and eager. "same tokens": bf16's
 rounding inside fused kernels can flip a near-tie, so compiled bf16 tokens may part from eager ones.
 "same autotune picks": whether every cold compile of the side picked the same kernel for each
-product max-autotune chose for ("-": no autotuning).
+product max-autotune timed ("-": nothing timed).
 Every figure is a fresh process with an empty inductor cache (cold: as on a new machine;
 {result['compiles']} per compiled side, in turn), then one more reusing the last cache (warm).
 Decode tok/s: best of {result['repeats']} generations in that process; first call: the wall time of

@@ -6,6 +6,8 @@ generate)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -423,6 +425,77 @@ def test_compiled_step_traces_module_floats_as_constants(model):
             return self._fn(model, *args, **kwargs)
     assert attempts(Plain) == 2                                # the restart this avoids
     assert attempts(CompiledStep) == 1
+
+
+def test_decode_autotune_pins_the_template_for_bf16_and_times_on_request(model):
+    """autotune None: the C++ GEMM template untimed ("template") for a frozen bf16 step; True /
+    "timed": every candidate timed; False: aten's products; the choice filter acts only while a
+    pinned step runs, and keeps every choice where no template is offered."""
+    from argparse import Namespace
+
+    import torch._inductor.select_algorithm  # noqa: F401  (imported first: the next import is circular alone)
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+
+    from logitlab.cli.generate import _decode_step
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels import decode
+
+    fp32 = Transformer(model.config).eval()
+    bf16 = Transformer(model.config).eval().to(torch.bfloat16)
+    assert decode.compiled_decode_step(bf16, step=decode_step)._pin is True
+    assert decode.compiled_decode_step(bf16, step=decode_step, autotune=True)._pin is False
+    assert decode.compiled_decode_step(bf16, step=decode_step, autotune="timed")._pin is False
+    assert decode.compiled_decode_step(bf16, step=decode_step, freeze=False)._pin is False  # nothing to pin
+    assert decode.compiled_decode_step(fp32, step=decode_step)._pin is False
+    assert decode.compiled_decode_step(fp32, step=decode_step, autotune="template")._pin is True
+    assert _decode_step(Namespace(compile=True, autotune="template"), fp32)._pin is True
+    with pytest.raises(ValueError, match="'fast'"):
+        decode.compiled_decode_step(fp32, step=decode_step, autotune="fast")
+    # a pinned step and a timed one are different entries of inductor's cache
+    digest = decode._compile_options(bf16)["post_grad_custom_post_pass"].uuid()
+    assert digest != decode._compile_options(bf16, autotune=True)["post_grad_custom_post_pass"].uuid()
+    assert digest == decode._compile_options(bf16, autotune="template")["post_grad_custom_post_pass"].uuid()
+
+    from torch._inductor.select_algorithm import DataProcessorChoiceCallerWrapper
+
+    # the filter installs in a fresh process too (no inductor module imported before it)
+    fresh = subprocess.run([sys.executable, "-c", "from logitlab.kernels import decode; "
+                            "assert decode._install_template_filter() and decode._install_template_filter()"],
+                           capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+
+    template, aten = object.__new__(CppTemplateCaller), object()
+    wrapped = DataProcessorChoiceCallerWrapper(template, None, None)   # as inductor hands a repacking one
+    assert decode._template_where_it_applies([aten, template]) == [aten, template]   # not pinning
+    decode._PIN_TEMPLATE.on = True
+    try:
+        assert decode._template_where_it_applies([aten, template]) == [template]
+        assert decode._template_where_it_applies([aten, wrapped]) == [wrapped]
+        assert decode._template_where_it_applies([aten]) == [aten]
+    finally:
+        decode._PIN_TEMPLATE.on = False
+
+
+@pytest.mark.slow
+def test_pinned_template_step_times_nothing_and_gives_the_same_tokens(model):
+    """A step compiled with autotune "template" runs inductor's C++ GEMM template on its frozen
+    weights (the template drops the weights it repacked), without timing any candidate, and
+    decodes the eager step's tokens."""
+    from torch._dynamo.utils import counters
+
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels.decode import compiled_decode_step
+
+    fresh = Transformer(model.config).eval()
+    fresh.load_state_dict(model.state_dict())
+    counters.clear()
+    cfg = SampleConfig(temperature=0, max_new_tokens=8)
+    step = compiled_decode_step(fresh, step=decode_step, autotune="template")
+    with torch._inductor.config.patch(force_disable_caches=True):   # compiled here, not read from a cache
+        tokens = generate(fresh, PROMPTS, cfg, step=step).tokens
+    assert tokens == generate(fresh, PROMPTS, cfg).tokens
+    assert counters["inductor"]["select_algorithm_autotune"] == 0
+    assert counters["inductor"]["select_algorithm_weight_prune"] > 0
 
 
 @pytest.mark.slow

@@ -97,10 +97,11 @@ def _sample_flags(p) -> None:
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
-    p.add_argument("--autotune", choices=["auto", "on", "off"], default="auto",
-                   help="with --compile on a CPU: inductor's max-autotune over the matrix products (auto: on "
-                   "for bf16 weights, off for float32, where it was measured slower on one CPU and faster on "
-                   "another; kernels.decode)")
+    p.add_argument("--autotune", choices=["auto", "on", "template", "off"], default="auto",
+                   help="with --compile on a CPU: inductor's max-autotune over the matrix products (on: each "
+                   "product's kernels timed; template: inductor's C++ GEMM template wherever it applies, untimed; "
+                   "auto: template for bf16 weights, off for float32, where autotuning was measured slower on "
+                   "one CPU and faster on another; kernels.decode)")
     p.add_argument("--freeze", choices=["auto", "on", "off"], default="auto",
                    help="with --compile on a CPU: the weights as prepacked graph constants (auto: on; faster steps, "
                    "but a float32 step is compiled again in every new process, where off lets inductor's on-disk "
@@ -293,6 +294,6 @@ def _decode_step(args, model):
         return decode_step
     from logitlab.kernels.decode import compiled_decode_step
 
-    choice = {"auto": None, "on": True, "off": False}
+    choice = {"auto": None, "on": True, "off": False, "template": "template"}
     return compiled_decode_step(model, step=decode_step, autotune=choice[getattr(args, "autotune", "auto")],
                                 freeze=choice[getattr(args, "freeze", "auto")])

@@ -11,9 +11,11 @@ set only for the duration of each guarded call and restored after (CompiledStep)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
+import threading
 import weakref
 from typing import Callable
 
@@ -32,7 +34,21 @@ def _guard_options() -> dict:
     return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if _ISOLATE else {}
 
 
-def _compile_options(model, autotune: bool | None = None, freeze: bool | None = None) -> dict:
+_AUTOTUNE = (None, True, False, "timed", "template")
+
+
+def _autotune_mode(model, autotune: bool | str | None, freezing: bool) -> str | None:
+    """-> "timed", "template" or None (aten's products): what `autotune` asks for this model.
+
+    None: "template" for bf16/fp16 weights in a frozen step, nothing for float32 (the measurements
+    are in _compile_options). True is "timed"; False is None."""
+    if autotune is None:
+        low = next(model.parameters()).dtype != torch.float32
+        return ("template" if freezing else "timed") if low else None
+    return {True: "timed", False: None}.get(autotune, autotune)
+
+
+def _compile_options(model, autotune: bool | str | None = None, freeze: bool | None = None) -> dict:
     """Inductor options for the decode step of `model`, chosen by its device and dtype.
 
     On a CPU a decode step is ~40 small kernels around the matrix products, so cpp_wrapper (the
@@ -40,8 +56,16 @@ def _compile_options(model, autotune: bool | None = None, freeze: bool | None = 
     freezing turns the weights into graph constants, which inductor prepacks for a packed GEMM
     (MKL's or oneDNN's): aten's products with a few rows run far below the memory bandwidth on
     unpacked weights (docs/benchmarks.md has the step times). autotune (max_autotune) also times
-    inductor's C++ GEMM template against aten's products per matrix shape and keeps the fastest;
-    None: on for bf16 and fp16 weights, off for float32. Measured on three CPUs
+    inductor's C++ GEMM template against aten's products per matrix shape and keeps the fastest
+    ("timed", or True); "template" takes the template for every product it can serve without
+    timing anything, aten's product for the rest (the template serves a product only with a
+    frozen weight); None: "template" for bf16 and fp16 weights in a frozen step, nothing for
+    float32. Pinned rather than timed because the timing picked the template for every product
+    of the blocks on the three CPUs that ran it (AMX; AVX-512 BF16; AVX2 only), and on the two
+    where it was compared, the step with the template pinned ran at the timed step's speed within
+    noise while its first call took 20-25 s less (34-38 s against 49-60 s; 31-32 s against 51-56
+    s, where gpt-fast compiled with its own options took 24-33 s), since timing a candidate means
+    compiling its C++ first (docs/benchmarks.md). Measured on three CPUs
     (docs/benchmarks.md, "Decode against gpt-fast" and the performance notes): for bf16 the
     template's AMX kernels made a small Llama's step 1.75x faster on a CPU with AMX, and on an
     AVX-512 BF16 CPU without AMX the step ran at 346-503 tok/s against 265-284 without autotuning
@@ -67,18 +91,71 @@ def _compile_options(model, autotune: bool | None = None, freeze: bool | None = 
     the weights into the cache key (_WeightsDigest). Guards on the model's modules are skipped (a
     decode step checks several per parameter): the per-model key stands in for them.
     """
+    if autotune not in _AUTOTUNE:
+        raise ValueError(f"autotune must be one of {_AUTOTUNE}, not {autotune!r}")
     first = next(model.parameters())
     options = _guard_options()
     if first.device.type == "cpu":
         options.update(cpp_wrapper=True, freezing=freeze is not False)
-        if options["freezing"]:
-            options["post_grad_custom_post_pass"] = _WeightsDigest(model)
-        if autotune is None:
-            autotune = first.dtype != torch.float32
-        if autotune:
+        mode = _autotune_mode(model, autotune, options["freezing"])
+        if options["freezing"]:   # the mode goes into the cache key: a pinned step is not a timed one
+            options["post_grad_custom_post_pass"] = _WeightsDigest(model, mode or "")
+        if mode:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
                            autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
     return options
+
+
+# Set by template_pinned, around the calls of a step compiled with autotune "template"; the choice
+# filter below reads it, so every other compile in the process times its choices as it would.
+_PIN_TEMPLATE = threading.local()
+
+
+def _template_where_it_applies(choices: list) -> list:
+    """A filter on the kernels inductor's max-autotune chooses from for one product: while a
+    "template" step compiles, the C++ GEMM template's choices alone where there are any (then
+    nothing is timed: one choice is taken as it is), every choice otherwise."""
+    if not getattr(_PIN_TEMPLATE, "on", False):
+        return choices
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+
+    def kernel(choice):   # inductor wraps a choice whose weights it repacks (DataProcessorChoiceCallerWrapper)
+        while (inner := getattr(choice, "_wrapped", None)) is not None:
+            choice = inner
+        return choice
+
+    templates = [c for c in choices if isinstance(kernel(c), CppTemplateCaller)]
+    return templates or choices
+
+
+@contextlib.contextmanager
+def template_pinned(on: bool = True):
+    """While inside (this thread), the products inductor compiles with max-autotune take its C++
+    GEMM template untimed wherever it is offered (_template_where_it_applies); CompiledStep enters
+    it around the calls of a step compiled with autotune "template", and a torch.compile of other
+    code compiled with _compile_options' options can too. on=False: as outside."""
+    previous = getattr(_PIN_TEMPLATE, "on", False)
+    _PIN_TEMPLATE.on = on and _install_template_filter()
+    try:
+        yield
+    finally:
+        _PIN_TEMPLATE.on = previous
+
+
+def _install_template_filter() -> bool:
+    """Adds _template_where_it_applies to inductor's choice filters (once; a no-op after). -> False
+    where this torch has no such hook: the step is then timed as with autotune "timed"."""
+    try:   # select_algorithm first: imported alone, cpp_template_kernel's imports go round in a circle
+        import torch._inductor.select_algorithm as select_algorithm
+        from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller  # noqa: F401
+    except ImportError:
+        return False
+    selector = select_algorithm.get_algorithm_selector_cache()
+    if not hasattr(selector, "preprocessing_fns"):
+        return False
+    if _template_where_it_applies not in selector.preprocessing_fns:
+        selector.add_preprocessing_fn(_template_where_it_applies)
+    return True
 
 
 class _WeightsDigest(CustomGraphPass):
@@ -86,8 +163,9 @@ class _WeightsDigest(CustomGraphPass):
     caches, and this one's is a hash of the model's parameter and buffer values (blake2b over their
     bytes, about a second per GB), so a frozen graph is reused only for the very same weights."""
 
-    def __init__(self, model):
+    def __init__(self, model, tag: str = ""):
         digest = hashlib.blake2b(digest_size=16)
+        digest.update(f"{tag};".encode())
         for name, t in (*model.named_parameters(), *model.named_buffers()):
             digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
             digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data)
@@ -111,8 +189,8 @@ class CompiledStep:
     """A decode step compiled for one model: call it as decode_step (every guard checked), or
     through `trusted` inside a decode loop once its arguments are known to fit (see there)."""
 
-    def __init__(self, fn: Callable, freezing: bool):
-        self._fn, self._freezing = fn, freezing
+    def __init__(self, fn: Callable, freezing: bool, pin_template: bool = False):
+        self._fn, self._freezing, self._pin = fn, freezing, pin_template
 
     def __call__(self, model, token, cache, positions=None, attn_mask=None, greedy=False):
         # Two flags read while dynamo traces, set around each call (a call traces only when no
@@ -125,6 +203,7 @@ class CompiledStep:
         #   attributes (a norm's eps) as symbolic floats; AOT autograd's tensorify pass then pins
         #   them and restarts the whole trace, a second compile attempt (a quarter of a first
         #   call's time; docs/benchmarks.md). specialize_float makes them the constants they are.
+        # And for autotune "template", template_pinned (read by inductor's choice filter).
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
@@ -132,7 +211,8 @@ class CompiledStep:
         inductor_config.freezing = freezing or self._freezing
         dynamo_config.specialize_float = True
         try:
-            return self._fn(model, token, cache, positions, attn_mask, greedy)
+            with template_pinned(self._pin):
+                return self._fn(model, token, cache, positions, attn_mask, greedy)
         finally:
             inductor_config.freezing, dynamo_config.specialize_float = freezing, floats
 
@@ -146,12 +226,13 @@ class CompiledStep:
         object, shapes, dtypes, greedy flag and global state. Dynamo tries the graph that call
         ran first, and its remaining guards bound cache.length (below max_len and the context
         length, above 1), which a loop whose cache holds every position it writes keeps."""
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        # pinned as in __call__, should a shape guard still fail and compile
+        with template_pinned(self._pin), torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             return self._fn(model, token, cache, positions, attn_mask, greedy)
 
 
 def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callable,
-                         autotune: bool | None = None, freeze: bool | None = None) -> Callable:
+                         autotune: bool | str | None = None, freeze: bool | None = None) -> Callable:
     """`step` (generate.loop.decode_step, or a function with its signature) through torch.compile,
     as one graph (fullgraph: a graph break is an error) with dynamic shapes (the cache length
     grows every step, so one graph serves every step). -> a callable with decode_step's signature,
@@ -159,8 +240,10 @@ def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callabl
 
     With a model, the compiled step (a CompiledStep) is built for that model (see
     _compile_options) and kept until its weights change; the first call compiles (slow on a
-    CPU), later calls reuse it. autotune: inductor's max-autotune over the matrix products (None:
-    on for bf16/fp16 weights on a CPU, off for float32); freeze: the weights as prepacked graph
+    CPU), later calls reuse it. autotune: inductor's max-autotune over the matrix products ("timed"
+    or True: each product's candidates timed; "template": inductor's C++ GEMM template wherever it
+    applies, untimed; False: aten's products; None: "template" for bf16/fp16 weights on a CPU,
+    False for float32); freeze: the weights as prepacked graph
     constants (None: on a CPU; False: aten's products on the weights as they are, and a compile
     that inductor's on-disk cache can serve to the next process; see _compile_options).
     backend="aot_eager" traces the same graph without inductor (fast; for tests). Without a
@@ -178,7 +261,9 @@ def compiled_decode_step(model=None, backend: str = "inductor", *, step: Callabl
 
     isolate = {"isolate_recompiles": True} if _ISOLATE else {}   # this model's graphs only
     fn = torch.compile(traced, dynamic=True, fullgraph=True, backend=backend, options=options, **isolate)
-    compiled = CompiledStep(fn, freezing=bool(options.get("freezing")))
+    freezing = bool(options.get("freezing"))
+    pin = bool(options.get("max_autotune")) and _autotune_mode(model, autotune, freezing) == "template"
+    compiled = CompiledStep(fn, freezing=freezing, pin_template=pin)
     _COMPILED[model] = (key, compiled)
     return compiled
 
