@@ -6,7 +6,9 @@ generate.generate / generate.stream as `step=` (the CLI does so for --compile). 
 compiles is passed in too (generate.loop.decode_step, the eager reference it must equal), so
 this module reads nothing of generation. What it changes outside a call: two global compiler
 flags read while tracing (inductor's `freezing` for a frozen step, dynamo's `specialize_float`),
-set only for the duration of each guarded call and restored after (CompiledStep).
+set only for the duration of each guarded call and restored after (CompiledStep); and, once a
+step with the C++ GEMM template pinned runs, a filter in inductor's list of choice filters, which
+passes every choice through unchanged except inside template_pinned.
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ def _compile_options(model, autotune: bool | str | None = None, freeze: bool | N
     ("timed", or True); "template" takes the template for every product it can serve without
     timing anything, aten's product for the rest (the template serves a product only with a
     frozen weight); None: "template" for bf16 and fp16 weights in a frozen step, nothing for
-    float32. Pinned rather than timed because the timing picked the template for every product
-    of the blocks on the three CPUs that ran it (AMX; AVX-512 BF16; AVX2 only), and on the two
-    where it was compared, the step with the template pinned ran at the timed step's speed within
-    noise while its first call took 20-25 s less (34-38 s against 49-60 s; 31-32 s against 51-56
-    s, where gpt-fast compiled with its own options took 24-33 s), since timing a candidate means
-    compiling its C++ first (docs/benchmarks.md). Measured on three CPUs
+    float32. Pinned rather than timed: where the picks were recorded (an AVX-512 BF16 CPU, an
+    AVX2 one) the timing took the template for every product of the blocks (on the AVX2 one for
+    the LM head too), and the pinned step ran at the timed step's speed within noise (0.94-1.20x;
+    0.99x over ten rounds) while its cold first call took 15-25 s less (34-38 s against 49-60 s;
+    28-35 s against 48-56 s, where gpt-fast compiled with its own options took 24-33 s): timing a
+    candidate means compiling its C++ first (docs/benchmarks.md). Measured on three CPUs
     (docs/benchmarks.md, "Decode against gpt-fast" and the performance notes): for bf16 the
     template's AMX kernels made a small Llama's step 1.75x faster on a CPU with AMX, and on an
     AVX-512 BF16 CPU without AMX the step ran at 346-503 tok/s against 265-284 without autotuning
