@@ -433,7 +433,7 @@ def test_decode_autotune_pins_the_template_for_bf16_and_times_on_request(model):
     pinned step runs, and keeps every choice where no template is offered."""
     from argparse import Namespace
 
-    import torch._inductor.select_algorithm  # noqa: F401  (imported first: the next import is circular alone)
+    import torch._inductor.select_algorithm as select_algorithm  # first: the next import is circular alone
     from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
 
     from logitlab.cli.generate import _decode_step
@@ -456,8 +456,6 @@ def test_decode_autotune_pins_the_template_for_bf16_and_times_on_request(model):
     assert digest != decode._compile_options(bf16, autotune=True)["post_grad_custom_post_pass"].uuid()
     assert digest == decode._compile_options(bf16, autotune="template")["post_grad_custom_post_pass"].uuid()
 
-    from torch._inductor.select_algorithm import DataProcessorChoiceCallerWrapper
-
     # the filter installs in a fresh process too (no inductor module imported before it)
     fresh = subprocess.run([sys.executable, "-c", "from logitlab.kernels import decode; "
                             "assert decode._install_template_filter() and decode._install_template_filter()"],
@@ -465,15 +463,16 @@ def test_decode_autotune_pins_the_template_for_bf16_and_times_on_request(model):
     assert fresh.returncode == 0, fresh.stderr[-2000:]
 
     template, aten = object.__new__(CppTemplateCaller), object()
-    wrapped = DataProcessorChoiceCallerWrapper(template, None, None)   # as inductor hands a repacking one
+    wrapped = select_algorithm.DataProcessorChoiceCallerWrapper(template, None, None)   # as inductor hands one
     assert decode._template_where_it_applies([aten, template]) == [aten, template]   # not pinning
-    decode._PIN_TEMPLATE.on = True
-    try:
+    with decode.template_pinned():
         assert decode._template_where_it_applies([aten, template]) == [template]
         assert decode._template_where_it_applies([aten, wrapped]) == [wrapped]
         assert decode._template_where_it_applies([aten]) == [aten]
-    finally:
-        decode._PIN_TEMPLATE.on = False
+        with decode.template_pinned(False):
+            assert decode._template_where_it_applies([aten, template]) == [aten, template]
+        assert decode._template_where_it_applies([aten, template]) == [template]
+    assert decode._template_where_it_applies([aten, template]) == [aten, template]   # restored
 
 
 @pytest.mark.slow
