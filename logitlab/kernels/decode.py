@@ -137,16 +137,21 @@ def template_pinned(on: bool = True):
     it around the calls of a step compiled with autotune "template", and a torch.compile of other
     code compiled with _compile_options' options can too. on=False: as outside."""
     previous = getattr(_PIN_TEMPLATE, "on", False)
-    _PIN_TEMPLATE.on = on and _install_template_filter()
+    _PIN_TEMPLATE.on = on and (_FILTER_INSTALLED or _install_template_filter())
     try:
         yield
     finally:
         _PIN_TEMPLATE.on = previous
 
 
+_FILTER_INSTALLED = False   # set once the filter is in inductor's list: template_pinned, entered
+                            # every decode step of a pinned step, then skips the imports below
+
+
 def _install_template_filter() -> bool:
     """Adds _template_where_it_applies to inductor's choice filters (once; a no-op after). -> False
     where this torch has no such hook: the step is then timed as with autotune "timed"."""
+    global _FILTER_INSTALLED
     try:   # select_algorithm first: imported alone, cpp_template_kernel's imports go round in a circle
         import torch._inductor.select_algorithm as select_algorithm
         from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller  # noqa: F401
@@ -157,6 +162,7 @@ def _install_template_filter() -> bool:
         return False
     if _template_where_it_applies not in selector.preprocessing_fns:
         selector.add_preprocessing_fn(_template_where_it_applies)
+    _FILTER_INSTALLED = True
     return True
 
 
