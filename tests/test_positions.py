@@ -20,6 +20,7 @@ from logitlab.model.positions import (
     ALiBi,
     alibi_slopes,
     convert_rope_layout,
+    SinusoidalPositions,
     rope_layout_permutation,
     sinusoidal_table,
 )
@@ -93,6 +94,46 @@ def test_sinusoidal_table_formula_no_state_key_and_exact_in_bf16():
     meta.load_state_dict(model.state_dict(), assign=True)
     meta.rebuild_buffers()
     assert torch.equal(meta(_ids()), model(_ids()))
+
+
+def test_untabled_sinusoidal_rows_are_the_table_rows_in_every_dtype():
+    """Past rope.TABLE_VALUES the table is not stored: each call computes its rows from the
+    positions, the table's values bit for bit, in the model's dtype after a cast and a move."""
+    tabled, computed = SinusoidalPositions(48, 32), SinusoidalPositions(48, 32, table_values=0)
+    assert tabled.tabled and not computed.tabled and not hasattr(computed, "table")
+    positions = torch.tensor([[0, 5, 47, 3], [46, 1, 2, 9]])
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        tabled, computed = tabled.to(dtype), computed.to(dtype)
+        out = computed(positions)
+        assert out.dtype == dtype and torch.equal(out, tabled(positions))
+    computed.half().to("cpu")                                   # a move keeps the dtype
+    assert computed(positions).dtype == torch.float16
+
+
+def test_a_huge_context_costs_nothing_until_used():
+    """A config that claims 2**24 positions (the bound) builds at once on the CPU: RoPE's and the
+    sinusoidal tables would be 1-2 GiB, and no buffer grows with the context; the positions a call
+    uses still give the values the formula does. Run under an address-space cap."""
+    from _bounded import last_line, run_bounded
+
+    code = """
+import sys, torch
+from logitlab.model import ModelConfig, Transformer
+for positions in ("rope", "sinusoidal"):
+    cfg = ModelConfig(vocab_size=61, context_length=2**24, d_model=32, n_layers=1, n_heads=2, positions=positions,
+                      rope_scaling=dict(rope_type="yarn", factor=4.0, original_context_length=2**22)
+                      if positions == "rope" else None)
+    model = Transformer(cfg)
+    assert sum(b.numel() for b in model.buffers()) < 1000, [(n, b.shape) for n, b in model.named_buffers()]
+    ids, pos = torch.tensor([[3, 4]]), torch.tensor([[0, 2**24 - 1]])
+    assert model(ids, positions=pos).isfinite().all()
+    if positions == "sinusoidal":
+        angle = (2**24 - 1) * 10000.0 ** (-torch.arange(0, 32, 2).float() / 32)
+        assert torch.allclose(model.pos_emb(pos)[0, 1, 0::2], angle.sin(), atol=1e-6)
+print("ok")
+"""
+    proc = run_bounded(code, limit=3 * 2**30)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", last_line(proc)
 
 
 def test_alibi_slopes_follow_press_et_al():
@@ -251,6 +292,30 @@ def test_logits_match_transformers_below_and_above_the_original_length(kind, arc
         with torch.no_grad():
             fresh = copy.deepcopy(theirs)                          # dynamic NTK keeps state between calls
             assert (ours(ids) - fresh(input_ids=ids).logits).abs().max() < 1e-5, T
+
+
+@pytest.mark.parametrize("kind", ["none", "yarn", "dynamic", "longrope"])   # static kinds share one path
+def test_untabled_rope_computes_the_table_values_bit_for_bit(kind):
+    """A RoPE whose table would pass rope.TABLE_VALUES computes each call's rows from the positions:
+    the same cos/sin bit for bit (below and above a scaling's original length), so the same logits
+    in one forward and in cached decoding."""
+    hf = _hf_config(kind if kind != "none" else "linear").to_dict() | ({"rope_scaling": None} if kind == "none" else {})
+    ours = Transformer(config_from_hf(hf)).eval()
+    c = ours.config
+    computed = copy.deepcopy(ours)
+    computed.rope = RotaryEmbedding(c.rotary_dim, c.context_length, c.rope_theta, c.rope_scaling, table_values=0)
+    assert ours.rope.tabled and not computed.rope.tabled and not hasattr(computed.rope, "cos")
+    positions = torch.tensor([[0, 3, 15, 16, 17, c.context_length - 1]])
+    for a, b in zip(ours.rope(positions), computed.rope(positions)):
+        assert torch.equal(a, b)
+    ids = _ids(24)
+    with torch.no_grad():
+        assert torch.equal(ours(ids), computed(ids))
+        for model in (ours, computed):
+            cache = KVCache.for_model(model, batch_size=2, max_len=24)
+            model(ids[:, :14], cache=cache)                        # decoding crosses the original length 16
+            model.decoded = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(14, 24)], dim=1)
+    assert torch.equal(ours.decoded, computed.decoded)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "longrope"])

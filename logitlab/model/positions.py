@@ -19,41 +19,64 @@ import math
 import torch
 from torch import nn
 
+from logitlab.model.rope import TABLE_VALUES
+
 SINUSOID_BASE = 10000.0
 
 
 def sinusoidal_table(context_length: int, d_model: int, device=None) -> torch.Tensor:
     """(context_length, D) float32: PE[p, 2i] = sin(p * w_i), PE[p, 2i+1] = cos(p * w_i),
     w_i = 10000^(-2i/D)."""
-    pos = torch.arange(context_length, dtype=torch.float32, device=device)[:, None]            # (ctx, 1)
-    freq = SINUSOID_BASE ** (-torch.arange(0, d_model, 2, dtype=torch.float32, device=device) / d_model)
-    angles = pos * freq                                                                    # (ctx, D/2)
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)                   # (ctx, D)
+    pos = torch.arange(context_length, dtype=torch.float32, device=device)                     # (ctx,)
+    return sinusoidal_rows(pos, sinusoidal_frequencies(d_model, device))
+
+
+def sinusoidal_frequencies(d_model: int, device=None) -> torch.Tensor:
+    """(D/2,) float32: w_i = 10000^(-2i/D)."""
+    return SINUSOID_BASE ** (-torch.arange(0, d_model, 2, dtype=torch.float32, device=device) / d_model)
+
+
+def sinusoidal_rows(pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """pos (...) -> (..., D) float32, the rows of the table at those positions (freq: (D/2,))."""
+    angles = pos.float()[..., None] * freq                                                # (..., D/2)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)                   # (..., D)
 
 
 class SinusoidalPositions(nn.Module):
     """The fixed table as a module called like an nn.Embedding: positions (B, T) -> (B, T, D).
 
-    The table is a non-persistent buffer (no state-dict key) in the model's dtype, as a learned
-    table would be; it is recomputed exactly whenever the dtype or device changes (not rounded
-    from the previous dtype), and by `rebuild(device)` after a meta-device build."""
+    When context_length x D is at most rope.TABLE_VALUES the table is a non-persistent buffer (no
+    state-dict key) in the model's dtype, as a learned table would be; it is recomputed exactly
+    whenever the dtype or device changes (not rounded from the previous dtype), and by
+    `rebuild(device)` after a meta-device build. A longer context keeps only the frequencies
+    (`freq`, float32) and computes each call's rows from its positions: the same values, and no
+    memory that grows with a context that is never used."""
 
-    def __init__(self, context_length: int, d_model: int):
+    def __init__(self, context_length: int, d_model: int, table_values: int = TABLE_VALUES):
         super().__init__()
         self.context_length, self.d_model = context_length, d_model
-        self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
+        self.tabled = context_length * d_model <= table_values
+        self.dtype = torch.float32                                # of the rows a call returns
+        self.register_buffer("freq", sinusoidal_frequencies(d_model), persistent=False)
+        if self.tabled:
+            self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
 
     def rebuild(self, device=None) -> None:
-        device = device if device is not None else self.table.device
-        self.table = sinusoidal_table(self.context_length, self.d_model, device).to(self.table.dtype)
+        device = device if device is not None else self.freq.device
+        self.freq = sinusoidal_frequencies(self.d_model, device)
+        if self.tabled:
+            self.table = sinusoidal_table(self.context_length, self.d_model, device).to(self.dtype)
 
     def _apply(self, fn, recurse=True):
+        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.freq.device)).dtype  # the model's new dtype
         super()._apply(fn, recurse)
-        self.rebuild(self.table.device)                         # exact values in the new dtype
+        self.rebuild(self.freq.device)                            # exact values in the new dtype
         return self
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(positions, self.table)   # (B, T, D)
+        if self.tabled:
+            return nn.functional.embedding(positions, self.table)  # (B, T, D)
+        return sinusoidal_rows(positions, self.freq).to(self.dtype)  # (B, T, D)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:

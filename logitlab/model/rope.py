@@ -25,76 +25,91 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> tor
     return rope_frequencies(head_dim, theta, scaling, device=device)[0]
 
 
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables for positions 0 .. context_length-1.
+# The largest cos (or sin) table built ahead of use: 2**22 float32 values, 16 MiB. A longer context
+# (Llama 3's 131,072 positions of 64 frequencies, or a config.json that claims 10**9) costs nothing
+# until used: each call computes the rows of its own positions instead, the same values bit for bit.
+TABLE_VALUES = 2**22
 
-    `cos`, `sin` are non-persistent float32 buffers of shape (context_length, Dh/2) (the
-    rotate-half convention repeats each frequency over both halves, so half the table is
-    enough), already multiplied by the scaling's attention factor (YaRN, LongRoPE). They are not
-    in the state dict; after building on the meta device, call `rebuild(device)`. Module.to(dtype)
-    leaves them float32.
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position's angles p * f_i, from a table or computed per call.
+
+    When context_length x Dh/2 is at most `table_values` (TABLE_VALUES), `cos` and `sin` are
+    non-persistent float32 buffers of shape (context_length, Dh/2) (the rotate-half convention
+    repeats each frequency over both halves, so half the table is enough), already multiplied by
+    the scaling's attention factor (YaRN, LongRoPE), and a call looks its rows up. Beyond that
+    (`tabled` False) nothing of the context's size is stored: the buffer `inv_freq` (Dh/2,) and
+    each call's positions give cos(p * f_i) * a and sin(p * f_i) * a, the same float32 operations
+    as the table's, so the same values. Buffers are not in the state dict; after building on the
+    meta device, call `rebuild(device)`. Module.to(dtype) leaves them float32.
 
     Kinds whose frequencies depend on the sequence at run time (rope_scaling.RUNTIME_KINDS) pick
     per call from L = max(positions) + 1 over the whole batch, as transformers does: "longrope"
-    between two tables (short below the original context, long above); "dynamic" uses the table
-    up to the original context and computes theta_L's frequencies for the call beyond it. Under a
-    KV cache the keys already cached keep the rotation of the call that wrote them (an older, smaller
-    base), while the new queries and keys turn under the current one: exactly transformers'
-    behaviour in cached decoding. A StreamingLLM cache (unrotated keys) re-rotates every key at
-    the current base instead.
+    between two sets of frequencies (short below the original context, long above); "dynamic" uses
+    the unscaled ones up to the original context and computes theta_L's frequencies for the call
+    beyond it. Under a KV cache the keys already cached keep the rotation of the call that wrote
+    them (an older, smaller base), while the new queries and keys turn under the current one: exactly
+    transformers' behaviour in cached decoding. A StreamingLLM cache (unrotated keys) re-rotates every
+    key at the current base instead.
 
     interleaved: the tables repeat each frequency over an adjacent pair (RoFormer / Meta layout)
     instead of over both halves; apply_rope must then be told `interleaved=True`."""
 
-    def __init__(self, head_dim: int, context_length: int, theta: float, scaling=None, interleaved: bool = False):
+    def __init__(self, head_dim: int, context_length: int, theta: float, scaling=None, interleaved: bool = False,
+                 table_values: int = TABLE_VALUES):
         super().__init__()
         self.head_dim, self.context_length = head_dim, context_length
         self.theta, self.scaling, self.interleaved = theta, scaling, interleaved
         self.runtime = scaling is not None and scaling.rope_type in RUNTIME_KINDS
-        self._register(self._tables(None))
+        self.tabled = context_length * (head_dim // 2) <= table_values
+        for name, buffer in self._buffers_for(None).items():
+            self.register_buffer(name, buffer, persistent=False)
 
-    def _register(self, tables: dict) -> None:
-        for name, table in tables.items():
-            self.register_buffer(name, table, persistent=False)
-
-    def _tables(self, device) -> dict:
-        """{"cos", "sin"} (ctx, Dh/2) float32, plus "cos_long", "sin_long" for longrope."""
-        pos = torch.arange(self.context_length, dtype=torch.int64, device=device)              # (ctx,)
+    def _buffers_for(self, device) -> dict:
+        """{"inv_freq"} (Dh/2,) float32 (plus "inv_freq_long" for longrope), and when tabled
+        {"cos", "sin"} (ctx, Dh/2) float32 (plus "cos_long", "sin_long")."""
         s = self.scaling
-        if not self.runtime:
-            cos, sin = rope_tables(self.head_dim, self.theta, s, pos)
-            return {"cos": cos, "sin": sin}
-        inv_freq, attention = rope_frequencies(self.head_dim, self.theta, s, None, device)   # below C
-        out = dict(zip(("cos", "sin"), (t * attention for t in _angles(pos, inv_freq))))
-        if s.rope_type == "longrope":
-            long, _ = rope_frequencies(self.head_dim, self.theta, s, s.original_context_length + 1, device)
-            out.update(zip(("cos_long", "sin_long"), (t * attention for t in _angles(pos, long))))
+        inv_freq, self.attention = rope_frequencies(self.head_dim, self.theta, s, None, device)   # below C
+        out = {"inv_freq": inv_freq}
+        if s is not None and s.rope_type == "longrope":
+            out["inv_freq_long"], _ = rope_frequencies(self.head_dim, self.theta, s, s.original_context_length + 1,
+                                                       device)
+        if self.tabled:
+            pos = torch.arange(self.context_length, dtype=torch.int64, device=device)          # (ctx,)
+            for suffix in ("", "_long") if "inv_freq_long" in out else ("",):
+                out["cos" + suffix], out["sin" + suffix] = _cos_sin(pos, out["inv_freq" + suffix], self.attention)
         return out
 
     def rebuild(self, device=None) -> None:
-        """Recompute the tables in float32 on `device` (default: where they are now)."""
-        for name, table in self._tables(device if device is not None else self.cos.device).items():
-            setattr(self, name, table)
+        """Recompute the buffers in float32 on `device` (default: where they are now)."""
+        for name, buffer in self._buffers_for(device if device is not None else self.inv_freq.device).items():
+            setattr(self, name, buffer)
 
     def _apply(self, fn, recurse=True):
         # model.to(torch.bfloat16) would cast the tables too; keep them float32 so a dtype round
         # trip loses nothing (apply_rope casts them to the activations' dtype at use, as HF does).
         super()._apply(fn, recurse)
-        if self.cos.dtype != torch.float32:
-            self.rebuild(self.cos.device)
+        if self.inv_freq.dtype != torch.float32:
+            self.rebuild(self.inv_freq.device)
         return self
+
+    def _rows(self, positions: torch.Tensor, suffix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) -> (cos, sin) each (B, T, Dh/2) float32: looked up, or computed."""
+        if self.tabled:   # F.embedding: the plain row lookup, cheaper per call than advanced indexing
+            cos, sin = getattr(self, "cos" + suffix), getattr(self, "sin" + suffix)
+            return F.embedding(positions, cos), F.embedding(positions, sin)
+        return _cos_sin(positions, getattr(self, "inv_freq" + suffix), self.attention)
 
     def half_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) int -> (cos, sin) each (B, T, Dh/2) float32, for this call's length."""
-        # F.embedding: the plain row lookup, cheaper per call than advanced indexing
-        cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.sin)
+        cos, sin = self._rows(positions)
         if not self.runtime:
             return cos, sin
         s = self.scaling
         longer = positions.max() + 1 > s.original_context_length                      # 0-d bool, no sync
         if s.rope_type == "longrope":
-            return (torch.where(longer, F.embedding(positions, self.cos_long), cos),
-                    torch.where(longer, F.embedding(positions, self.sin_long), sin))
+            long_cos, long_sin = self._rows(positions, "_long")
+            return torch.where(longer, long_cos, cos), torch.where(longer, long_sin, sin)
         dcos, dsin = rope_tables(self.head_dim, self.theta, s, positions)              # "dynamic"
         return torch.where(longer, dcos, cos), torch.where(longer, dsin, sin)
 
@@ -110,9 +125,13 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def _angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.outer(pos.float(), inv_freq)                                         # (ctx, Dh/2)
-    return angles.cos(), angles.sin()
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, attention: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos (...) int -> cos(p * f) * a, sin(p * f) * a, each (..., Dh/2) float32."""
+    angles = pos.float()[..., None] * inv_freq                                           # (..., Dh/2)
+    cos, sin = angles.cos(), angles.sin()
+    if attention != 1.0:
+        cos, sin = cos * attention, sin * attention
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -110,7 +110,8 @@ class Transformer(nn.Module):
         self.head_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
         if config.tie_embeddings:
             self.tie_weights()
-        self.init_weights()
+        if not self.tok_emb.weight.is_meta:   # a meta build has no values to draw (and drawing costs 5 ms a layer)
+            self.init_weights()
 
     # --- set-up ------------------------------------------------------------------------------
 
