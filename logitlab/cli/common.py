@@ -128,6 +128,14 @@ def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="cast the weights: fp32, bf16 or fp16 (default: as stored)")
 
 
+def add_memory_flag(parser: argparse.ArgumentParser) -> None:
+    """--max-memory SIZE: the memory a loaded model's weights may take (model.memory.parse_size);
+    default: what the machine has available. A model estimated larger is refused before loading."""
+    parser.add_argument("--max-memory", default=None, metavar="SIZE",
+                        help="refuse a model whose weights need more than SIZE (e.g. 8GB, 512MiB) before loading "
+                        "it (default: the memory this machine has available; give more to load one anyway)")
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config file, naming the file in any error."""
     if sys.version_info >= (3, 11):

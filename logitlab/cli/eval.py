@@ -16,7 +16,7 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     """Add `eval` with its sub-subcommands to `subparsers`."""
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_memory_flag
 
     parser = subparsers.add_parser("eval", help="bits per byte, multiple choice, length, lm-evaluation-harness",
                                    description="Evaluate a model: `eval bpb` on any text, `eval mc` on tasks "
@@ -35,6 +35,7 @@ def register(subparsers) -> None:
     b.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     add_dtype_flag(b)
+    add_memory_flag(b)
     b.set_defaults(func=_bpb)
 
     m = sub.add_parser("mc", help="multiple choice from the Python standard library (centred accuracy)",
@@ -47,6 +48,7 @@ def register(subparsers) -> None:
     m.add_argument("--batch-size", type=int, default=16, help="pairs per forward pass (default 16)")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     add_dtype_flag(m)
+    add_memory_flag(m)
     m.set_defaults(func=_mc)
 
     _register_long(sub)
@@ -69,7 +71,7 @@ def _model_arg(p) -> None:
 
 # -------------------- Loading
 
-def load_path(path: str | Path, dtype: str | None = None):
+def load_path(path: str | Path, dtype: str | None = None, max_memory: str | None = None):
     """generate.Loaded (model in eval mode, tokenizer, end ids) from any model directory: a Hugging
     Face one (config.json that is not logitlab's) through --hf's loader, else --checkpoint's."""
     from logitlab.cli.generate import load
@@ -79,7 +81,8 @@ def load_path(path: str | Path, dtype: str | None = None):
     if not p.exists():
         raise FileNotFoundError(f"no such run or model directory: {p}")
     hf = p.is_dir() and (p / "config.json").is_file() and not checkpoint.is_logitlab_dir(p)
-    return load(argparse.Namespace(checkpoint=None if hf else str(p), hf=str(p) if hf else None, dtype=dtype))
+    return load(argparse.Namespace(checkpoint=None if hf else str(p), hf=str(p) if hf else None, dtype=dtype,
+                                   max_memory=max_memory))
 
 
 def _harness_loader(path: str, dtype: str | None):
@@ -127,7 +130,7 @@ def _bpb(args) -> int:
     from logitlab.cli.common import console, print_table
     from logitlab.eval.bpb import evaluate_bpb
 
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.max_memory)
     files = data_files(args.data)
     result = evaluate_bpb(m.model, m.tokenizer, (_read_text(f) for f in files), batch_size=args.batch_size)
     report = dict(model=str(args.model), files=len(files), documents=result.documents, tokens=result.tokens,
@@ -147,7 +150,7 @@ def _mc(args) -> int:
     from logitlab.cli.common import console
     from logitlab.eval.stdlib_mc import evaluate_mc, stdlib_next_line_tasks
 
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.max_memory)
     tasks = stdlib_next_line_tasks(args.examples, seed=args.seed)
     r = evaluate_mc(m.model, m.tokenizer, tasks, batch_size=args.batch_size)
     report = dict(model=str(args.model), examples=r.examples, choices=r.choices, accuracy=r.accuracy,
@@ -164,7 +167,7 @@ def _mc(args) -> int:
 # -------------------- long
 
 def _register_long(sub) -> None:
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_memory_flag
     from logitlab.eval.long import DEFAULT_SCALINGS
     from logitlab.model.positions import EXTENSIONS
 
@@ -187,6 +190,7 @@ def _register_long(sub) -> None:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--plot", metavar="PNG", help="also draw perplexity against length, one line per scaling")
     add_dtype_flag(e)
+    add_memory_flag(e)
     e.set_defaults(func=_long)
 
 
@@ -278,7 +282,7 @@ def _long(args) -> int:
         raise ValueError(f"--tokens ({args.tokens}) and --batch-tokens ({args.batch_tokens}) must be positive")
     if args.plot:
         _check_plotting()
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.max_memory)
     trained = _trained_length(Path(args.model), m.model.config)
     lengths = check_lengths(lengths or [trained * k for k in (1, 2, 4, 8)])
     tokens, source = _held_out_tokens(args, m, args.tokens)

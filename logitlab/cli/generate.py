@@ -66,7 +66,7 @@ def _id_list(text: str) -> tuple[int, ...]:
 
 
 def _model_flags(p) -> None:
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_memory_flag
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="run directory, checkpoint directory or logitlab "
@@ -74,6 +74,7 @@ def _model_flags(p) -> None:
     src.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json, safetensors, and "
                      "tokenizer.json or GPT-2 vocab.json + merges.txt)")
     add_dtype_flag(p)
+    add_memory_flag(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -125,15 +126,15 @@ def load(args) -> Loaded:
     """The model and tokenizer named by --checkpoint or --hf, cast to --dtype."""
     from logitlab.io import checkpoint, hf
 
-    dtype = hf.parse_dtype(args.dtype)
+    dtype, max_memory = hf.parse_dtype(args.dtype), getattr(args, "max_memory", None)
     eos: list[int] = []
     if args.checkpoint:
-        model, tok = checkpoint.load_for_inference(args.checkpoint, dtype=dtype)
+        model, tok = checkpoint.load_for_inference(args.checkpoint, dtype=dtype, max_memory=max_memory)
         if tok is None:
             raise FileNotFoundError(f"{args.checkpoint}: no {checkpoint.TOKENIZER_FILE} beside the model")
     else:
         d = Path(args.hf)
-        model = hf.load_pretrained(d, dtype=dtype)
+        model = hf.load_pretrained(d, dtype=dtype, max_memory=max_memory)
         tok = hf.load_tokenizer(d)
         if tok is None:
             raise FileNotFoundError(f"{d}: no tokenizer.json, vocab.json + merges.txt, or "

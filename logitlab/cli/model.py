@@ -15,7 +15,7 @@ def register(subparsers) -> None:
     """Add `params` and `convert` to `subparsers`."""
     import argparse
 
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_memory_flag
 
     p = subparsers.add_parser("params", help="parameter counts, FLOPs, memory and a training planner",
                               description="Exact parameter counts (model built on the meta device) beside "
@@ -60,6 +60,7 @@ def register(subparsers) -> None:
     c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
                    "largest difference per layer and of the logits; exit 1 above tolerance")
     add_dtype_flag(c)
+    add_memory_flag(c)
     c.set_defaults(func=_convert)
 
 
@@ -326,7 +327,8 @@ def _convert(args) -> int:
             raise ValueError("--to-hf needs --out DIR (the Hugging Face directory to write)")
         files.check_output_dir(args.out, hf.HF_KIND, overwrite=args.overwrite, source=args.to_hf)
         model, tokenizer = checkpoint.load_for_inference(args.to_hf,    # model dir, checkpoint or run
-                                                         dtype=hf.parse_dtype(args.dtype))
+                                                         dtype=hf.parse_dtype(args.dtype),
+                                                         max_memory=args.max_memory)
         hf.save_pretrained(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, source=args.to_hf)
         arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
         out.print(f"wrote Hugging Face directory {args.out} ({arch}"
@@ -337,7 +339,7 @@ def _convert(args) -> int:
         if args.out:  # refused before the (possibly large) model is read
             files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=args.hf,
                                    legacy=legacy)
-        model = hf.load_pretrained(args.hf, dtype=args.dtype)
+        model = hf.load_pretrained(args.hf, dtype=args.dtype, max_memory=args.max_memory)
         if args.out:
             tokenizer = _hf_tokenizer(Path(args.hf))
             with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,

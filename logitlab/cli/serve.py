@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def register(subparsers) -> None:
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_memory_flag
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server and the explorer page",
                               description="Serve MODEL over HTTP: /v1/completions and /v1/chat/completions "
@@ -24,6 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     add_dtype_flag(p)
+    add_memory_flag(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=_serve)
 
@@ -37,7 +38,7 @@ def build_app(args):
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.max_memory)
     name = args.name or Path(args.model).resolve().name
     return create_app(m.model, m.tokenizer, name=name, max_batch=args.max_batch,
                       max_body_bytes=args.max_body_bytes, end_ids=m.end_ids)
