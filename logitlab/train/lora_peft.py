@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from logitlab.train.lora import LoRAConfig, SharedLoRAEmbedding, apply_lora, lora_modules
+from logitlab.train.lora import LoRAConfig, SharedLoRAEmbedding, apply_lora, lora_modules, projection_parts
 
 _HF_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
               "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
@@ -81,31 +81,112 @@ def save_peft_adapter(model, directory: str | os.PathLike, base_model_name_or_pa
     return Path(directory)
 
 
-def load_peft_adapter(model, directory: str | os.PathLike) -> list[str]:
-    """Wrap `model` with the adapters of a PEFT LoRA directory (trained anywhere) -> wrapped names."""
-    from safetensors.torch import load_file
+# adapter_config.json fields that change what an adapter computes and that logitlab does not run:
+# each must keep PEFT's default (shown), or the adapter is refused by name
+_PLAIN = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False}
+_ABSENT = ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern", "layer_replication",
+           "exclude_modules", "target_parameters", "trainable_token_indices")
+MAX_RANK = 2**16
 
-    from logitlab.io.files import read_json
+
+def read_peft_config(model, directory: str | os.PathLike) -> LoRAConfig:
+    """The LoRAConfig of a PEFT LoRA directory, every field of adapter_config.json checked against
+    `model` before anything is built: JSON types, r a positive integer no larger than the smallest
+    width of the layers it targets, lora_alpha a finite number > 0, target_modules that exist in
+    this model, and no feature logitlab does not run (DoRA, biases, rank patterns, ...). An error
+    names the file and the field."""
+    from logitlab.io.model_dir import read_json_object
+    from logitlab.model.fields import conform
+
+    path = Path(directory) / "adapter_config.json"
+    cfg = read_json_object(path, "adapter config")
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: not a PEFT LoRA config (peft_type must be 'LORA', got {cfg.get('peft_type')!r})")
+
+    def field(name: str, tp, default):
+        value = cfg.get(name, default)
+        return conform(default if value is None else value, tp, f"{name!r} in {path}")
+
+    for name, plain in _PLAIN.items():
+        if cfg.get(name, plain) not in (plain, None):
+            raise ValueError(f"{path}: {name} = {cfg[name]!r} is not supported (logitlab runs plain LoRA: {plain!r})")
+    for name in _ABSENT:
+        if cfg.get(name):
+            raise ValueError(f"{path}: {name} = {json.dumps(cfg[name])[:60]} is not supported (must be null)")
+    targets = field("target_modules", list[str] | str, "q_proj,v_proj")     # PEFT's default for these models
+    try:
+        config = LoRAConfig(r=field("r", int, 8), alpha=field("lora_alpha", float, 8.0),
+                            dropout=field("lora_dropout", float, 0.0), rslora=field("use_rslora", bool, False),
+                            targets=tuple(targets) if isinstance(targets, list) else targets)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    _check_rank(model, config, path)
+    return config
+
+
+def _widths(model) -> dict[str, tuple[int, int]]:
+    """HF target name -> (rows out, columns in) of the matrix its adapter updates."""
+    c = model.config
+    widths = {name: (b - a, c.d_model) for name, (_, a, b) in projection_parts(model).items()}
+    widths.update(o_proj=(c.d_model, c.n_heads * c.head_dim), down_proj=(c.d_model, c.d_ff),
+                  lm_head=(c.vocab_size, c.d_model))
+    return widths
+
+
+def _check_rank(model, config: LoRAConfig, path: Path) -> None:
+    widths = _widths(model)
+    missing = [t for t in config.targets if t not in widths]
+    if missing:
+        raise ValueError(f"{path}: target_modules {missing} do not exist in this model (a {model.config.mlp} MLP)")
+    target = min(config.targets, key=lambda t: min(widths[t]))
+    if config.r > min(MAX_RANK, *widths[target]):
+        out, inp = widths[target]
+        raise ValueError(f"{path}: r = {config.r} exceeds the width of {target} ({out} x {inp}); a rank is at "
+                         f"most min(out, in) of every targeted matrix (and {MAX_RANK})")
+
+
+def peft_shapes(model, config: LoRAConfig) -> dict[str, tuple[int, int]]:
+    """PEFT key -> the shape its tensor must have for `model` with `config`: lora_A (r, in),
+    lora_B (out, r), for every layer of every target; computed without building the adapters."""
+    widths, out = _widths(model), {}
+    for target in config.targets:
+        modules = ["lm_head"] if target == "lm_head" else [
+            f"model.layers.{i}.{_HF_MODULE[target]}" for i in range(model.config.n_layers)]
+        rows, cols = widths[target]
+        for module in modules:
+            out[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = (config.r, cols)
+            out[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = (rows, config.r)
+    return out
+
+
+def load_peft_adapter(model, directory: str | os.PathLike) -> list[str]:
+    """Wrap `model` with the adapters of a PEFT LoRA directory (trained anywhere) -> wrapped names.
+    adapter_config.json (read_peft_config) and every tensor's name and shape (from the safetensors
+    header) are checked against the model before any adapter is built or any tensor read."""
+    from logitlab.io.model_dir import open_safetensors
 
     directory = Path(directory)
-    cfg = read_json(directory / "adapter_config.json", "adapter config")
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{directory / 'adapter_config.json'}: not a PEFT LoRA config (peft_type must be 'LORA')")
-    targets = cfg.get("target_modules")
-    targets = tuple(targets) if isinstance(targets, list) else ("all-linear",) if targets == "all-linear" else targets
-    config = LoRAConfig(r=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0.0)),
-                        targets=targets, rslora=bool(cfg.get("use_rslora", False)))
     _peft_layout_check(model)
-    names = apply_lora(model, config)
-    state = load_file(str(directory / "adapter_model.safetensors"))
-    ours = peft_state_dict(model)
-    theirs = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
-              for k, v in state.items()}
-    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    config = read_peft_config(model, directory)
+    path = directory / "adapter_model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"no adapter_model.safetensors in {directory}")
+    with open_safetensors(path) as f:
+        stored = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    stored = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): (k, shape)
+              for k, shape in stored.items()}
+    expected = peft_shapes(model, config)
+    missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{directory / 'adapter_model.safetensors'}: keys disagree with the model's adapters: "
-                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    _assign_peft(model, theirs)
+        raise ValueError(f"{path}: keys disagree with the model's adapters: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    for key, shape in expected.items():
+        if stored[key][1] != shape:
+            raise ValueError(f"{path}: tensor {stored[key][0]} has shape {stored[key][1]}, the model with "
+                             f"r = {config.r} expects {shape}")
+    names = apply_lora(model, config)
+    with open_safetensors(path) as f:
+        _assign_peft(model, {key: f.get_tensor(name) for key, (name, _) in stored.items()})
     return names
 
 
