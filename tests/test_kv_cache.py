@@ -60,3 +60,26 @@ def test_for_model_uses_kv_heads_and_model_dtype():
     assert cache.k[0].shape == (1, 2, 8, 8) and cache.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"max_len \(17\) exceeds .*context_length \(16\)"):
         KVCache.for_model(cfg, 1, max_len=17)
+
+
+def test_generation_and_the_server_allocate_the_context_they_use(monkeypatch):
+    """Llama 3's 131,072 positions at batch 1 must not reserve the whole context: generate sizes
+    its cache to the prompt and the tokens asked for, the server's engine its batch to the rows'
+    prompts and budgets (rounded up to CACHE_ROUNDING, room for requests that join)."""
+    from logitlab.generate import SampleConfig, generate
+    from logitlab.serve.engine import CACHE_ROUNDING, Engine
+
+    cfg = ModelConfig(vocab_size=61, context_length=131072, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)
+    model = Transformer(cfg).eval()
+    sizes = []
+    build = KVCache.__init__
+    monkeypatch.setattr(KVCache, "__init__", lambda self, *a, **kw: sizes.append(a[3]) or build(self, *a, **kw))
+    out = generate(model, [1, 2, 3], SampleConfig(max_new_tokens=5, temperature=0))
+    assert len(out.tokens[0]) == 5 and sizes == [8]             # 3 prompt + 5 new positions, not 131,072
+    events = []
+    engine = Engine(model)
+    engine.submit([4, 5, 6, 7], SampleConfig(max_new_tokens=6, temperature=0), events.append)
+    while engine.step():
+        pass
+    assert sizes[1:] == [CACHE_ROUNDING] and len(events) == 7  # 6 tokens and the end

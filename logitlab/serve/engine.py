@@ -42,6 +42,9 @@ from logitlab.model.cache import KVCache
 # them happens once they are at least this many and at least as many as the live rows, since it
 # costs a prefill of every live row.
 COMPACT_AFTER = 4
+# A rebuilt batch's cache holds its rows' prompts and budgets rounded up to a multiple of this many
+# slots (at most the context): room for requests that join later without reserving the whole context.
+CACHE_ROUNDING = 256
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,10 @@ class Engine:
         device = next(self.model.parameters()).device
         lengths = [len(r.ids) for r in rows]
         S0 = max(lengths)
-        S = self.context  # room after the longest row for later requests to be inserted
+        # the rows' own budgets, rounded up to leave room for later requests to be inserted; not the
+        # whole context (a model that accepts 131,072 positions reserves none of them for a short answer)
+        need = S0 + max(max(1, r.budget - len(r.generated)) for r in rows)
+        S = min(self.context, -(-need // CACHE_ROUNDING) * CACHE_ROUNDING)
         ids = torch.zeros(len(rows), S0, dtype=torch.long)                                  # (B, S0)
         for b, r in enumerate(rows):
             ids[b, S0 - lengths[b]:] = torch.tensor(r.ids)
