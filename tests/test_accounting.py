@@ -55,6 +55,41 @@ def test_every_preset_builds_on_meta_and_adds_up(name):
     assert exact.linear_attention_per_layer * exact.n_linear_layers == exact.linear_attention
 
 
+def _random_config(rng) -> "acc.ModelConfig":
+    """A small config drawing every switch that changes the parameter count."""
+    n_layers = rng.randint(1, 5)
+    hybrid = rng.random() < 0.3
+    kinds = tuple(rng.choice(["full_attention", "linear_attention"]) for _ in range(n_layers)) if hybrid else None
+    mlp, positions = rng.choice(["gelu", "swiglu"]), rng.choice(["learned", "sinusoidal", "rope", "alibi", "none"])
+    return acc.ModelConfig(
+        vocab_size=rng.randint(5, 300), context_length=rng.randint(4, 64), d_model=8 * rng.randint(1, 6),
+        n_layers=n_layers, n_heads=4, n_kv_heads=rng.choice([1, 2, 4]), head_dim=rng.choice([None, 4, 6]),
+        d_ff=rng.choice([None, 24]), norm="rmsnorm" if hybrid else rng.choice(["layernorm", "rmsnorm"]), mlp=mlp,
+        positions="rope" if hybrid else positions, bias=rng.random() < 0.5,
+        qkv_bias=rng.choice([None, True, False]), qk_norm=rng.random() < 0.5,
+        tie_embeddings=rng.random() < 0.5, vocab_pad_multiple=rng.choice([1, 8, 64]), layer_types=kinds,
+        attn_gate=rng.choice(["none", "headwise", "elementwise"]), attn_sinks=rng.random() < 0.3,
+        norm_zero_centered=hybrid and rng.random() < 0.5, linear_conv_kernel=rng.randint(2, 5))
+
+
+def test_arithmetic_count_equals_the_meta_build():
+    """memory.parameter_count, from the config's numbers alone (what a loader checks before it
+    builds anything), equals the exact count of the model built on the meta device, on every
+    preset and on random configs drawing every switch that changes a shape."""
+    import random
+
+    from logitlab.model import memory
+
+    rng = random.Random(0)
+    configs = list(PRESETS.values()) + [_random_config(rng) for _ in range(60)]
+    for cfg in configs:
+        terms = memory.parameter_terms(cfg)
+        exact = acc.count_parameters(cfg)
+        assert sum(terms.values()) == exact.total, cfg
+        assert terms["context_length"] == exact.positions and terms["final_norm"] == exact.final_norm
+        assert terms["vocab_size"] == exact.embeddings + exact.lm_head
+
+
 def test_exact_count_matches_a_real_model_by_storage():
     """The slow, obvious path: a real CPU model, unique storages summed."""
     untied = dataclasses.replace(PRESETS["tiny"], tie_embeddings=False)

@@ -230,12 +230,13 @@ def big_hf_dir(tmp_path_factory):
 
 @pytest.mark.skipif(not __import__("os").access("/proc/self/clear_refs", __import__("os").W_OK),
                     reason="needs Linux /proc/self/clear_refs to reset the peak resident memory")
-@pytest.mark.parametrize("dtype, bound", [("none", 1.2), ("bf16", 0.75)])
+@pytest.mark.parametrize("dtype, bound", [("none", 1.15), ("bf16", 0.75)])
 def test_load_streams_tensor_by_tensor(big_hf_dir, dtype, bound):
     """The peak resident memory of loading, in a fresh process, stays near the loaded model's own
-    size: fp32 below 1.2x the fp32 model (reading the whole file and then building the fused
+    size: fp32 below 1.15x the fp32 model (reading the whole file and then building the fused
     q/k/v and gate/up copies costs about 2x), bf16 below 0.75x the fp32 model (so the fp32
-    checkpoint is never all resident at once; the bf16 model is 0.5x)."""
+    checkpoint is never all resident at once; the bf16 model is 0.5x, and this small model's fixed
+    costs, the modules imported and built while loading, are about 10 MiB of it)."""
     import subprocess
     import sys
 
@@ -267,8 +268,10 @@ def test_save_pretrained_without_tokenizer_names_no_special_ids(tmp_path):
      "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
     (lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64)),
      r"'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\), config.json implies \(32, 64\)"),
-    (lambda s: s.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64)),
-     "unexpected tensor 'model.layers.9.mlp.up_proj.weight'"),
+    (lambda s: s.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64)),   # a layer config.json lacks
+     r"num_hidden_layers = 2, but .*model.safetensors holds the layers 0, 1, 9, which are not 0..1"),
+    (lambda s: s.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(96, 64)),
+     "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
 ])
 def test_mismatched_checkpoint_is_refused(hf_dirs, tmp_path, edit, match):
     from safetensors.torch import save_file

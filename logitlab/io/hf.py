@@ -18,13 +18,17 @@ from pathlib import Path
 import torch
 
 from logitlab.io import checkpoint, files, model_dir
-from logitlab.model import families
+from logitlab.model import families, memory
 from logitlab.model.transformer import ModelConfig, Transformer
 
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-TORCH_BIN = "pytorch_model.bin"
-TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+from logitlab.io.weights import (  # noqa: F401  (the layouts' file names, importable from here)
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    TORCH_BIN,
+    TORCH_BIN_INDEX,
+    WeightFiles,
+    check_layers,
+)
 
 # Largest |ours - transformers|, relative to max(1, max |transformers|), that verification accepts.
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -51,91 +55,10 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
     return model_dir.read_json_object(path, "config file")
 
 
-class _WeightFiles:
-    """The tensors of a Hugging Face directory, whichever of the four layouts it uses, listed
-    before any is read: `shapes` (name -> shape, from the safetensors headers or a memory-mapped
-    .bin) lets names and shapes be checked first, and `tensors(names)` then reads the wanted
-    tensors one at a time, file by file, so a loader converts and drops each before the next.
-
-    safetensors are read with pread(2) into fresh CPU tensors (safetensors releases without the
-    `backend` option memory-map instead). A .bin is memory-mapped where torch's zip format allows
-    (torch.load(mmap=True, weights_only=True): never unpickles code, and only the pages of tensors
-    read become resident); this reader lets go of each file's map once its tensors are read, but a
-    tensor the loader keeps as it is (no cast, no transpose) still points into the map, which then
-    lives as long as the model."""
-
-    def __init__(self, directory: str | os.PathLike):
-        d = Path(directory)
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self._file_of: dict[str, Path] = {}        # tensor name -> the file that holds it
-        self._bin: dict[Path, dict] = {}           # .bin file -> its (memory-mapped) tensors
-        if (d / SAFETENSORS).is_file():
-            self._add(d / SAFETENSORS)
-            return
-        for index_name in (SAFETENSORS_INDEX, TORCH_BIN_INDEX):
-            if (d / index_name).is_file():
-                weight_map = model_dir.read_json_object(d / index_name, "index file").get("weight_map")
-                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                    raise ValueError(f"{d / index_name} has no weight_map (an object of tensor name -> file name)")
-                for shard in sorted(set(weight_map.values())):
-                    if not (d / shard).is_file():
-                        raise FileNotFoundError(f"shard {shard} named in {d / index_name} is missing")
-                    self._add(d / shard)
-                missing = sorted(set(weight_map) - set(self.shapes))
-                if missing:
-                    raise ValueError(f"{d / index_name} lists tensors its shards lack: {missing[:5]}")
-                return
-        if (d / TORCH_BIN).is_file():
-            self._add(d / TORCH_BIN)
-            return
-        raise FileNotFoundError(f"no weights in {d}: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, "
-                                f"{TORCH_BIN} or {TORCH_BIN_INDEX}")
-
-    def _add(self, path: Path) -> None:
-        if path.suffix == ".safetensors":
-            with model_dir.open_safetensors(path) as f:
-                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        else:
-            import zipfile
-
-            # tensors only, no code; a pre-1.6 (non-zip) file cannot be memory-mapped
-            state = model_dir.load_torch_file(path, mmap=zipfile.is_zipfile(path))
-            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-                raise ValueError(f"{path}: expected a state dict (tensor name -> tensor), got {type(state).__name__}")
-            self._bin[path] = state
-            shapes = {k: tuple(v.shape) for k, v in state.items()}
-        self.shapes.update(shapes)
-        self._file_of.update(dict.fromkeys(shapes, path))
-
-    def tensors(self, names: dict[str, str], finite: bool = False):
-        """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
-        A .bin file's memory map (and its unread tensors) is released after its last tensor.
-        finite=True: a floating tensor that holds NaN or inf is a ValueError naming file and name."""
-        def checked(path: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
-            if finite:
-                model_dir.require_finite(path, name, tensor)
-            return tensor
-
-        by_file: dict[Path, list[tuple[str, str]]] = {}
-        for key, name in names.items():
-            by_file.setdefault(self._file_of[name], []).append((key, name))
-        for path in sorted(by_file):
-            wanted = sorted(by_file[path], key=lambda kn: kn[1])
-            if path in self._bin:
-                state = self._bin.pop(path)
-                for key, name in wanted:
-                    yield key, checked(path, name, state.pop(name))
-                del state
-            else:
-                with model_dir.open_safetensors(path) as f:
-                    for key, name in wanted:
-                        yield key, checked(path, name, f.get_tensor(name))
-
-
 def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face directory, whichever of the four layouts it uses (CPU; a
     .bin's may be memory-mapped). Loading a model streams instead (load_pretrained)."""
-    files = _WeightFiles(directory)
+    files = WeightFiles(directory)
     return dict(files.tensors({k: k for k in files.shapes}))
 
 
@@ -161,11 +84,14 @@ def _name_first(keys: list[str]) -> str:
     return f"{keys[0]!r}{more}"
 
 
-def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> None:
+def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint", model=None) -> None:
     """Refuse a checkpoint whose tensor names or shapes disagree with `config`, naming the key.
-    Only names and shapes are read: meta tensors stand in for a checkpoint not yet loaded."""
-    with torch.device("meta"):
-        expected = families.state_dict_to_hf(Transformer(config).state_dict(), config)
+    Only names and shapes are read: meta tensors stand in for a checkpoint not yet loaded.
+    `model`: the Transformer of `config` already built on the meta device, if there is one."""
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(config)
+    expected = families.state_dict_to_hf(model.state_dict(), config)
     got = families.clean_hf_state(hf_state, config)
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
@@ -189,7 +115,9 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
     is cast to `dtype` and moved to `device` as it is read (a cast commutes with the transposes and
     concatenations of the conversion, so the result is the same bit for bit), converted by
     families.hf_tensors_to_logitlab and assigned into a model built on the meta device."""
-    check_hf_state({k: torch.empty(s, device="meta") for k, s in shapes.items()}, config, source)
+    with torch.device("meta"):
+        model = Transformer(config)
+    check_hf_state({k: torch.empty(s, device="meta") for k, s in shapes.items()}, config, source, model)
     # clean_hf_state decides on names alone: run over {name: name}, it maps each full HF name to
     # the name the file stores it under (buffers and a tied head's copy dropped, base-model prefix)
     names = families.clean_hf_state({k: k for k in shapes}, config)
@@ -199,8 +127,6 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
             tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
             yield key, tensor
 
-    with torch.device("meta"):
-        model = Transformer(config)
     # the converted tensors are the model's own (final dtype and device): holding them until one
     # assignment costs nothing extra, and one load_state_dict walks the modules once
     state = dict(families.hf_tensors_to_logitlab(cast(read(names)), config))
@@ -215,28 +141,27 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
 
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
-                    device: str | torch.device = "cpu") -> Transformer:
+                    device: str | torch.device = "cpu", max_memory=None) -> Transformer:
     """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES) or a logitlab one.
 
-    dtype None keeps the stored dtype. A Hugging Face checkpoint is streamed: names and shapes are
-    checked from the file headers first, then each tensor is read, cast to `dtype`, moved to
-    `device`, converted and placed, so the peak is about the loaded model plus the largest tensors
-    in flight (never the file and a converted copy together). A floating tensor that holds NaN or
-    inf is refused as it is read, naming its file and key. verify=True runs
+    dtype None keeps the stored dtype. Before anything is built, the config's sizes are bounded
+    (config.SIZE_LIMITS), its layer count is checked against the layers the files hold, and the
+    weights' memory in the dtype asked for is estimated from the config's numbers: more than
+    `max_memory` ("8GB", "512MiB" or bytes; default: what the machine has available) is refused,
+    naming the field that drives the size, its value, the estimate and what would fit.
+    A Hugging Face checkpoint is then streamed: names and shapes are checked from the file headers,
+    each tensor is read once, cast to `dtype` as it arrives (a large one in slices of rows, into its
+    final storage), moved to `device`, converted and placed, so the peak is about the loaded model
+    plus the tensors in flight (never the file and a converted copy together). A floating tensor
+    that holds NaN or inf is refused as it is read, naming its file and key. verify=True runs
     `verify_against_transformers` on the directory and raises ValueError when any hidden state or
     the logits differ beyond TOLERANCE."""
     directory = Path(directory)
     dtype = parse_dtype(dtype)
     if model_dir.is_logitlab_dir(directory):
-        model = model_dir.load_model(directory, device=device, dtype=dtype)
+        model = model_dir.load_model(directory, device=device, dtype=dtype, max_memory=max_memory)
     else:
-        config = families.config_from_hf(read_hf_config(directory), source=str(directory / "config.json"))
-        weights = _WeightFiles(directory)
-
-        def read(names):  # NaN / inf weights are refused by file and name as they are read
-            return weights.tensors(names, finite=True)
-
-        model = _stream_model(weights.shapes, read, config, str(directory), dtype, device)
+        model = _load_hf(directory, dtype, device, max_memory)
     model.eval()
     if verify:
         native = model_dir.is_logitlab_dir(directory)   # then compare with its own HF export
@@ -244,6 +169,28 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
         if not report["ok"]:
             raise ValueError(f"{directory}: logitlab disagrees with transformers: {format_report(report)}")
     return model
+
+
+def _load_hf(directory: Path, dtype, device, max_memory) -> Transformer:
+    """A Hugging Face directory, checked in the order that costs least: the config's types and
+    bounds, its layer count against the file headers, the memory estimate; then built and read."""
+    from logitlab.model.hf_config import hf_field_names
+    from logitlab.model.keymap import hf_layer_indices
+
+    path = directory / "config.json"
+    raw = read_hf_config(directory)
+    config = families.config_from_hf(raw, source=str(path))
+    weights = WeightFiles(directory)
+    names = hf_field_names(raw)
+    check_layers(hf_layer_indices(weights.shapes), config.n_layers, names["n_layers"], path, weights.describe())
+    target = dtype or weights.stored_dtype()
+    memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."), source=str(path),
+                      names=names, max_memory=max_memory, device=device)
+
+    def read(names):  # NaN / inf weights are refused by file and name as they are read
+        return weights.tensors(names, finite=True, dtype=dtype)
+
+    return _stream_model(weights.shapes, read, config, str(directory), dtype, device)
 
 
 def _unwrap(model):

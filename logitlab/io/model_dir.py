@@ -17,6 +17,14 @@ import re
 from pathlib import Path
 
 from logitlab.io.files import atomic_directory
+from logitlab.io.tensors import (  # noqa: F401  (importable from here, as before)
+    SafetensorsFile,
+    cast_read,
+    open_safetensors,
+    read_header,
+    read_tensor,
+    require_finite,
+)
 
 MODEL_FORMAT = "logitlab"
 CONFIG_FILE = "config.json"
@@ -117,127 +125,86 @@ def read_model_config(directory: str | os.PathLike):
         raise ValueError(f"{path}: {exc}") from exc
 
 
-def open_safetensors(path) -> "SafetensorsFile":
-    """A safetensors file open for reading tensors one at a time on the CPU: with pread(2) into
-    fresh tensors where safetensors has that backend (no pages of the file stay mapped while
-    others are read), memory-mapped otherwise (unmapped when closed). A file that is empty,
-    truncated, has bytes past its data or a bad header is a ValueError naming it."""
-    return SafetensorsFile(path)
-
-
-class SafetensorsFile:
-    """safetensors.safe_open (a context manager with keys(), get_slice(key).get_shape(),
-    get_tensor(key), metadata()) whose errors name the file: ValueError "PATH: not a valid
-    safetensors file (reason)" instead of a SafetensorError."""
-
-    def __init__(self, path: str | os.PathLike):
-        from safetensors import SafetensorError, safe_open
-
-        self.path = Path(path)
-        try:
-            try:
-                self._file = safe_open(str(path), framework="pt", device="cpu", backend="pread")
-            except TypeError:  # a safetensors release without the pread backend: memory-mapped
-                self._file = safe_open(str(path), framework="pt", device="cpu")
-        except SafetensorError as exc:
-            raise _invalid_safetensors(self.path, exc) from exc
-
-    def __enter__(self) -> "SafetensorsFile":
-        self._file.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._file.__exit__(*exc)
-
-    def keys(self) -> list[str]:
-        return self._read(self._file.keys)
-
-    def metadata(self) -> dict | None:
-        return self._read(self._file.metadata)
-
-    def get_slice(self, key: str):
-        return self._read(self._file.get_slice, key)
-
-    def get_tensor(self, key: str):
-        return self._read(self._file.get_tensor, key)
-
-    def _read(self, fn, *args):
-        from safetensors import SafetensorError
-
-        try:
-            return fn(*args)
-        except SafetensorError as exc:
-            raise _invalid_safetensors(self.path, exc) from exc
-
-
-def _invalid_safetensors(path: Path, exc: Exception) -> ValueError:
-    reason = str(exc).removeprefix("Error while deserializing header: ")
-    return ValueError(f"{path}: not a valid safetensors file ({reason}); it may be truncated or corrupt: "
-                      "write or download it again")
-
-
-def require_finite(path: str | os.PathLike, key: str, tensor) -> None:
-    """ValueError naming the file and the key when the floating tensor `key` read from `path`
-    holds NaN or inf: a model loaded with one computes NaN logits. One pass per tensor and no
-    temporary as large as it: min and max propagate NaN, so both are finite exactly when every
-    element is (isfinite(t).all() would allocate a mask per tensor, raising the peak of a load)."""
+def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, max_memory=None):
+    """Load a logitlab model directory written by save_model. Before anything is built, the
+    config's layer count is checked against the blocks the weights hold and the weights' memory in
+    the dtype asked for against `max_memory` (default: what the machine has available; see
+    memory.check_fits); keys and shapes are then checked against the config (from the file's header,
+    before any tensor is read) and a mismatch names the offending key. Tensors are read one at a
+    time and cast to `dtype` (a large one in slices of rows) / moved to `device` as they arrive, so
+    the peak is the final model plus one tensor in flight. A directory written before q/k/v and
+    gate/up became one projection each is read whole and upgraded first (upgrade_legacy_state).
+    A floating tensor that holds NaN or inf is refused, naming its key."""
     import torch
 
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return
-    values = tensor if tensor.dtype.itemsize > 1 else tensor.to(torch.float16)  # fp8 has no aminmax
-    lo, hi = torch.aminmax(values)
-    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-        raise ValueError(f"{path}: tensor {key} holds {int((~torch.isfinite(values)).sum())} NaN / inf values")
-
-
-def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
-    """Load a logitlab model directory written by save_model; keys and shapes are checked
-    against the config (from the file's header, before any tensor is read) and a mismatch names
-    the offending key. Tensors are read one at a time and cast to `dtype` / moved to `device`
-    as they arrive, so the peak is the final model plus one tensor in flight. A directory written
-    before q/k/v and gate/up became one projection each is read whole and upgraded first
-    (upgrade_legacy_state). A floating tensor that holds NaN or inf is refused, naming its key."""
-    import torch
-
+    from logitlab.model import memory
     from logitlab.model.transformer import Transformer
 
     directory = Path(directory)
     config = read_model_config(directory)
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
+    header = read_header(path)
+    check_layers({int(m.group(1)) for m in map(_BLOCK.match, header) if m}, config.n_layers, "n_layers",
+                 directory / CONFIG_FILE, path)
+    target = dtype or max((d for _, d in header.values() if d.is_floating_point), key=lambda d: d.itemsize,
+                          default=torch.float32)
+    memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."),
+                      source=str(directory / CONFIG_FILE), max_memory=max_memory, device=device)
     with torch.device("meta"):
         model = Transformer(config)
     expected = model.state_dict()
     if config.tie_embeddings:
         expected.pop("lm_head.weight", None)
-    with open_safetensors(weights) as f:
-        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-        legacy = None
+    state = {}
+    with open_safetensors(path) as f:
+        shapes, legacy = {key: shape for key, (shape, _) in header.items()}, None
         if any(_LEGACY_KEY.search(key) for key in shapes):  # written before the fused projections
             legacy = upgrade_legacy_state({key: f.get_tensor(key) for key in shapes})
             shapes = {key: tuple(t.shape) for key, t in legacy.items()}
-        missing = sorted(set(expected) - set(shapes))
-        unexpected = sorted(set(shapes) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{weights}: keys disagree with {directory / CONFIG_FILE}: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for key, tensor in expected.items():
-            if shapes[key] != tuple(tensor.shape):
-                raise ValueError(f"{weights}: {key} has shape {shapes[key]}, "
-                                 f"config expects {tuple(tensor.shape)}")
-        state = {}
+        _check_keys(path, directory, expected, shapes)
         for key in expected:  # each tensor cast as it arrives: only the final model is kept
-            tensor = legacy.pop(key) if legacy is not None else f.get_tensor(key)
-            require_finite(weights, key, tensor)
-            state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            tensor = (cast_read(path, key, legacy.pop(key), True, dtype) if legacy is not None
+                      else read_tensor(f, path, key, *header[key], finite=True, dtype=dtype))
+            state[key] = tensor.to(device=device)
             del tensor
-        model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.tie_weights()
     model.rebuild_buffers()
     return model
+
+
+_BLOCK = re.compile(r"blocks\.(\d+)\.")
+
+
+def _check_keys(path: Path, directory: Path, expected: dict, shapes: dict) -> None:
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{path}: keys disagree with {directory / CONFIG_FILE}: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for key, tensor in expected.items():
+        if shapes[key] != tuple(tensor.shape):
+            raise ValueError(f"{path}: {key} has shape {shapes[key]}, config expects {tuple(tensor.shape)}")
+
+
+def check_layers(indices: set[int], n_layers: int, field: str, config_path, weights) -> None:
+    """ValueError naming the config's layer-count field and its value when the block indices the
+    weights hold (`indices`) are not exactly 0 .. n_layers - 1: a count no tensor backs is refused
+    before a model of that depth is built."""
+    if indices == set(range(n_layers)):
+        return
+    held = sorted(indices)
+    if not held:
+        what = "no layers at all"
+    elif held == list(range(len(held))):
+        what = f"layers 0..{len(held) - 1} only ({len(held)} layers)"
+    else:
+        shown = ", ".join(map(str, held[:5])) + (f", ... ({len(held)} in all)" if len(held) > 5 else "")
+        what = f"the layers {shown}, which are not 0..{n_layers - 1}"
+    raise ValueError(f"{config_path}: {field} = {n_layers}, but {weights} holds {what}")
 
 
 def upgrade_legacy_state(state: dict) -> dict:

@@ -26,6 +26,26 @@ def _help(text: str):
     return field(default=None, metadata={"help": text})
 
 
+# Upper bounds of every size a config may hold, far above any published model (the largest have
+# vocabularies of 262,144, contexts of 10M positions, widths of 16,384 and 126 layers). A config read
+# from an untrusted file is refused by these before anything is built or allocated; what a config
+# within them costs is then estimated (model/memory.py) against the memory the machine has.
+SIZE_LIMITS = {"vocab_size": 2**24, "context_length": 2**24, "d_model": 2**17, "n_layers": 10_000,
+               "n_heads": 2**12, "n_kv_heads": 2**12, "head_dim": 2**17, "d_ff": 2**20, "vocab_pad_multiple": 2**16,
+               "sliding_window": 2**24, "linear_n_k_heads": 2**12, "linear_n_v_heads": 2**12,
+               "linear_k_head_dim": 2**17, "linear_v_head_dim": 2**17, "linear_conv_kernel": 2**12,
+               "original_context_length": 2**24}
+
+
+def check_size_limits(config, prefix: str = "") -> None:
+    """ValueError naming the first field of `config` whose integer value passes SIZE_LIMITS."""
+    for name, limit in SIZE_LIMITS.items():
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > limit:
+            raise ValueError(f"{prefix}{name} = {value} is beyond logitlab's bound of {limit} (far above any "
+                             "published model); refused before anything is allocated")
+
+
 RopeType = Literal["linear", "dynamic", "ntk", "yarn", "llama3", "longrope"]
 # the fields each rope_type reads besides factor (the others must stay null); defaults filled in
 _ROPE_FIELDS = {
@@ -66,6 +86,7 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         check_field_types(self, prefix="rope_scaling.")
+        check_size_limits(self, prefix="rope_scaling.")
         kind, own = self.rope_type, _ROPE_FIELDS[self.rope_type]
         for f in dataclasses.fields(self)[1:]:
             value = getattr(self, f.name)
@@ -164,6 +185,7 @@ class ModelConfig:
             object.__setattr__(self, name, value)
 
         check_field_types(self)  # JSON types: bools, ints, finite floats, Literal values, rope_scaling
+        check_size_limits(self)  # before any size is used (layer_kinds is a tuple of n_layers entries)
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "vocab_pad_multiple"):
             value = getattr(self, name)
             if value <= 0:

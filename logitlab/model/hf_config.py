@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from logitlab.model.config import ModelConfig, conform
+from logitlab.model.config import SIZE_LIMITS, ModelConfig, conform
 from logitlab.model.keymap import hf_architecture
 from logitlab.model.rope_scaling import ntk_theta
 
@@ -79,20 +79,62 @@ _ROPE_KEYS = {"linear": (), "dynamic": (), "llama3": ("low_freq_factor", "high_f
               "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
               "longrope": ("short_factor", "long_factor", "attention_factor")}
 
+# The ModelConfig field whose bound (config.SIZE_LIMITS) each size key of config.json keeps
+HF_SIZES = {"vocab_size": "vocab_size", "n_positions": "context_length", "max_position_embeddings": "context_length",
+            "original_max_position_embeddings": "context_length", "n_embd": "d_model", "hidden_size": "d_model",
+            "n_layer": "n_layers", "num_hidden_layers": "n_layers", "max_window_layers": "n_layers",
+            "full_attention_interval": "n_layers", "n_head": "n_heads", "num_attention_heads": "n_heads",
+            "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim", "n_inner": "d_ff",
+            "intermediate_size": "d_ff", "sliding_window": "sliding_window",
+            "linear_num_key_heads": "linear_n_k_heads", "linear_num_value_heads": "linear_n_v_heads",
+            "linear_key_head_dim": "linear_k_head_dim", "linear_value_head_dim": "linear_v_head_dim",
+            "linear_conv_kernel_dim": "linear_conv_kernel"}
+
+
 def _checked_hf(hf, source: str) -> dict:
     """`hf` with every key config_from_hf reads type-checked (_HF_TYPES, _ROPE_TYPES; a mismatch
-    is a ValueError naming the key and `source`) and null-valued keys dropped."""
+    is a ValueError naming the key and `source`), every size bounded (HF_SIZES: a key past its
+    bound is named with its value before anything is built) and null-valued keys dropped."""
     if not isinstance(hf, dict):
         raise ValueError(f"{source}: expected a JSON object at the top level, got a {type(hf).__name__}")
     out = {key: value for key, value in hf.items() if value is not None}
     for key, value in out.items():
         if key in _HF_TYPES:
             conform(value, _HF_TYPES[key], f"{key!r} in {source}")
+        _check_size(key, value, source)
     for where in ("rope_scaling", "rope_parameters"):
         for key, value in out.get(where, {}).items():
             if key in _ROPE_TYPES and value is not None:
                 conform(value, _ROPE_TYPES[key], f"'{where}.{key}' in {source}")
+                _check_size(key, value, source, f"{where}.")
+    if out.get("full_attention_interval", 1) < 1:
+        raise ValueError(f"{source}: full_attention_interval must be a positive integer, "
+                         f"got {out['full_attention_interval']}")
     return out
+
+
+def _check_size(key: str, value, source: str, where: str = "") -> None:
+    limit = SIZE_LIMITS[HF_SIZES[key]] if key in HF_SIZES else None
+    if limit is not None and isinstance(value, int) and value > limit:
+        raise ValueError(f"{source}: {where}{key} = {value} is beyond logitlab's bound of {limit} (far above "
+                         "any published model); refused before anything is allocated")
+
+
+# ModelConfig field -> the config.json keys it is read from (GPT-2's, then the others')
+_FIELD_KEYS = {"vocab_size": ("vocab_size",), "context_length": ("n_positions", "max_position_embeddings"),
+               "d_model": ("n_embd", "hidden_size"), "n_layers": ("n_layer", "num_hidden_layers"),
+               "n_heads": ("n_head", "num_attention_heads"), "d_ff": ("n_inner", "intermediate_size")}
+
+
+def hf_field_names(hf: dict) -> dict[str, str]:
+    """ModelConfig field -> the config.json key it came from ("n_layers" -> "num_hidden_layers", or
+    "text_config.num_hidden_layers" for an image-text checkpoint), for messages about the file."""
+    if not isinstance(hf, dict):
+        return {}
+    inner = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else None
+    config, prefix = (inner, "text_config.") if inner is not None else (hf, "")
+    gpt2 = "n_layer" in config or "n_embd" in config
+    return {name: prefix + (keys[0] if gpt2 else keys[-1]) for name, keys in _FIELD_KEYS.items()}
 
 
 def _rope_from_hf(arch: str, hf: dict, source: str) -> tuple[float, dict | None]:
@@ -136,13 +178,18 @@ def _longrope_attention(factor: float, original: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def _rope_context(context: int, scaling: dict | None) -> int:
+def _rope_context(context: int, scaling: dict | None, source: str = "config.json") -> int:
     """The context logitlab accepts: max_position_embeddings, except under dynamic NTK, whose
     frequencies change only past max_position_embeddings (the original length in transformers):
     there it is original x factor, the length the scaling is meant to reach."""
     if scaling is None or scaling["rope_type"] != "dynamic":
         return context
-    return max(context, math.ceil(context * scaling["factor"]))
+    reach = context * scaling["factor"]
+    if reach > SIZE_LIMITS["context_length"]:
+        raise ValueError(f"{source}: dynamic RoPE's max_position_embeddings ({context}) x factor "
+                         f"({scaling['factor']}) = {reach:.4g} positions is beyond logitlab's bound of "
+                         f"{SIZE_LIMITS['context_length']}")
+    return max(context, math.ceil(reach))
 
 
 def _rope_to_hf(c: ModelConfig) -> dict:
@@ -221,7 +268,7 @@ def _llama_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
     else:
         bias = qkv_bias = False
     theta, scaling = _rope_from_hf(arch, hf, source)
-    context = _rope_context(context, scaling)
+    context = _rope_context(context, scaling, source)
     d_model, n_heads = _need(hf, "hidden_size", source), _need(hf, "num_attention_heads", source)
     return _build(
         source, vocab_size=_need(hf, "vocab_size", source), context_length=context, d_model=d_model,
@@ -273,7 +320,8 @@ def _qwen3_5_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
                                             for i in range(n)])
     return _build(
         source, vocab_size=_need(hf, "vocab_size", source),
-        context_length=_rope_context(_need(hf, "max_position_embeddings", source), scaling), rope_scaling=scaling,
+        context_length=_rope_context(_need(hf, "max_position_embeddings", source), scaling, source),
+        rope_scaling=scaling,
         d_model=_need(hf, "hidden_size", source), n_layers=n, n_heads=_need(hf, "num_attention_heads", source),
         n_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim", 256),
         d_ff=_need(hf, "intermediate_size", source), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),

@@ -132,6 +132,17 @@ def _normalise_prefix(state: dict, layout: str) -> dict:
     return {(k if k.startswith("lm_head.") else prefix + k): v for k, v in state.items()}
 
 
+# A block's tensors in every layout: transformer.h.{i}. (GPT-2), model.layers.{i}. (llama), the text
+# model of an image-text checkpoint (model.language_model.layers.{i}.), or a base model's own names
+_HF_LAYER = re.compile(r"(?:transformer\.h|model\.(?:language_model\.)?layers|h|layers)\.(\d+)\.")
+
+
+def hf_layer_indices(names) -> set[int]:
+    """The block indices i that the Hugging Face tensor names hold (any layout), from names alone:
+    a loader checks the config's layer count against them before it builds anything."""
+    return {int(m.group(1)) for m in map(_HF_LAYER.match, names) if m}
+
+
 def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
     """The learned tensors of a Hugging Face checkpoint under their full names: buffers with no
     learned state dropped, a missing "transformer." / "model." prefix restored, and a tied

@@ -25,10 +25,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> tor
     return rope_frequencies(head_dim, theta, scaling, device=device)[0]
 
 
-# The largest cos (or sin) table built ahead of use: 2**22 float32 values, 16 MiB. A longer context
-# (Llama 3's 131,072 positions of 64 frequencies, or a config.json that claims 10**9) costs nothing
-# until used: each call computes the rows of its own positions instead, the same values bit for bit.
-TABLE_VALUES = 2**22
+# The largest cos (or sin) table built ahead of use: 2**20 float32 values, 4 MiB (a context of 16,384
+# positions at 64 frequencies). A longer context (Llama 3's 131,072 positions, or a config.json that
+# claims 10**9) costs nothing until used: each call computes the rows of its own positions instead,
+# the same values bit for bit.
+TABLE_VALUES = 2**20
 
 
 class RotaryEmbedding(nn.Module):

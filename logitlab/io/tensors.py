@@ -1,0 +1,167 @@
+"""Reading tensors from safetensors files: once each, lean, and with errors that name the file.
+
+tensors.py owns the lowest layer of loading: a safetensors file opened so that its errors name it
+(open_safetensors), its header read without touching the data (read_header), NaN / inf refused by
+file and key (require_finite), and a tensor read and cast on the way in (read_tensor). Tensors are
+read with pread(2) into fresh CPU tensors rather than memory-mapped: the pages of a mapped file
+count as this process's resident memory for as long as the map lives. A tensor cast to another
+dtype is read a slice of rows at a time into one scratch buffer the open file reuses and copied
+(so cast) into its final tensor: no copy of the whole tensor in the stored dtype ever exists, and
+nothing is allocated per slice to fragment the heap between the model's tensors. It imports
+nothing of logitlab; which files make a model directory is model_dir.py's and weights.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+# A cast tensor is read in slices of rows of at most this many bytes (in the stored dtype): the
+# size of the scratch buffer, the most a load holds beyond the model itself for a cast.
+SLICE_BYTES = 16 * 2**20
+
+# safetensors' dtype names -> torch's (torch is imported lazily: importing io is cheap)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+           "BOOL": "bool"}
+
+
+def open_safetensors(path) -> "SafetensorsFile":
+    """A safetensors file open for reading tensors one at a time on the CPU: with pread(2) into
+    fresh tensors where safetensors has that backend (no pages of the file stay mapped while
+    others are read), memory-mapped otherwise (unmapped when closed). A file that is empty,
+    truncated, has bytes past its data or a bad header is a ValueError naming it."""
+    return SafetensorsFile(path)
+
+
+class SafetensorsFile:
+    """safetensors.safe_open (a context manager with keys(), get_slice(key).get_shape(),
+    get_tensor(key), metadata()) whose errors name the file: ValueError "PATH: not a valid
+    safetensors file (reason)" instead of a SafetensorError; plus `rows`, a slice of rows read
+    into a scratch buffer that this open file reuses."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        self._raw = self._scratch = self._offsets = None
+        try:
+            try:
+                self._file = safe_open(str(path), framework="pt", device="cpu", backend="pread")
+            except TypeError:  # a safetensors release without the pread backend: memory-mapped
+                self._file = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise _invalid_safetensors(self.path, exc) from exc
+
+    def __enter__(self) -> "SafetensorsFile":
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._raw is not None:
+            self._raw.close()
+        self._raw = self._scratch = None
+        self._file.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self._read(self._file.keys)
+
+    def metadata(self) -> dict | None:
+        return self._read(self._file.metadata)
+
+    def get_slice(self, key: str):
+        return self._read(self._file.get_slice, key)
+
+    def get_tensor(self, key: str):
+        return self._read(self._file.get_tensor, key)
+
+    def rows(self, key: str, start: int, end: int, shape: tuple, dtype):
+        """Rows [start, end) of tensor `key` (of `shape` and stored `dtype`) as a view of this
+        file's scratch buffer, valid until the next call: one pread(2), no allocation once the
+        buffer has grown to the largest slice. (The header was validated when the file opened.)"""
+        import torch
+
+        if self._offsets is None:
+            self._raw = open(self.path, "rb")
+            size = int.from_bytes(self._raw.read(8), "little")
+            header = json.loads(self._raw.read(size))
+            self._offsets = {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+        row = dtype.itemsize * torch.Size(shape[1:]).numel()
+        nbytes = (end - start) * row
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None                                  # the old buffer goes before the new one
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        view = self._scratch[:nbytes]
+        if os.preadv(self._raw.fileno(), [memoryview(view.numpy())], self._offsets[key] + start * row) != nbytes:
+            raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
+        return view.view(dtype).view(end - start, *shape[1:])
+
+    def _read(self, fn, *args):
+        from safetensors import SafetensorError
+
+        try:
+            return fn(*args)
+        except SafetensorError as exc:
+            raise _invalid_safetensors(self.path, exc) from exc
+
+
+def _invalid_safetensors(path: Path, exc: Exception) -> ValueError:
+    reason = str(exc).removeprefix("Error while deserializing header: ")
+    return ValueError(f"{path}: not a valid safetensors file ({reason}); it may be truncated or corrupt: "
+                      "write or download it again")
+
+
+def read_header(path) -> dict:
+    """name -> (shape, stored torch dtype) of every tensor of a safetensors file, from its header
+    alone (nothing is read). An unknown dtype reads as uint8 (reading that tensor then fails)."""
+    import torch
+
+    with open_safetensors(path) as f:
+        pieces = {key: f.get_slice(key) for key in f.keys()}
+        return {key: (tuple(p.get_shape()), getattr(torch, _DTYPES.get(p.get_dtype(), "uint8")))
+                for key, p in pieces.items()}
+
+
+def require_finite(path: str | os.PathLike, key: str, tensor) -> None:
+    """ValueError naming the file and the key when the floating tensor `key` read from `path`
+    holds NaN or inf: a model loaded with one computes NaN logits. One pass per tensor and no
+    temporary as large as it: min and max propagate NaN, so both are finite exactly when every
+    element is (isfinite(t).all() would allocate a mask per tensor, raising the peak of a load)."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    values = tensor if tensor.dtype.itemsize > 1 else tensor.to(torch.float16)  # fp8 has no aminmax
+    lo, hi = torch.aminmax(values)
+    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        raise ValueError(f"{path}: tensor {key} holds {int((~torch.isfinite(values)).sum())} NaN / inf values")
+
+
+def cast_read(path, name: str, tensor, finite: bool, dtype):
+    """A tensor just read from `path`: checked for NaN / inf when `finite`, then cast to `dtype`
+    when it is floating (dtype None: as stored)."""
+    if finite:
+        require_finite(path, name, tensor)
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor
+
+
+def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finite: bool = False, dtype=None):
+    """Tensor `name` of the open file `f`, cast to `dtype` (cast_read). A floating tensor cast to
+    another dtype is read a slice of rows at a time (SLICE_BYTES) into the file's scratch buffer
+    and copied, so cast, into the final tensor, allocated first."""
+    import torch
+
+    if dtype is None or not stored.is_floating_point or stored == dtype or not shape or sys.byteorder != "little":
+        return cast_read(path, name, f.get_tensor(name), finite, dtype)
+    rows = max(1, SLICE_BYTES // max(1, stored.itemsize * torch.Size(shape[1:]).numel()))
+    out = torch.empty(shape, dtype=dtype)
+    for start in range(0, shape[0], rows):
+        part = f.rows(name, start, min(start + rows, shape[0]), shape, stored)    # (rows, ...) stored dtype
+        if finite:
+            require_finite(path, name, part)
+        out[start:start + rows].copy_(part)
+    return out

@@ -1,0 +1,118 @@
+"""The tensors of a model directory, listed from the file headers, then read once each.
+
+weights.py owns reading weights lean: names, shapes and dtypes come from the headers (safetensors)
+before any tensor is read, so a loader checks them against the config (the layer count first,
+`check_layers`) and estimates memory before it builds anything; then each tensor is read once and cast
+as it arrives (tensors.read_tensor: a tensor cast to another dtype comes a slice of rows at a time,
+so no full-size copy in the stored dtype ever exists). Hugging Face's layouts
+(model.safetensors, sharded with model.safetensors.index.json, pytorch_model.bin and its index) are
+told apart here; what the names mean is keymap.py's, what a directory is hf.py's and model_dir.py's.
+
+safetensors are read with pread(2) into fresh CPU tensors rather than memory-mapped: pages of a
+mapped file count as this process's resident memory for as long as the map lives, so a map read
+through while the model fills up costs the file's size on top of the model. A .bin is
+memory-mapped where torch's zip format allows (torch.load(mmap=True, weights_only=True): never
+unpickles code, and only the pages of tensors read become resident); a .bin tensor the loader keeps
+as it is (no cast, no transpose) still points into the map, which then lives as long as the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from logitlab.io import model_dir, tensors
+from logitlab.io.model_dir import check_layers  # noqa: F401  (importable from here)
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+class WeightFiles:
+    """The tensors of a Hugging Face directory, whichever of the four layouts it uses, listed
+    before any is read: `shapes` (name -> shape) and `dtypes` (name -> the stored torch dtype) let
+    names, shapes and sizes be checked first, and `tensors(names)` then reads the wanted tensors
+    one at a time, file by file, so a loader converts and drops each before the next.
+    `files` maps each name to the file that holds it."""
+
+    def __init__(self, directory: str | os.PathLike):
+        d = Path(directory)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.files: dict[str, Path] = {}           # tensor name -> the file that holds it
+        self._bin: dict[Path, dict] = {}           # .bin file -> its (memory-mapped) tensors
+        if (d / SAFETENSORS).is_file():
+            self.add(d / SAFETENSORS)
+            return
+        for index_name in (SAFETENSORS_INDEX, TORCH_BIN_INDEX):
+            if (d / index_name).is_file():
+                weight_map = model_dir.read_json_object(d / index_name, "index file").get("weight_map")
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise ValueError(f"{d / index_name} has no weight_map (an object of tensor name -> file name)")
+                for shard in sorted(set(weight_map.values())):
+                    if not (d / shard).is_file():
+                        raise FileNotFoundError(f"shard {shard} named in {d / index_name} is missing")
+                    self.add(d / shard)
+                missing = sorted(set(weight_map) - set(self.shapes))
+                if missing:
+                    raise ValueError(f"{d / index_name} lists tensors its shards lack: {missing[:5]}")
+                return
+        if (d / TORCH_BIN).is_file():
+            self.add(d / TORCH_BIN)
+            return
+        raise FileNotFoundError(f"no weights in {d}: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, "
+                                f"{TORCH_BIN} or {TORCH_BIN_INDEX}")
+
+    def add(self, path: Path) -> None:
+        """List the tensors of one file (its header only, for safetensors)."""
+        if path.suffix == ".safetensors":
+            for key, (shape, dtype) in tensors.read_header(path).items():
+                self.shapes[key], self.dtypes[key], self.files[key] = shape, dtype, path
+            return
+        import zipfile
+
+        # tensors only, no code; a pre-1.6 (non-zip) file cannot be memory-mapped
+        state = model_dir.load_torch_file(path, mmap=zipfile.is_zipfile(path))
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{path}: expected a state dict (tensor name -> tensor), got {type(state).__name__}")
+        self._bin[path] = state
+        for key, tensor in state.items():
+            self.shapes[key] = tuple(tensor.shape)
+            self.dtypes[key] = tensor.dtype
+            self.files[key] = path
+
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of the floating tensors as stored (the widest, when they differ)."""
+        return max((d for d in self.dtypes.values() if d.is_floating_point), key=lambda d: d.itemsize,
+                   default=torch.float32)
+
+    def describe(self) -> str:
+        """The file that holds the tensors, or how many shards do, for messages."""
+        held = sorted(set(self.files.values()))
+        return str(held[0]) if len(held) == 1 else f"the {len(held)} shards in {held[0].parent}" if held else "no file"
+
+    def tensors(self, names: dict[str, str], finite: bool = False, dtype: torch.dtype | None = None):
+        """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
+        dtype: floating tensors come cast to it (a large one read in slices of rows, SLICE_BYTES,
+        each cast into the final tensor). A .bin file's memory map (and its unread tensors) is
+        released after its last tensor. finite=True: a floating tensor that holds NaN or inf is a
+        ValueError naming file and name."""
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for key, name in names.items():
+            by_file.setdefault(self.files[name], []).append((key, name))
+        for path in sorted(by_file):
+            wanted = sorted(by_file[path], key=lambda kn: kn[1])
+            if path in self._bin:
+                state = self._bin.pop(path)
+                for key, name in wanted:
+                    yield key, tensors.cast_read(path, name, state.pop(name), finite, dtype)
+                del state
+                continue
+            with tensors.open_safetensors(path) as f:
+                for key, name in wanted:
+                    yield key, tensors.read_tensor(f, path, name, self.shapes[name], self.dtypes[name],
+                                                     finite, dtype)
