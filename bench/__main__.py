@@ -14,7 +14,7 @@ import time
 
 from bench.common import ROOT
 
-NAMES = ("tokenizer", "model", "generate", "roofline", "scaling", "hybrid", "data_prepare", "serve_load")
+NAMES = ("tokenizer", "model", "generate", "roofline", "scaling", "hybrid", "data_prepare", "serve_load", "load")
 FLAGS = ("--quick", "--no-doc")
 
 

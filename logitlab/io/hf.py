@@ -105,22 +105,36 @@ def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoin
                              f"config.json implies {tuple(ref.shape)}")
 
 
-def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=None,
-                  device=None) -> Transformer:
-    """A Transformer from Hugging Face tensors read one at a time, so that at no moment is more
-    than the model held (in its final dtype and device) plus the tensors in flight.
+def _stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=None, device=None) -> Transformer:
+    """A Transformer from a checkpoint's tensors, each read once, so that at no moment is more than
+    the model held (in its final dtype and device) plus the tensors in flight.
 
-    shapes: file name -> shape of every tensor in the checkpoint, checked (check_hf_state) before
-    anything is read. read({full HF name: file name}) -> (full HF name, tensor) pairs. Each tensor
-    is cast to `dtype` and moved to `device` as it is read (a cast commutes with the transposes and
-    concatenations of the conversion, so the result is the same bit for bit), converted by
-    families.hf_tensors_to_logitlab and assigned into a model built on the meta device."""
+    Names and shapes are checked (check_hf_state) before anything is read. The q/k/v and gate/up
+    tensors of a llama-layout checkpoint are read straight into the rows of the fused projection
+    that holds them (keymap.hf_fused_rows), allocated once in the final dtype; every other tensor is
+    read, cast to `dtype`, moved to `device` (a cast commutes with the transposes and concatenations
+    of the conversion, so the result is the same bit for bit) and converted by
+    families.hf_tensors_to_logitlab. The tensors are assigned into a model built on the meta device.
+    A floating tensor that holds NaN or inf is refused as it is read, naming its file and key."""
+    from logitlab.model.keymap import hf_fused_rows
+
     with torch.device("meta"):
         model = Transformer(config)
-    check_hf_state({k: torch.empty(s, device="meta") for k, s in shapes.items()}, config, source, model)
+    check_hf_state({k: torch.empty(s, device="meta") for k, s in weights.shapes.items()}, config, source, model)
     # clean_hf_state decides on names alone: run over {name: name}, it maps each full HF name to
     # the name the file stores it under (buffers and a tied head's copy dropped, base-model prefix)
-    names = families.clean_hf_state({k: k for k in shapes}, config)
+    names = families.clean_hf_state({k: k for k in weights.shapes}, config)
+    state, places = {}, {}
+    for key, name in names.items():
+        spot = hf_fused_rows(key, config)
+        if spot is not None:
+            fused, start, end, rows = spot
+            shape = weights.shapes[name]
+            if fused not in state:
+                state[fused] = torch.empty((rows, *shape[1:]), dtype=dtype or weights.dtypes[name], device=device)
+            places[name] = state[fused][start:end]
+    weights.fill(places, finite=True)
+    del places
 
     def cast(items):
         for key, tensor in items:  # rebound, so the uncast tensor is dropped before the next read
@@ -129,7 +143,8 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
 
     # the converted tensors are the model's own (final dtype and device): holding them until one
     # assignment costs nothing extra, and one load_state_dict walks the modules once
-    state = dict(families.hf_tensors_to_logitlab(cast(read(names)), config))
+    rest = {key: name for key, name in names.items() if hf_fused_rows(key, config) is None}
+    state.update(families.hf_tensors_to_logitlab(cast(weights.tensors(rest, finite=True, dtype=dtype)), config))
     model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()
@@ -187,10 +202,7 @@ def _load_hf(directory: Path, dtype, device, max_memory) -> Transformer:
     memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."), source=str(path),
                       names=names, max_memory=max_memory, device=device)
 
-    def read(names):  # NaN / inf weights are refused by file and name as they are read
-        return weights.tensors(names, finite=True, dtype=dtype)
-
-    return _stream_model(weights.shapes, read, config, str(directory), dtype, device)
+    return _stream_model(weights, config, str(directory), dtype, device)
 
 
 def _unwrap(model):

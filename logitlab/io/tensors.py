@@ -7,7 +7,9 @@ read with pread(2) into fresh CPU tensors rather than memory-mapped: the pages o
 count as this process's resident memory for as long as the map lives. A tensor cast to another
 dtype is read a slice of rows at a time into one scratch buffer the open file reuses and copied
 (so cast) into its final tensor: no copy of the whole tensor in the stored dtype ever exists, and
-nothing is allocated per slice to fragment the heap between the model's tensors. It imports
+nothing is allocated per slice to fragment the heap between the model's tensors. A tensor in its
+stored dtype is read straight into its final memory (read_into), which may be the rows of a
+larger tensor (a fused projection's q, k and v). It imports
 nothing of logitlab; which files make a model directory is model_dir.py's and weights.py's.
 """
 
@@ -77,10 +79,11 @@ class SafetensorsFile:
     def get_tensor(self, key: str):
         return self._read(self._file.get_tensor, key)
 
-    def rows(self, key: str, start: int, end: int, shape: tuple, dtype):
-        """Rows [start, end) of tensor `key` (of `shape` and stored `dtype`) as a view of this
-        file's scratch buffer, valid until the next call: one pread(2), no allocation once the
-        buffer has grown to the largest slice. (The header was validated when the file opened.)"""
+    def read_rows(self, key: str, start: int, end: int, shape: tuple, dtype, out=None):
+        """Rows [start, end) of tensor `key` (of `shape` and stored `dtype`), read with pread(2)
+        into `out` (a contiguous CPU tensor of those rows' bytes), or into a scratch buffer this file
+        reuses (a view valid until the next call) when out is None: no allocation once the buffer
+        has grown to the largest slice. (The header was validated when the file was opened.)"""
         import torch
 
         if self._offsets is None:
@@ -90,13 +93,18 @@ class SafetensorsFile:
             self._offsets = {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
         row = dtype.itemsize * torch.Size(shape[1:]).numel()
         nbytes = (end - start) * row
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = None                                  # the old buffer goes before the new one
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
-        view = self._scratch[:nbytes]
-        if os.preadv(self._raw.fileno(), [memoryview(view.numpy())], self._offsets[key] + start * row) != nbytes:
-            raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
-        return view.view(dtype).view(end - start, *shape[1:])
+        if out is None:
+            if self._scratch is None or self._scratch.numel() < nbytes:
+                self._scratch = None                              # the old buffer goes before the new one
+                self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            out = self._scratch[:nbytes].view(dtype).view(end - start, *shape[1:])
+        buffer, done, at = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0, self._offsets[key] + start * row
+        while done < nbytes:                                      # one call reads at most ~2 GiB
+            got = os.preadv(self._raw.fileno(), [buffer[done:nbytes]], at + done)
+            if got <= 0:
+                raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
+            done += got
+        return out
 
     def _read(self, fn, *args):
         from safetensors import SafetensorError
@@ -150,17 +158,36 @@ def cast_read(path, name: str, tensor, finite: bool, dtype):
 
 
 def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finite: bool = False, dtype=None):
-    """Tensor `name` of the open file `f`, cast to `dtype` (cast_read). A floating tensor cast to
-    another dtype is read a slice of rows at a time (SLICE_BYTES) into the file's scratch buffer
-    and copied, so cast, into the final tensor, allocated first."""
+    """Tensor `name` of the open file `f` (of `shape` and `stored` dtype), as `dtype` (None: as
+    stored; integer tensors stay as stored): read_into a tensor allocated for it."""
     import torch
 
-    if dtype is None or not stored.is_floating_point or stored == dtype or not shape or sys.byteorder != "little":
-        return cast_read(path, name, f.get_tensor(name), finite, dtype)
+    floating = stored.is_floating_point and dtype is not None
+    return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=dtype if floating else stored), finite)
+
+
+def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, finite: bool = False):
+    """Fill `out` (a tensor of `shape`: a new tensor, or the rows of a fused projection) with tensor
+    `name` of the open file `f` -> out. In the stored dtype the bytes go straight into out's memory
+    (pread(2), no copy); in another dtype a slice of rows at a time (SLICE_BYTES) goes through the
+    file's scratch buffer and is cast by the copy into out, so the stored-dtype copy of the whole
+    never exists. finite=True: NaN or inf is a ValueError naming the file and the tensor."""
+    import torch
+
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{path}: tensor {name} has shape {tuple(shape)}, its place {tuple(out.shape)}")
+    direct = out.dtype == stored and out.is_contiguous() and out.device.type == "cpu"
+    if sys.byteorder != "little" or not hasattr(os, "preadv") or not shape or (out.dtype == stored and not direct):
+        out.copy_(cast_read(path, name, f.get_tensor(name), finite, None))    # the general (slower) way
+        return out
+    if direct:
+        f.read_rows(name, 0, shape[0], shape, stored, out)
+        if finite:
+            require_finite(path, name, out)
+        return out
     rows = max(1, SLICE_BYTES // max(1, stored.itemsize * torch.Size(shape[1:]).numel()))
-    out = torch.empty(shape, dtype=dtype)
     for start in range(0, shape[0], rows):
-        part = f.rows(name, start, min(start + rows, shape[0]), shape, stored)    # (rows, ...) stored dtype
+        part = f.read_rows(name, start, min(start + rows, shape[0]), shape, stored)  # (rows, ...) stored dtype
         if finite:
             require_finite(path, name, part)
         out[start:start + rows].copy_(part)

@@ -97,15 +97,10 @@ class WeightFiles:
 
     def tensors(self, names: dict[str, str], finite: bool = False, dtype: torch.dtype | None = None):
         """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
-        dtype: floating tensors come cast to it (a large one read in slices of rows, SLICE_BYTES,
-        each cast into the final tensor). A .bin file's memory map (and its unread tensors) is
-        released after its last tensor. finite=True: a floating tensor that holds NaN or inf is a
-        ValueError naming file and name."""
-        by_file: dict[Path, list[tuple[str, str]]] = {}
-        for key, name in names.items():
-            by_file.setdefault(self.files[name], []).append((key, name))
-        for path in sorted(by_file):
-            wanted = sorted(by_file[path], key=lambda kn: kn[1])
+        dtype: floating tensors come cast to it (tensors.read_tensor). A .bin file's memory map (and
+        its unread tensors) is released after its last tensor. finite=True: a floating tensor that
+        holds NaN or inf is a ValueError naming file and name."""
+        for path, wanted in self._by_file(names):
             if path in self._bin:
                 state = self._bin.pop(path)
                 for key, name in wanted:
@@ -114,5 +109,23 @@ class WeightFiles:
                 continue
             with tensors.open_safetensors(path) as f:
                 for key, name in wanted:
-                    yield key, tensors.read_tensor(f, path, name, self.shapes[name], self.dtypes[name],
-                                                     finite, dtype)
+                    yield key, tensors.read_tensor(f, path, name, self.shapes[name], self.dtypes[name], finite, dtype)
+
+    def fill(self, places: dict[str, torch.Tensor], finite: bool = False) -> None:
+        """Read each file name in `places` straight into its tensor (tensors.read_into: the rows of a
+        fused projection, say), file by file, casting to that tensor's dtype."""
+        for path, wanted in self._by_file({name: name for name in places}):
+            if path in self._bin:
+                for _, name in wanted:
+                    places[name].copy_(tensors.cast_read(path, name, self._bin[path][name], finite, None))
+                continue
+            with tensors.open_safetensors(path) as f:
+                for _, name in wanted:
+                    tensors.read_into(f, path, name, self.shapes[name], self.dtypes[name], places[name], finite)
+
+    def _by_file(self, names: dict[str, str]):
+        """(file, [(key, name), ...] sorted by name) for the files that hold `names`, in file order."""
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for key, name in names.items():
+            by_file.setdefault(self.files[name], []).append((key, name))
+        return [(path, sorted(by_file[path], key=lambda kn: kn[1])) for path in sorted(by_file)]
