@@ -2,9 +2,11 @@
 
 hf.py owns the files of a Hugging Face checkpoint: config.json plus model.safetensors, sharded
 safetensors (model.safetensors.index.json), or legacy pytorch_model.bin (read with
-torch.load(weights_only=True): no code is ever unpickled). Loading streams: names and shapes are
-checked before any tensor is read, then each tensor is read, cast, translated by the pure functions
-of families.py and placed in turn. logitlab's own directories are handed to model_dir.py; a run
+torch.load(weights_only=True): no code is ever unpickled). Loading checks the config's sizes, its
+layer count against the files and the memory it needs before anything is built (the files'
+tensors are listed and read by weights.py), then streams: names and shapes are checked before any
+tensor is read, then each tensor is read once, cast, translated by the pure functions of
+families.py and placed in turn. logitlab's own directories are handed to model_dir.py; a run
 (its latest or best checkpoint, checkpoint.py) is exported with its tokenizer by export_hf. Writes
 are atomic and never replace what logitlab did not write (files.atomic_directory).
 `transformers` is imported only by verification.
@@ -18,9 +20,6 @@ from pathlib import Path
 import torch
 
 from logitlab.io import checkpoint, files, model_dir
-from logitlab.model import families, memory
-from logitlab.model.transformer import ModelConfig, Transformer
-
 from logitlab.io.weights import (  # noqa: F401  (the layouts' file names, importable from here)
     SAFETENSORS,
     SAFETENSORS_INDEX,
@@ -29,6 +28,8 @@ from logitlab.io.weights import (  # noqa: F401  (the layouts' file names, impor
     WeightFiles,
     check_layers,
 )
+from logitlab.model import families, memory
+from logitlab.model.transformer import ModelConfig, Transformer
 
 # Largest |ours - transformers|, relative to max(1, max |transformers|), that verification accepts.
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 5e-2, torch.float16: 1e-2}

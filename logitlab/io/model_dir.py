@@ -4,8 +4,9 @@ beside them (tokenizer.logitlab.json). A tied LM head is stored once, as tok_emb
 
 model_dir.py owns writing such a directory (save_model: it appears at once or not at all, and only
 where nothing we did not write is replaced: files.atomic_directory), reading its config, and
-loading the model tensor by tensor with keys and shapes checked first and NaN / inf refused
-(require_finite); safetensors and torch files opened so that their errors name the file, and no
+loading the model tensor by tensor with its layer count, memory, keys and shapes checked first and
+NaN / inf refused (check_layers, memory.check_fits; reading safetensors is tensors.py's, whose
+names are importable from here); torch files opened so that their errors name the file, and no
 pickled code ever runs (load_torch_file); directories from before the fused q/k/v and gate/up
 projections upgraded on load (upgrade_legacy_state). Run checkpoints, which hold such a model
 directory, are checkpoint.py's; Hugging Face directories are hf.py's."""
