@@ -193,32 +193,36 @@ def quote_token(token: str | bytes) -> str:
 
 
 def print_table(out, title: str, columns: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> None:
-    """A rich table whose cells are never cut: the title on a line of its own (never wrapped
-    into the table's width), and when the table is wider than the console, its value columns
-    split into several narrower tables, each with the first (key) column again. Columns whose
-    index is in `right` are right-aligned (numbers)."""
+    """One rich table whose cells are never cut, at any console width. The title stands on a line
+    of its own (never wrapped). A table too wide for the console folds: its borders become a single
+    rule under the header and its headers and text cells wrap at spaces, while numbers (the
+    columns whose index is in `right`, right-aligned) keep their whole width. Where even that does
+    not fit, each row is printed as a record: its key, then one `column: value` line per cell."""
+    from rich import box
     from rich.table import Table
 
-    def build(cols: list[int]) -> Table:
-        t = Table()
-        for i in cols:
-            t.add_column(columns[i], justify="right" if i in right else "left", no_wrap=True)
-        for row in rows:
-            t.add_row(*(row[i] for i in cols))
-        return t
+    def width(i: int, longest) -> int:
+        return max([longest(columns[i])] + [longest(row[i]) for row in rows])
 
-    def natural_width(cols: list[int]) -> int:  # cells + one space each side + the borders
-        return sum(max(len(columns[i]), *(len(row[i]) for row in rows)) + 3 for i in cols) + 1
+    def word(text: str) -> int:
+        return max((len(w) for w in text.split()), default=0)
 
+    natural = sum(width(i, len) + 3 for i in range(len(columns))) + 1      # cells, padding, borders
+    narrowest = sum(width(i, len if i in right else word) + 2 for i in range(len(columns)))
     out.print(title, soft_wrap=True, markup=False, highlight=False)
-    groups, current = [], []
-    for i in range(1, len(columns)):
-        trial = current + [i]
-        if current and natural_width([0, *trial]) > out.width:
-            groups.append(current)
-            trial = [i]
-        current = trial
-    groups.append(current)
-    for cols in groups:
-        out.print(build([0, *cols]))
+    if narrowest > out.width:
+        for row in rows:
+            out.print(row[0], soft_wrap=True, markup=False, highlight=False)
+            for name, cell in zip(columns[1:], row[1:]):
+                if cell:
+                    out.print(f"  {name}: {cell}", soft_wrap=True, markup=False, highlight=False)
+        return
+    compact = natural > out.width
+    table = Table(box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD, show_edge=not compact)
+    for i, name in enumerate(columns):
+        numbers = width(i, len) if i in right else None                   # never folded
+        table.add_column(name, justify="right" if i in right else "left", overflow="fold", min_width=numbers)
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
 

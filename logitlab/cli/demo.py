@@ -17,7 +17,6 @@ from pathlib import Path
 
 from logitlab.cli import common as cli
 from logitlab.cli.train import _prepare, _run_training, _train_tokenizer, exit_code, plot_run
-from logitlab.train import budget, runtime
 
 # The demo's sizes. The full demo tokenizes 12 MB spread over the default corpus and sets its step
 # count from a short timing of the model, so that training takes about `train_seconds` on the machine at hand.
@@ -71,6 +70,7 @@ def _demo(args, out: Path) -> int:
 
     from logitlab.model.families import get_preset
     from logitlab.model.transformer import Transformer
+    from logitlab.train import budget, runtime
     from logitlab.train.loop import TrainConfig
 
     con = cli.console()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from logitlab.cli import chat, data, demo, eval, generate, inspect, model, post, serve, tokenizer, train
+from logitlab.cli import chat, data, demo, doctor, eval, generate, inspect, model, post, serve, tokenizer, train
 from logitlab.cli.common import error_console
 
 # --------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     # --help lists the commands in this order: the path from text to a served model
-    for module in (tokenizer, model, data, train, demo, generate, inspect, chat, eval, post, serve):
+    for module in (tokenizer, model, data, train, demo, generate, inspect, chat, eval, post, serve, doctor):
         module.register(sub)
     return parser
 
@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         error_console().print("[yellow]interrupted[/yellow]")
         return 130
+    except ImportError as exc:
+        line = doctor.missing_extra_line(args.command, exc)
+        if line is None or getattr(args, "debug", False):
+            raise
+        error_console().print(f"[bold red]error:[/bold red] {_error_text(line)}", soft_wrap=True)
+        return 2
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
         if getattr(args, "debug", False):
             raise

@@ -338,8 +338,8 @@ def _model_help_defaults() -> dict:
 
 def register(subparsers) -> None:
     """Add train, plot and export to `subparsers` (prepare is cli/data.py's)."""
-    from logitlab.model.transformer import ModelConfig
-    from logitlab.train.loop import TrainConfig
+    from logitlab.model.config import ModelConfig
+    from logitlab.train.config import TrainConfig
 
     p = _subparser(subparsers, "train", "train a model (flags override --config FILE.toml)",
                    "Train a model: trains a tokenizer and prepares --data unless given --tokenizer / "

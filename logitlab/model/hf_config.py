@@ -12,7 +12,6 @@ import math
 
 from logitlab.model.config import ModelConfig, conform
 from logitlab.model.keymap import hf_architecture
-from logitlab.model.rope_scaling import ntk_theta
 
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 _LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -156,6 +155,8 @@ def _rope_to_hf(c: ModelConfig) -> dict:
     if r is None:
         return dict(rope_theta=c.rope_theta, rope_scaling=None)
     if r.rope_type == "ntk":
+        from logitlab.model.rope_scaling import ntk_theta      # (rope_scaling imports torch)
+
         return dict(rope_theta=ntk_theta(c.rotary_dim, c.rope_theta, r.factor), rope_scaling=None)
     out = dict(rope_type=r.rope_type, factor=r.factor)
     out.update({key: getattr(r, key) for key in _ROPE_KEYS[r.rope_type] if getattr(r, key) is not None})

@@ -8,9 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from logitlab.model import layers
-from logitlab.model.transformer import check_field_types, config_from_dict
-from logitlab.train.optim import WarmupCosine
+from logitlab.model.fields import check_field_types, config_from_dict
 
 
 def _f(default, help_text: str):
@@ -98,8 +96,6 @@ class TrainConfig:
             raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.keep_freed_memory not in ("auto", "on", "off"):
             raise ValueError(f"keep_freed_memory must be 'auto', 'on' or 'off', got {self.keep_freed_memory!r}")
-        if self.bf16_matmul not in layers.BF16_MATMUL_MODES:
-            raise ValueError(f"bf16_matmul must be one of {layers.BF16_MATMUL_MODES}, got {self.bf16_matmul!r}")
         check_field_types(self)  # then types: a string "3e-4" for lr is named, and every float is finite
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
@@ -158,7 +154,10 @@ class TrainConfig:
             return self
         return dataclasses.replace(self, lr=default_lr(sum(p.numel() for p in model.parameters())))
 
-    def schedule(self) -> WarmupCosine:
+    def schedule(self):
+        """The learning-rate schedule: optim.WarmupCosine of this config's numbers."""
+        from logitlab.train.optim import WarmupCosine
+
         if self.lr is None:
             raise ValueError("lr is not set: TrainConfig.for_model(model) chooses the default for a model")
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
