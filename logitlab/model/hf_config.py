@@ -155,7 +155,7 @@ def _rope_to_hf(c: ModelConfig) -> dict:
     if r is None:
         return dict(rope_theta=c.rope_theta, rope_scaling=None)
     if r.rope_type == "ntk":
-        from logitlab.model.rope_scaling import ntk_theta      # (rope_scaling imports torch)
+        from logitlab.model.rope_scaling import ntk_theta  # (rope_scaling imports torch)
 
         return dict(rope_theta=ntk_theta(c.rotary_dim, c.rope_theta, r.factor), rope_scaling=None)
     out = dict(rope_type=r.rope_type, factor=r.factor)
