@@ -19,7 +19,6 @@ from logitlab.cli.generate import (
     _model_flags,
     _sample_flags,
     _timings,
-    load,
     sample_config,
     stream_text,
 )
@@ -102,10 +101,11 @@ def _write_reply(pieces) -> tuple[str, bool]:
 
 def _chat(args) -> int:
     from logitlab.cli.common import console
+    from logitlab.cli.models import load
     from logitlab.generate.loop import make_generator
 
     m = load(args)
-    cfg = sample_config(args, m.end_ids[1:])
+    cfg = sample_config(args, m.end_ids[1:], m.generation)
     cfg = dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + (b"\nUser:",))
     generator = make_generator(cfg.seed)
     room = m.model.config.context_length - cfg.max_new_tokens

@@ -73,12 +73,15 @@ def flag_name(field_name: str, prefix: str = "") -> str:
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
                      skip: tuple[str, ...] = (), shown_defaults: dict[str, Any] | None = None,
-                     description: str | None = None) -> None:
+                     description: str | None = None, renamed: dict[str, str] | None = None) -> None:
     """Add one flag per field of dataclass `cls`; defaults stay SUPPRESSED so that only the flags
     a user typed override the TOML file and the dataclass defaults. Each help line states its
-    default once: the field help's own "default ..." wording when it has one, else "(default: X)".
+    default once: the field help's own "default ..." wording when it has one, else "(default: X)";
+    a default of None or an empty tuple is not shown ("(default: None)" tells a reader nothing).
     `shown_defaults` (help text only) replaces the dataclass defaults a command does not use
-    (train's model fields come from the tiny preset); `description` heads the flag group."""
+    (train's model fields come from the tiny preset); `description` heads the flag group.
+    `renamed` gives a field the flag the whole command line uses for its concept (out_dir ->
+    --out); the flag made from the field's name stays as a hidden alias (its old spelling)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} fields", description)
     for field in dataclasses.fields(cls):
@@ -91,11 +94,11 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             default = field.default_factory()  # type: ignore[misc]
         if shown_defaults is not None and field.name in shown_defaults:
             shown = shown_defaults[field.name]
-            if "default" not in help_text:
+            if "default" not in help_text and shown not in (None, ()):
                 help_text = f"{help_text} (default: {shown})"
             elif shown is not None:  # the field's own rule, which the preset replaces
                 help_text = f"{help_text} (preset: {shown})"
-        elif "default" not in help_text:
+        elif "default" not in help_text and default not in (None, ()):
             help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
         kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, dest=prefix + field.name,
                                       help=help_text)
@@ -114,6 +117,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             continue  # nested configs come from TOML tables only
         else:
             kwargs.update(type=str)
+        if renamed and field.name in renamed:
+            group.add_argument(renamed[field.name], **kwargs)
+            kwargs["help"] = argparse.SUPPRESS
         group.add_argument(flag_name(field.name, prefix), **kwargs)
 
 

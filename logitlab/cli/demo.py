@@ -127,7 +127,7 @@ def _demo(args, out: Path) -> int:
         val = f"{start_val:.3f} -> {val}"
     con.print(f"\nvalidation loss {val} nats/token (uniform guess: ln V = {ln_v:.3f}); "
               f"total wall time {wall:.0f} s. Run directory: {out} (loss plot {png})")
-    con.print(f"next: logitlab generate --checkpoint {out} 'def '   |   logitlab export {out} --out {out}/hf")
+    con.print(f"next: logitlab generate {out} 'def '   |   logitlab export {out} --out {out}/hf")
     return 0
 
 

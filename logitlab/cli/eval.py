@@ -3,8 +3,8 @@
 (perplexity against evaluation length under each RoPE scaling, eval.long) and `eval harness`
 (lm-evaluation-harness's own command line, with the `logitlab` model type registered).
 
-MODEL is a run directory, a checkpoint directory, a logitlab model directory or a Hugging Face
-directory; `load_path` tells them apart (serve.py loads the same way)."""
+MODEL is any model a command can name (cli/models.py: a run, checkpoint, logitlab or Hugging Face
+directory, or a hub id); `load_path` loads it (serve.py loads the same way)."""
 
 from __future__ import annotations
 
@@ -62,24 +62,19 @@ def register(subparsers) -> None:
 
 
 def _model_arg(p) -> None:
-    p.add_argument("model", metavar="MODEL", help="run directory, checkpoint directory, logitlab model "
-                   "directory or Hugging Face directory")
+    from logitlab.cli.models import add_model_argument
+
+    add_model_argument(p, dtype=False)      # each subcommand adds --dtype where its flags read best
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 # -------------------- Loading
 
-def load_path(path: str | Path, dtype: str | None = None):
-    """generate.Loaded (model in eval mode, tokenizer, end ids) from any model directory: a Hugging
-    Face one (config.json that is not logitlab's) through --hf's loader, else --checkpoint's."""
-    from logitlab.cli.generate import load
-    from logitlab.io import checkpoint
+def load_path(path: str | Path, dtype: str | None = None, revision: str | None = None):
+    """models.Loaded (model in eval mode, tokenizer, end ids) from any MODEL (cli/models.py)."""
+    from logitlab.cli.models import load_model
 
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"no such run or model directory: {p}")
-    hf = p.is_dir() and (p / "config.json").is_file() and not checkpoint.is_logitlab_dir(p)
-    return load(argparse.Namespace(checkpoint=None if hf else str(p), hf=str(p) if hf else None, dtype=dtype))
+    return load_model(str(path), revision, dtype)
 
 
 def _harness_loader(path: str, dtype: str | None):
@@ -127,7 +122,7 @@ def _bpb(args) -> int:
     from logitlab.cli.common import console, print_table
     from logitlab.eval.bpb import evaluate_bpb
 
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.revision)
     files = data_files(args.data)
     result = evaluate_bpb(m.model, m.tokenizer, (_read_text(f) for f in files), batch_size=args.batch_size)
     report = dict(model=str(args.model), files=len(files), documents=result.documents, tokens=result.tokens,
@@ -147,7 +142,7 @@ def _mc(args) -> int:
     from logitlab.cli.common import console
     from logitlab.eval.stdlib_mc import evaluate_mc, stdlib_next_line_tasks
 
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.revision)
     tasks = stdlib_next_line_tasks(args.examples, seed=args.seed)
     r = evaluate_mc(m.model, m.tokenizer, tasks, batch_size=args.batch_size)
     report = dict(model=str(args.model), examples=r.examples, choices=r.choices, accuracy=r.accuracy,
@@ -278,7 +273,7 @@ def _long(args) -> int:
         raise ValueError(f"--tokens ({args.tokens}) and --batch-tokens ({args.batch_tokens}) must be positive")
     if args.plot:
         _check_plotting()
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.revision)
     trained = _trained_length(Path(args.model), m.model.config)
     lengths = check_lengths(lengths or [trained * k for k in (1, 2, 4, 8)])
     tokens, source = _held_out_tokens(args, m, args.tokens)

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import sys
-from pathlib import Path
 
 # SampleConfig fields with no flag of their own: --stop and --logit-bias fill them from text.
 # --stop-ids and --banned-ids have flags of their own: a list flag with nargs would swallow the
@@ -66,14 +65,10 @@ def _id_list(text: str) -> tuple[int, ...]:
 
 
 def _model_flags(p) -> None:
-    from logitlab.cli.common import add_dtype_flag
+    """MODEL (any kind, cli/models.py), --revision, --dtype, --debug."""
+    from logitlab.cli.models import add_model_argument
 
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="run directory, checkpoint directory or logitlab "
-                     "model directory (with tokenizer.logitlab.json)")
-    src.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json, safetensors, and "
-                     "tokenizer.json or GPT-2 vocab.json + merges.txt)")
-    add_dtype_flag(p)
+    add_model_argument(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -96,6 +91,8 @@ def _sample_flags(p) -> None:
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
+    p.add_argument("--verbose", action="store_true", help="print each sampling setting and where it came from: a "
+                   "flag, --config, the model's generation_config.json or logitlab's default (on stderr)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
     p.add_argument("--autotune", choices=["auto", "on", "template", "off"], default="auto",
                    help="with --compile on a CPU: inductor's max-autotune over the matrix products (on: each "
@@ -108,50 +105,19 @@ def _sample_flags(p) -> None:
                    "cache serve a later run in seconds; kernels.decode)")
 
 
-# -------------------- Loading
+# -------------------- Settings
 
-@dataclasses.dataclass
-class Loaded:
-    model: object
-    tokenizer: object
-    end_ids: tuple[int, ...]  # ids that end generation: end-of-text first, then the model's eos ids
+def sample_config(args, end_ids: tuple[int, ...] = (), generation: dict | None = None):
+    """SampleConfig from logitlab's defaults < the model's generation_config.json (`generation`) <
+    TOML [sample] < flags; --stop and --logit-bias parsed here. --verbose prints each setting with
+    where it came from (on stderr)."""
+    from logitlab.cli.common import build_config, error_console, read_toml
+    from logitlab.cli.models import describe_settings, generation_defaults, sample_sources
+    from logitlab.generate.sampling import SampleConfig
 
-    @property
-    def eot_id(self) -> int | None:
-        return self.end_ids[0] if self.end_ids else None
-
-
-def load(args) -> Loaded:
-    """The model and tokenizer named by --checkpoint or --hf, cast to --dtype."""
-    from logitlab.io import checkpoint, hf
-
-    dtype = hf.parse_dtype(args.dtype)
-    eos: list[int] = []
-    if args.checkpoint:
-        model, tok = checkpoint.load_for_inference(args.checkpoint, dtype=dtype)
-        if tok is None:
-            raise FileNotFoundError(f"{args.checkpoint}: no {checkpoint.TOKENIZER_FILE} beside the model")
-    else:
-        d = Path(args.hf)
-        model = hf.load_pretrained(d, dtype=dtype)
-        tok = hf.load_tokenizer(d)
-        if tok is None:
-            raise FileNotFoundError(f"{d}: no tokenizer.json, vocab.json + merges.txt, or "
-                                    f"{checkpoint.TOKENIZER_FILE}")
-        if not checkpoint.is_logitlab_dir(d):
-            value = hf.read_hf_config(d).get("eos_token_id")
-            eos = [value] if isinstance(value, int) else list(value or [])
-    end = [tok.eot_id] if tok.eot_id is not None else []
-    end += [i for i in eos if i not in end and 0 <= i < model.config.vocab_size]
-    return Loaded(model.eval(), tok, tuple(end))
-
-
-def sample_config(args, end_ids: tuple[int, ...] = ()):
-    """SampleConfig from defaults < TOML [sample] < flags; --stop and --logit-bias parsed here."""
-    from logitlab.cli.common import build_config, read_toml
-    from logitlab.generate.loop import SampleConfig
-
-    table = read_toml(args.config).get("sample", {}) if getattr(args, "config", None) else {}
+    toml = read_toml(args.config).get("sample", {}) if getattr(args, "config", None) else {}
+    defaults = generation_defaults(generation or {})
+    table = {**defaults, **toml}
     bias = {}
     for item in args.logit_bias:
         key, _, value = item.partition("=")
@@ -165,8 +131,15 @@ def sample_config(args, end_ids: tuple[int, ...] = ()):
         if getattr(args, dest, None):
             overrides[name] = tuple(i for group in getattr(args, dest) for i in group)
     cfg = build_config(SampleConfig, args, table, **overrides)
-    return dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + stops,
-                               stop_ids=cfg.stop_ids + tuple(i for i in end_ids if i not in cfg.stop_ids))
+    cfg = dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + stops,
+                              stop_ids=cfg.stop_ids + tuple(i for i in end_ids if i not in cfg.stop_ids))
+    if getattr(args, "verbose", False):
+        sources = sample_sources(args, toml, defaults)
+        if end_ids:
+            sources["stop_ids"] += " + the model's end-of-sequence ids"
+        for line in describe_settings(cfg, sources):
+            error_console().print(line, markup=False, highlight=False, soft_wrap=True)
+    return cfg
 
 
 def _unescape(text: str) -> str:
@@ -261,10 +234,11 @@ def _write_prompt(out, prompt: str) -> None:
 
 def _generate(args) -> int:
     from logitlab.cli.common import console, error_console
+    from logitlab.cli.models import load
     from logitlab.generate.loop import stream
 
     m = load(args)
-    cfg = sample_config(args, m.end_ids[1:])
+    cfg = sample_config(args, m.end_ids[1:], m.generation)
     prompt = _unescape(args.prompt)
     ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all")
     if not ids and m.eot_id is not None:

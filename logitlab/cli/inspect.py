@@ -11,7 +11,6 @@ import json
 from logitlab.cli.generate import _model_flags as model_flags
 from logitlab.cli.generate import _number as number
 from logitlab.cli.generate import _unescape as unescape
-from logitlab.cli.generate import load
 
 
 def register(subparsers) -> None:
@@ -23,8 +22,8 @@ def register(subparsers) -> None:
                               "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
                               "rows.")
     model_flags(i)
-    i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); special-token text "
-                   "in it such as <|endoftext|> becomes its id unless --ordinary is given")
+    i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); "
+                   "special-token text in it such as <|endoftext|> becomes its id unless --ordinary is given")
     i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "
                    "text (default: it becomes the special token's id)")
     i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
@@ -95,6 +94,7 @@ def _patterns(model, ids, layer: int, head: int | None) -> dict:
 
 
 def _inspect(args) -> int:
+    from logitlab.cli.models import load
     from logitlab.generate.loop import SampleConfig
     from logitlab.inspect import core as ins
 

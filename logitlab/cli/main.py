@@ -36,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Text -> token ids -> logits -> text, every step visible. New here? Start with "
                     "`logitlab demo`: it trains a tokenizer and a small model on the Python standard "
                     "library in a few minutes, then samples from it.",
-        epilog="Flags mean one thing everywhere: --hf DIR is a Hugging Face directory to read, --out "
-               "DIR (or FILE) is what a command writes.",
-    )
+        epilog="One vocabulary everywhere: a command's first argument MODEL is the model it reads (a run, "
+               "checkpoint, logitlab or Hugging Face directory, or a hub id ORG/NAME[@REVISION]); --out is what "
+               "it writes; --batch-size and --seq-len are the batch and sequence length; \\n and \\t in "
+               "text arguments are a newline and a tab. `logitlab doctor` lists the optional features.")
     parser.add_argument("--version", action="version", version=f"logitlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -49,7 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from logitlab.cli.models import rewrite_legacy
+
     parser = build_parser()
+    try:
+        argv, notes = rewrite_legacy(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as exc:
+        parser.error(str(exc))
+    for note in notes:
+        error_console().print(note, markup=False, highlight=False, soft_wrap=True)
     args = parser.parse_args(argv)
     try:
         result = args.func(args)

@@ -15,22 +15,27 @@ def register(subparsers) -> None:
     """Add `params` and `convert` to `subparsers`."""
     import argparse
 
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.models import add_model_argument
 
     p = subparsers.add_parser("params", help="parameter counts, FLOPs, memory and a training planner",
                               description="Exact parameter counts (model built on the meta device) beside "
                               "the back-of-envelope formula, FLOPs per token, weight and KV-cache memory, "
                               "and a training memory/time planner: when a step does not fit --memory-gb, the "
                               "largest batch and context that do, and how many fully sharded ranks it needs.",
-                              epilog="example:\n  logitlab params gpt2 --batch 64 --context 1024 --dtype bf16 "
-                              "--memory-gb 24 --tflops 989",
+                              epilog="examples:\n  logitlab params gpt2 --batch-size 64 --seq-len 1024 --dtype bf16 "
+                              "--memory-gb 24 --tflops 989\n  logitlab params runs/a             # the model a run "
+                              "trained\n  logitlab params Qwen/Qwen3-0.6B    # a hub id (its config.json only)",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", metavar="PRESET|CONFIG.json|MODEL_DIR",
-                   help="a preset name, a config JSON (Hugging Face or logitlab) or a model directory")
+    p.add_argument("target", metavar="PRESET|CONFIG.json|MODEL",
+                   help="a preset name, a config JSON (Hugging Face or logitlab), or a MODEL: a run, checkpoint or "
+                   "model directory, or a hub id ORG/NAME[@REVISION]")
+    p.add_argument("--revision", help="with a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--batch", type=int, default=1, help="planner: sequences per step (default 1)")
-    p.add_argument("--context", type=int, default=None, help="planner and FLOPs: tokens per sequence "
+    p.add_argument("--batch-size", type=int, default=1, help="planner: sequences per step (default 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="planner and FLOPs: tokens per sequence "
                    "(default: the model's context_length)")
+    p.add_argument("--batch", dest="batch_size", type=int, help=argparse.SUPPRESS)   # old spelling
+    p.add_argument("--context", dest="seq_len", type=int, help=argparse.SUPPRESS)    # old spelling
     p.add_argument("--dtype", default="bf16", help="planner compute dtype and KV-cache dtype (default bf16)")
     p.add_argument("--memory-gb", type=float, default=None, help="planner: memory available, GiB")
     p.add_argument("--tflops", type=float, default=None,
@@ -45,21 +50,24 @@ def register(subparsers) -> None:
     p.set_defaults(func=_params)
 
     c = subparsers.add_parser("convert", help="Hugging Face <-> logitlab model directories",
-                              description="--hf DIR: read a Hugging Face directory (an architecture "
-                              "logitlab.families.SUPPORTED_ARCHITECTURES lists), write a logitlab directory "
-                              "to --out. --to-hf DIR: read a "
-                              "logitlab directory, write a Hugging Face directory to --out. --verify "
-                              "compares every hidden state and the logits with transformers.")
-    src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", metavar="DIR", help="Hugging Face directory to import")
-    src.add_argument("--to-hf", metavar="DIR", help="logitlab directory to export")
-    c.add_argument("--out", metavar="DIR", help="directory to write (required with --to-hf)")
+                              description="Convert MODEL to the other format, into --out: a Hugging Face "
+                              "directory or hub id (an architecture logitlab.families.SUPPORTED_ARCHITECTURES "
+                              "lists) becomes a logitlab directory; a logitlab run, checkpoint or model directory "
+                              "becomes a Hugging Face directory. --verify compares every hidden state and the "
+                              "logits with transformers.",
+                              epilog="examples:\n  logitlab convert runs/a --out hf/a --verify     # logitlab -> "
+                              "Hugging Face\n  logitlab convert hf/a --out back/a                 # Hugging Face "
+                              "-> logitlab\n  logitlab convert Qwen/Qwen3-0.6B --verify         # a hub id, "
+                              "checked against transformers",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_argument(c)
+    c.add_argument("--out", metavar="DIR", help="directory to write (required from a logitlab model; from a "
+                   "Hugging Face one, leave it out to only --verify)")
     c.add_argument("--overwrite", action="store_true", help="replace an --out directory that logitlab "
                    "wrote before (only its own files; anything else there is kept). Without it --out must "
                    "be new or empty")
     c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
                    "largest difference per layer and of the logits; exit 1 above tolerance")
-    add_dtype_flag(c)
     c.set_defaults(func=_convert)
 
 
@@ -67,15 +75,23 @@ def register(subparsers) -> None:
 # params
 # --------------------------------------------------------------------------------------------
 
-def resolve_config(target: str):
-    """A ModelConfig from a preset name, a config JSON file, or a model / checkpoint / run directory."""
-    from logitlab.io import checkpoint
+def resolve_config(target: str, revision: str | None = None):
+    """A ModelConfig from a preset name, a config JSON file, a model / checkpoint / run directory, or
+    a hub id (only its config.json is fetched). A near-miss of a preset name is answered with the
+    closest ones, not looked up on the hub."""
+    import difflib
+
+    from logitlab.io import checkpoint, hub
     from logitlab.model import families
-    from logitlab.model.transformer import ModelConfig
+    from logitlab.model.config import ModelConfig
 
     if target in families.PRESETS:
         return families.PRESETS[target]
     path = Path(target)
+    if not path.exists() and "/" not in target and difflib.get_close_matches(target, families.PRESETS, cutoff=0.8):
+        raise ValueError(families.unknown_preset(target))
+    if not path.exists() and hub.looks_like_hub_id(target):
+        path = hub.resolve_model(target, revision, files=["config.json"]).directory
     if path.is_dir() and not (path / "config.json").is_file():
         path = checkpoint.resolve_model_dir(path)   # a run directory: its latest checkpoint
     if path.is_dir():
@@ -157,8 +173,8 @@ def _bytes(x: float) -> str:
 def _params(args) -> int:
     from logitlab.cli.common import console, print_table
 
-    config = resolve_config(args.target)
-    r = params_report(config, args.batch, args.context, args.dtype, args.memory_gb, args.tflops)
+    config = resolve_config(args.target, args.revision)
+    r = params_report(config, args.batch_size, args.seq_len, args.dtype, args.memory_gb, args.tflops)
     out = console()
     if args.json:
         out.print_json(json.dumps(r))
@@ -216,7 +232,7 @@ def _print_ranks(out, config, args) -> None:
     from logitlab.cli.common import print_table
     from logitlab.parallel.planner import plan_all_stages
 
-    ranks = plan_all_stages(config, args.world_size, micro_batch=args.batch, context=args.context,
+    ranks = plan_all_stages(config, args.world_size, micro_batch=args.batch_size, context=args.seq_len,
                             mixed_precision=args.dtype != "fp32", tp=args.tp, pp=args.pp,
                             activation_checkpointing=args.activation_checkpointing)
     rows = [[r.parallel, _bytes(r.weights), _bytes(r.gradients), _bytes(r.optimizer), _bytes(r.activations),
@@ -318,38 +334,51 @@ def _hf_tokenizer(directory: Path):
 
 def _convert(args) -> int:
     from logitlab.cli.common import console
-    from logitlab.io import checkpoint, files, hf
+    from logitlab.io import hub
+    from logitlab.io.loading import is_hf_dir
 
+    source = hub.resolve_model(args.model, args.revision).directory
     out = console()
-    if args.to_hf:
-        if not args.out:
-            raise ValueError("--to-hf needs --out DIR (the Hugging Face directory to write)")
-        files.check_output_dir(args.out, hf.HF_KIND, overwrite=args.overwrite, source=args.to_hf)
-        model, tokenizer = checkpoint.load_for_inference(args.to_hf,    # model dir, checkpoint or run
-                                                         dtype=hf.parse_dtype(args.dtype))
-        hf.save_pretrained(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, source=args.to_hf)
-        arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
-        out.print(f"wrote Hugging Face directory {args.out} ({arch}"
-                  f"{', tokenizer.json' if tokenizer is not None else ''})")
-        reference = args.out
+    if is_hf_dir(source):
+        model, reference = _hf_to_logitlab(args, source, out), source
     else:
-        legacy = checkpoint.model_dir_entries(args.out) if args.out else None
-        if args.out:  # refused before the (possibly large) model is read
-            files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=args.hf,
-                                   legacy=legacy)
-        model = hf.load_pretrained(args.hf, dtype=args.dtype)
-        if args.out:
-            tokenizer = _hf_tokenizer(Path(args.hf))
-            with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
-                                        source=args.hf, legacy=legacy) as tmp:
-                checkpoint.write_model_files(model, tmp)
-                if tokenizer is not None:
-                    tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
-            out.print(f"wrote logitlab directory {args.out}"
-                      f"{' with its tokenizer' if tokenizer is not None else ''}")
-        reference = args.hf
+        model, reference = _logitlab_to_hf(args, source, out), args.out
     if args.verify:
+        from logitlab.io import hf
+
         report = hf.verify_against_transformers(model, reference)
         _print_report(report)
         return 0 if report["ok"] else 1
     return 0
+
+
+def _logitlab_to_hf(args, source: Path, out):
+    from logitlab.io import checkpoint, files, hf
+
+    if not args.out:
+        raise ValueError(f"{source} is a logitlab model: convert needs --out DIR, the Hugging Face directory to write")
+    files.check_output_dir(args.out, hf.HF_KIND, overwrite=args.overwrite, source=source)
+    model, tokenizer = checkpoint.load_for_inference(source, dtype=hf.parse_dtype(args.dtype))
+    hf.save_pretrained(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, source=source)
+    arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
+    out.print(f"wrote Hugging Face directory {args.out} ({arch}{', tokenizer.json' if tokenizer is not None else ''})")
+    return model
+
+
+def _hf_to_logitlab(args, source: Path, out):
+    from logitlab.io import checkpoint, files, hf
+
+    legacy = checkpoint.model_dir_entries(args.out) if args.out else None
+    if args.out:  # refused before the (possibly large) model is read
+        files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=source,
+                               legacy=legacy)
+    model = hf.load_pretrained(source, dtype=args.dtype)
+    if args.out:
+        tokenizer = _hf_tokenizer(source)
+        with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
+                                    source=source, legacy=legacy) as tmp:
+            checkpoint.write_model_files(model, tmp)
+            if tokenizer is not None:
+                tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
+        out.print(f"wrote logitlab directory {args.out}{' with its tokenizer' if tokenizer is not None else ''}")
+    return model

@@ -98,6 +98,7 @@ def _listed(added: dict) -> str:
 
 def register(subparsers) -> None:
     """Add `sft` and `embedding-diff` to `subparsers`."""
+    from logitlab.cli.models import add_model_argument
     from logitlab.train.config import TrainConfig
     from logitlab.train.sft import SFTConfig
 
@@ -106,8 +107,8 @@ def register(subparsers) -> None:
                               "{\"prompt\", \"completion\"} lines, with the loss on the assistant's tokens, "
                               "packed rows whose attention stays inside each conversation, a validation loss "
                               "on held-out conversations and sample replies at each evaluation.")
-    p.add_argument("--base", required=True, help="run, checkpoint or model directory to start from")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint")
+    add_model_argument(p, dtype=False)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--samples", type=int, default=2, help="held-out prompts answered at each evaluation (default: 2)")
     p.add_argument("--lora-targets", help="LoRA on these projections (q_proj,v_proj,... or all-linear); "
                    "default: full fine-tuning")
@@ -127,7 +128,7 @@ def register(subparsers) -> None:
     # the SFT loop runs one eager process: the pretraining loop's compile, parallel and CPU-route flags do not apply
     cli.add_config_flags(p, TrainConfig, skip=("data_dir", "compile", "parallel", "keep_freed_memory", "bf16_matmul"),
                          shown_defaults={"lr": "a tenth of pretraining's default for the model's size; "
-                                         "with LoRA, pretraining's default"})
+                                         "with LoRA, pretraining's default"}, renamed={"out_dir": "--out"})
     p.set_defaults(func=cmd_sft)
 
     g = subparsers.add_parser("sft-data", help="write a small instruction set from the standard library",
@@ -142,8 +143,9 @@ def register(subparsers) -> None:
                               description="Compare the embedding rows (and untied LM-head rows) of BASE and "
                               "TUNED: the tokens that moved most, special tokens first, and the share of the "
                               "change the special tokens carry.")
-    d.add_argument("base", help="base run, checkpoint or model directory")
-    d.add_argument("tuned", help="fine-tuned run, checkpoint or model directory")
+    d.add_argument("base", metavar="BASE", help="the base MODEL (a run, checkpoint, logitlab or Hugging Face "
+                   "directory, or a hub id)")
+    d.add_argument("tuned", metavar="TUNED", help="the fine-tuned MODEL")
     d.add_argument("--data", help="SFT .jsonl: counts each token's frequency, shown beside its change")
     d.add_argument("--top", type=int, default=15, help="rows listed per table (default: 15)")
     d.add_argument("--by", choices=["l2", "relative", "angle"], default="l2",
@@ -208,16 +210,15 @@ def _report(con):
 
 
 def cmd_sft(args) -> int:
-    from logitlab.io import checkpoint
+    from logitlab.cli.models import load
     from logitlab.train.config import TrainConfig
     from logitlab.train.lora import LoRAConfig, apply_lora, train_token_rows
     from logitlab.train.sft import SFTConfig, run_sft
 
     sft_cfg = cli.build_config(SFTConfig, args)
     train_cfg = cli.build_config(TrainConfig, args)
-    model, tok = checkpoint.load_for_inference(args.base)
-    if tok is None:
-        raise FileNotFoundError(f"{args.base}: no tokenizer beside the model")
+    base = load(args)
+    model, tok = base.model.train(), base.tokenizer
     lora = None
     if args.lora_targets:
         lora = LoRAConfig(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
@@ -230,7 +231,7 @@ def cmd_sft(args) -> int:
     con = cli.console()
     result = run_sft(model, tok, train_cfg, sft_cfg, resume=args.resume, callback=_report(con),
                      on_eval=_sampler(tok, sft_cfg.val_data, train_cfg, sft_cfg, args.samples),
-                     base=str(Path(args.base).resolve()))
+                     base=base.pinned)
     con.print(f"done: {result.step} steps; checkpoint {result.checkpoint}")
     if args.export_hf:
         _export(model, tok, lora, Path(args.export_hf), con)
@@ -260,10 +261,10 @@ def _export(model, tok, lora, out: Path, con) -> None:
 def cmd_embedding_diff(args) -> int:
     from logitlab.data.sft import read_conversations
     from logitlab.inspect.embed_diff import embedding_diff, token_counts
-    from logitlab.io import checkpoint
+    from logitlab.io.loading import load_model_and_tokenizer
 
-    base, _ = checkpoint.load_for_inference(args.base)
-    tuned, tok = checkpoint.load_for_inference(args.tuned)
+    base = load_model_and_tokenizer(args.base).model
+    tuned, tok = (loaded := load_model_and_tokenizer(args.tuned)).model, loaded.tokenizer
     counts = None
     if args.data:
         ids = (tok.apply_chat_template(m) for m in read_conversations(args.data))

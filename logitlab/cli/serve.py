@@ -8,22 +8,20 @@ from pathlib import Path
 
 
 def register(subparsers) -> None:
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.models import add_model_argument
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server and the explorer page",
                               description="Serve MODEL over HTTP: /v1/completions and /v1/chat/completions "
                               "(streaming with server-sent events), /v1/models, /health, and the explorer at /. "
                               "Concurrent requests share one batched decode. Point any OpenAI client at "
                               "http://HOST:PORT/v1.")
-    p.add_argument("model", metavar="MODEL", help="run directory, checkpoint directory, logitlab model directory "
-                   "or Hugging Face directory")
+    add_model_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for "
                    "every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--name", default=None, help="the model's name in the API (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    add_dtype_flag(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=_serve)
 
@@ -37,8 +35,8 @@ def build_app(args):
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    m = load_path(args.model, args.dtype)
-    name = args.name or Path(args.model).resolve().name
+    m = load_path(args.model, args.dtype, args.revision)
+    name = args.name or (args.model if m.provenance.get("revision") else Path(args.model).resolve().name)
     return create_app(m.model, m.tokenizer, name=name, max_batch=args.max_batch,
                       max_body_bytes=args.max_body_bytes, end_ids=m.end_ids)
 

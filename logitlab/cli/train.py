@@ -313,7 +313,7 @@ def _fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
 # --------------------------------------------------------------------------------------------
 
 _EXAMPLES = {
-    "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out-dir runs/a\n"
+    "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out runs/a\n"
              "  logitlab train --data-dir data/ --preset tiny --d-model 256 --lr 1e-3\n"
              "  logitlab train --config run.toml --lr 3e-4\n  logitlab train --resume runs/a --steps 4000",
     "plot": "example:\n  logitlab plot runs/a            # writes runs/a/loss.png",
@@ -361,7 +361,7 @@ def register(subparsers) -> None:
                    "new length / old); weights and optimizer state carry over (default: none)")
     cli.add_progress_flag(p)
     _add_data_flags(p)
-    cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS)
+    cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS, renamed={"out_dir": "--out"})
     cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(),
                          description="Defaults shown are the tiny preset's (the model without --preset or a "
                          "[model] table); another preset sets its own, and a flag overrides either.")

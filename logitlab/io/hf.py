@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from logitlab.io import checkpoint, files, model_dir
+from logitlab.io import checkpoint, files, hub, model_dir
 from logitlab.model import families
 from logitlab.model.transformer import ModelConfig, Transformer
 
@@ -139,14 +139,14 @@ def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(files.tensors({k: k for k in files.shapes}))
 
 
-def load_tokenizer(directory: str | os.PathLike):
-    """The tokenizer stored in a model directory, as a logitlab Tokenizer, or None when there is
-    none. Looked for in this order: tokenizer.json (Hugging Face), vocab.json + merges.txt (GPT-2),
-    tokenizer.logitlab.json (logitlab's own). A file that is there but cannot be read as byte-level
-    BPE raises ValueError naming it."""
+def load_tokenizer(directory: str | os.PathLike, revision: str | None = None):
+    """The tokenizer stored in a model directory (or of a hub id, hub.resolve_model), as a logitlab
+    Tokenizer, or None when there is none. Looked for in this order: tokenizer.json (Hugging Face),
+    vocab.json + merges.txt (GPT-2), tokenizer.logitlab.json (logitlab's own). A file that is there
+    but cannot be read raises ValueError naming it."""
     from logitlab.tokenizer.core import Tokenizer
 
-    d = Path(directory)
+    d = hub.resolve_model(directory, revision).directory
     if (d / "tokenizer.json").is_file():
         return Tokenizer.from_hf(d / "tokenizer.json")
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
@@ -215,8 +215,10 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
 
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
-                    device: str | torch.device = "cpu") -> Transformer:
-    """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES) or a logitlab one.
+                    device: str | torch.device = "cpu", revision: str | None = None) -> Transformer:
+    """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES), a logitlab one, or a hub id
+    (`load_pretrained("gpt2")`, `"Qwen/Qwen3-0.6B@main"`, or revision=...), which hub.resolve_model
+    fetches into the hub cache first.
 
     dtype None keeps the stored dtype. A Hugging Face checkpoint is streamed: names and shapes are
     checked from the file headers first, then each tensor is read, cast to `dtype`, moved to
@@ -225,7 +227,7 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     inf is refused as it is read, naming its file and key. verify=True runs
     `verify_against_transformers` on the directory and raises ValueError when any hidden state or
     the logits differ beyond TOLERANCE."""
-    directory = Path(directory)
+    directory = hub.resolve_model(directory, revision).directory
     dtype = parse_dtype(dtype)
     if model_dir.is_logitlab_dir(directory):
         model = model_dir.load_model(directory, device=device, dtype=dtype)

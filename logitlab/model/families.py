@@ -118,7 +118,7 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     try:
         config = PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+        raise ValueError(unknown_preset(name)) from None
     if not overrides:
         return config
     fields = underived_fields(config)
@@ -126,6 +126,18 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     if unknown:
         raise ValueError(f"unknown ModelConfig field(s) {unknown} for get_preset({name!r})")
     return ModelConfig(**{**fields, **overrides})
+
+
+def unknown_preset(name: str) -> str:
+    """The message for a preset name that is not one: the closest names when there are some
+    ("did you mean llama3-8b?"), else the whole list."""
+    import difflib
+
+    close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.6)
+    if close:
+        also = f" (also close: {', '.join(close[1:])})" if close[1:] else ""
+        return f"unknown preset {name!r}; did you mean {close[0]}?{also}"
+    return f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}"
 
 
 def underived_fields(config: ModelConfig) -> dict:

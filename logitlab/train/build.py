@@ -239,7 +239,7 @@ def check_new_run_dir(run_dir: str | os.PathLike) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} exists and is not a directory")
     if ckpt_io.latest_checkpoint(run_dir) is not None:
-        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
+        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out")
     run_json, metrics = run_dir / RUN_FILE, run_dir / ckpt_io.METRICS_FILE
     ours = False
     if run_json.exists():
@@ -250,7 +250,7 @@ def check_new_run_dir(run_dir: str | os.PathLike) -> None:
             ours = False
         if not ours:
             raise ValueError(f"{run_json} exists and is not a logitlab run's run.json; "
-                             f"nothing is overwritten: choose another --out-dir")
+                             f"nothing is overwritten: choose another --out")
     if metrics.exists() and not ours:
         raise ValueError(f"{metrics} exists without a logitlab run.json beside it; "
-                         f"nothing is overwritten: choose another --out-dir")
+                         f"nothing is overwritten: choose another --out")

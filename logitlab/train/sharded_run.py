@@ -163,7 +163,7 @@ class NDLayout:
             check_new_run_dir(run.run_dir)
             if latest_sharded(run.run_dir) is not None:
                 raise ValueError(f"{run.run_dir} already holds sharded checkpoints; use --resume {run.run_dir} "
-                                 "or another --out-dir")
+                                 "or another --out")
             runtime.seed_everything(run.config.seed)
             return None
         latest = latest_sharded(run.run_dir) if resumes_sharded(run.run_dir) else ckpt_io.latest_checkpoint(run.run_dir)

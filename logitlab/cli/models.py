@@ -1,0 +1,113 @@
+"""How every command names and loads a model: one positional MODEL, whatever it is.
+
+MODEL is a run directory (its latest checkpoint), a checkpoint directory, a logitlab model
+directory, a Hugging Face directory, or a hub id ORG/NAME[@REVISION] (io.hub resolves it into
+the hub cache; `--revision` is the same as @REVISION). The kind is found from what is on disk, so
+no command asks which kind it is. The old spellings (`--checkpoint DIR`, `--hf DIR`, sft's
+`--base DIR`, convert's `--to-hf DIR`) still work for a release: main() rewrites them into MODEL
+(rewrite_legacy) and prints a note on stderr.
+
+A model's own generation settings come with it: Hugging Face's generation_config.json gives the
+defaults of generate, chat and serve (`generation_defaults`), which a TOML [sample] table and
+the flags override, and `--verbose` shows where each setting came from (`sample_sources`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+MODEL_HELP = ("the model: a run directory (its latest checkpoint), a checkpoint or logitlab model directory, a "
+              "Hugging Face directory, or a hub id ORG/NAME[@REVISION] (fetched into the Hugging Face cache)")
+LEGACY_NOTE = "note: {flag} DIR is now the positional MODEL (the old spelling works for one more release): {example}"
+
+# generation_config.json key -> SampleConfig field (do_sample: false makes temperature 0, greedy)
+_GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_new_tokens"}
+
+
+# command -> the flags that named its model before MODEL (kept for one release; main() rewrites them)
+LEGACY_FLAGS = {"generate": ("--checkpoint", "--hf"), "inspect": ("--checkpoint", "--hf"),
+                "chat": ("--checkpoint", "--hf"), "convert": ("--hf", "--to-hf"), "sft": ("--base",)}
+
+
+def add_model_argument(p, *, dtype: bool = True) -> None:
+    """The positional MODEL (required), --revision and --dtype."""
+    from logitlab.cli.common import add_dtype_flag
+
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--revision", help="with a hub id: the branch, tag or commit to load (default: main); the "
+                   "same as MODEL@REVISION")
+    if dtype:
+        add_dtype_flag(p)
+
+
+def rewrite_legacy(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv with an old model flag (`generate --checkpoint DIR ...`) turned into the positional MODEL
+    right after the command (`generate DIR ...`), and the notes to show. Only the command's own
+    legacy flags are touched."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    flags = LEGACY_FLAGS.get(command, ())
+    out, found = list(argv), []
+    i = out.index(command) + 1 if command in out else len(out)
+    while i < len(out):
+        name, eq, value = out[i].partition("=")
+        if name in flags and (eq or i + 1 < len(out)):
+            found.append((name, value if eq else out[i + 1]))
+            del out[i:i + (1 if eq else 2)]
+            continue
+        i += 1
+    if len(found) > 1:
+        raise ValueError(f"give the model once (got {', '.join(f'{n} {v}' for n, v in found)})")
+    if not found:
+        return out, []
+    (name, value), = found
+    out.insert(out.index(command) + 1, value)
+    return out, [LEGACY_NOTE.format(flag=name, example=f"logitlab {command} {value} ...")]
+
+
+def load_model(spec: str, revision: str | None = None, dtype: str | None = None):
+    """Any MODEL with its tokenizer and settings: io.loading.Loaded."""
+    from logitlab.io.loading import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(spec, revision, dtype)
+
+
+def load(args):
+    """load_model for a parsed command line (MODEL, --revision, --dtype)."""
+    return load_model(args.model, getattr(args, "revision", None), getattr(args, "dtype", None))
+
+
+def generation_defaults(generation: dict) -> dict:
+    """SampleConfig fields from a generation_config.json: its explicit values only (an absent one
+    keeps logitlab's default); do_sample false, or absent as transformers reads it, means greedy."""
+    if not generation:
+        return {}
+    out = {field: generation[key] for key, field in _GENERATION_KEYS.items() if generation.get(key) is not None}
+    if not generation.get("do_sample", False):
+        out["temperature"] = 0.0
+    return out
+
+
+def sample_sources(args, toml_table: dict, defaults: dict) -> dict[str, str]:
+    """Where each SampleConfig field came from: the flag, the TOML file, generation_config.json or
+    logitlab's default (the precedence, highest first)."""
+    from logitlab.generate.sampling import SampleConfig
+
+    sources = {}
+    for f in dataclasses.fields(SampleConfig):
+        if hasattr(args, f.name):
+            sources[f.name] = "--" + f.name.replace("_", "-")
+        elif f.name in toml_table:
+            sources[f.name] = f"[sample] of {args.config}"
+        elif f.name in defaults:
+            sources[f.name] = "the model's generation_config.json"
+        else:
+            sources[f.name] = "logitlab's default"
+    return sources
+
+
+def describe_settings(cfg, sources: dict[str, str]) -> list[str]:
+    """Lines `temperature = 0.6  (the model's generation_config.json)` for --verbose."""
+    shown = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop_ids")
+    return [f"{name} = {json.dumps(getattr(cfg, name))}  ({sources.get(name, 'logitlab')})" for name in shown]

@@ -1,0 +1,148 @@
+"""One way to name a model in every command (cli/models.py): the positional MODEL, of any kind,
+with the old --checkpoint / --hf / --base still read (and a note on stderr); --out everywhere; a
+model's generation_config.json as the defaults that flags override, with --verbose naming where
+each setting came from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from logitlab.cli.main import main
+from tests.test_cli_flags import _model_dir
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A logitlab model directory and its Hugging Face export (with a generation_config.json)."""
+    root = tmp_path_factory.mktemp("models")
+    native, _ = _model_dir(root)
+    hf_dir = root / "hf"
+    assert main(["export", str(native), "--out", str(hf_dir)]) == 0
+    return native, hf_dir
+
+
+def _generate(capsys, *argv) -> tuple[dict, str]:
+    assert main(["generate", *argv, "--json"]) == 0, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return json.loads(captured.out), captured.err
+
+
+def test_every_kind_is_one_positional_model(dirs, capsys):
+    native, hf_dir = dirs
+    flags = ["de", "--max-new-tokens", "3", "--temperature", "0"]
+    a, err = _generate(capsys, str(native), *flags)
+    b, _ = _generate(capsys, str(hf_dir), *flags)
+    assert a["ids"] == b["ids"] and "note" not in err
+    # the old spellings still work, with a note naming the new one; --checkpoint on a Hugging Face
+    # directory simply loads it
+    c, err = _generate(capsys, "--checkpoint", str(hf_dir), *flags)
+    assert c["ids"] == a["ids"] and f"logitlab generate {hf_dir}" in err and "--checkpoint" in err
+    d, err = _generate(capsys, "--hf", str(native), *flags)
+    assert d["ids"] == a["ids"] and "--hf DIR is now the positional MODEL" in err
+
+
+def test_model_given_twice_or_not_at_all_is_refused(dirs, capsys):
+    native, hf_dir = dirs
+    with pytest.raises(SystemExit):                                # MODEL, then PROMPT, then one too many
+        main(["generate", "--checkpoint", str(native), str(hf_dir), "de"])
+    assert "unrecognized arguments: de" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--checkpoint", str(native), "--hf", str(hf_dir), "de"])
+    assert "give the model once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", str(native)])
+    assert "required: prompt" in capsys.readouterr().err
+
+
+def test_generation_config_sets_defaults_and_flags_override(dirs, capsys, tmp_path):
+    import shutil
+
+    _, hf_dir = dirs
+    d = tmp_path / "hf"
+    shutil.copytree(hf_dir, d)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 7, "top_p": 0.9, "max_new_tokens": 5}))
+    assert main(["generate", str(d), "de", "--verbose", "--top-k", "3", "--seed", "0", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = {line.split(" = ")[0]: line for line in captured.err.splitlines() if " = " in line}
+    assert lines["temperature"] == "temperature = 0.6  (the model's generation_config.json)"
+    assert lines["top_k"] == "top_k = 3  (--top-k)"
+    assert lines["max_new_tokens"] == "max_new_tokens = 5  (the model's generation_config.json)"
+    assert lines["min_p"] == "min_p = 0.0  (logitlab's default)"
+    assert len(json.loads(captured.out)["ids"]) <= 5
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))   # do_sample absent: greedy
+    assert main(["generate", str(d), "de", "--verbose", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "temperature = 0.0  (the model's generation_config.json)" in err
+    assert "stop_ids = [1, 2]" in err
+    (d / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    assert main(["generate", str(d), "de"]) == 2
+    assert "generation_config.json: field 'temperature' has 'hot'" in capsys.readouterr().err
+
+
+def test_out_batch_size_and_seq_len_everywhere(capsys):
+    from logitlab.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--out", "runs/x"])
+    assert args.out_dir == "runs/x"
+    assert parser.parse_args(["train", "--out-dir", "runs/y"]).out_dir == "runs/y"     # the old spelling
+    args = parser.parse_args(["params", "tiny", "--batch-size", "4", "--seq-len", "64"])
+    old = parser.parse_args(["params", "tiny", "--batch", "4", "--context", "64"])
+    assert (args.batch_size, args.seq_len) == (old.batch_size, old.seq_len) == (4, 64)
+    assert parser.parse_args(["sft", "runs/base", "--out", "runs/s"]).out_dir == "runs/s"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--out OUT_DIR" in help_text and "--out-dir" not in help_text
+
+
+def test_mistyped_preset_is_answered_with_the_closest(capsys):
+    assert main(["params", "llama3-8c"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean llama3-8b?" in err and "qwen3.5-27b" not in err
+    from logitlab.model import get_preset
+
+    with pytest.raises(ValueError, match="did you mean tiny"):
+        get_preset("tinny")
+
+
+def test_help_never_shows_empty_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    for command in (["train"], ["generate"], ["sft"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        text = capsys.readouterr().out
+        assert "(default: None)" not in text and "(default: ())" not in text, command
+
+
+def test_params_reads_a_hub_config_only(dirs, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("huggingface_hub")
+    from tests._hub import add_snapshot, use_cache
+
+    _, hf_dir = dirs
+    only = tmp_path / "cfg"
+    only.mkdir()
+    (only / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    add_snapshot(tmp_path / "hub", "org/shape-only", only)
+    use_cache(monkeypatch, tmp_path / "hub")
+    assert main(["params", "org/shape-only", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exact"]["total"] > 0
+    assert Path(hf_dir / "config.json").is_file()
+
+
+def test_old_model_flags_become_the_positional():
+    from logitlab.cli.models import rewrite_legacy
+
+    assert rewrite_legacy(["generate", "--checkpoint", "runs/a", "--max-new-tokens", "4", "x"])[0] == \
+        ["generate", "runs/a", "--max-new-tokens", "4", "x"]
+    assert rewrite_legacy(["sft", "--data", "c.jsonl", "--base=runs/a"])[0] == ["sft", "runs/a", "--data", "c.jsonl"]
+    argv, notes = rewrite_legacy(["convert", "--to-hf", "m", "--out", "hf"])
+    assert argv == ["convert", "m", "--out", "hf"] and "--to-hf DIR is now the positional MODEL" in notes[0]
+    assert rewrite_legacy(["export", "runs/a", "--hf", "out"]) == (["export", "runs/a", "--hf", "out"], [])
+    assert rewrite_legacy(["generate", "runs/a", "--checkpoint"])[0] == ["generate", "runs/a", "--checkpoint"]
+    with pytest.raises(ValueError, match="give the model once"):
+        rewrite_legacy(["chat", "--hf", "a", "--checkpoint", "b"])
