@@ -123,6 +123,23 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
         group.add_argument(flag_name(field.name, prefix), **kwargs)
 
 
+class _ExamplesFormatter(argparse.HelpFormatter):
+    """argparse's formatter, but an epilog of examples keeps its lines (one command per line, never
+    re-wrapped: each is meant to be copied) while the description still wraps to the terminal."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("example"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def add_examples(parser: argparse.ArgumentParser, *commands: str) -> None:
+    """An "examples:" epilog for `parser`'s --help, one command per line (after `logitlab `)."""
+    lines = "\n".join(f"  logitlab {c}" for c in commands)
+    parser.epilog = f"example{'s' if len(commands) > 1 else ''}:\n{lines}"
+    parser.formatter_class = _ExamplesFormatter
+
+
 def add_progress_flag(parser: argparse.ArgumentParser) -> None:
     """--progress [BOOL]: a live progress bar when the console is interactive (default true)."""
     parser.add_argument("--progress", type=_parse_bool, nargs="?", const=True, default=True, metavar="BOOL",

@@ -152,6 +152,7 @@ def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
 def register(subparsers) -> None:
     """Add demo to `subparsers`."""
     p = subparsers.add_parser("demo", help="train a tokenizer and a small model on the stdlib, then sample")
+    cli.add_examples(p, "demo", "demo --quick                 # about 30 s", "demo --out runs/demo2 --seed 1")
     p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced if a demo)")
     p.add_argument("--quick", action="store_true", help="a ~30 s version")
     p.add_argument("--train-seconds", type=float, default=None,

@@ -16,12 +16,14 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     """Add `eval` with its sub-subcommands to `subparsers`."""
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_examples
 
     parser = subparsers.add_parser("eval", help="bits per byte, multiple choice, length, lm-evaluation-harness",
                                    description="Evaluate a model: `eval bpb` on any text, `eval mc` on tasks "
                                    "made from the Python standard library, `eval long` perplexity against "
                                    "length, `eval harness` through lm-evaluation-harness.")
+    add_examples(parser, "eval bpb runs/a --data notes.txt", "eval mc runs/a", "eval long runs/a --plot long.png",
+                 "eval harness run --model logitlab --model_args path=runs/a --tasks hellaswag")
     sub = parser.add_subparsers(dest="eval_command", metavar="EVAL")
     sub.required = True
 
@@ -30,6 +32,7 @@ def register(subparsers) -> None:
                        "the model's context, special tokens masked) and report the summed nats over the "
                        "summed UTF-8 bytes in bits, so models with different tokenizers compare fairly.")
     _model_arg(b)
+    add_examples(b, "eval bpb runs/a --data notes.txt docs/", "eval bpb gpt2 --data essay.txt --json")
     b.add_argument("--data", nargs="+", required=True, metavar="FILE", help="text files (UTF-8), or "
                    "directories: every *.txt, *.md and *.py file under them")
     b.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
@@ -42,6 +45,7 @@ def register(subparsers) -> None:
                        "the standard library's source with a fixed seed; accuracy is centred so chance is 0 "
                        "and perfect is 1 (as in the CORE metric).")
     _model_arg(m)
+    add_examples(m, "eval mc runs/a", "eval mc runs/a --examples 500 --seed 1 --json")
     m.add_argument("--examples", type=int, default=200, help="questions (default 200)")
     m.add_argument("--seed", type=int, default=0, help="which questions (default 0)")
     m.add_argument("--batch-size", type=int, default=16, help="pairs per forward pass (default 16)")
@@ -57,6 +61,7 @@ def register(subparsers) -> None:
                        "`logitlab eval harness run --model logitlab --model_args path=runs/demo --tasks "
                        "hellaswag`. Extra model_args: dtype, batch_size, max_length, max_gen_toks, seed.",
                        add_help=False, prefix_chars="\0")  # every argument, --options too, is lm_eval's
+    add_examples(h, "eval harness run --model logitlab --model_args path=runs/a --tasks hellaswag --limit 50")
     h.add_argument("harness_args", nargs=argparse.REMAINDER, help="lm_eval's arguments")
     h.set_defaults(func=_harness)
 
@@ -159,7 +164,7 @@ def _mc(args) -> int:
 # -------------------- long
 
 def _register_long(sub) -> None:
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_examples
     from logitlab.eval.long import DEFAULT_SCALINGS
     from logitlab.model.positions import EXTENSIONS
 
@@ -170,6 +175,7 @@ def _register_long(sub) -> None:
                        "when given, else the run's validation split. Learned positions past their table are "
                        "reported as not evaluable; schemes without RoPE are measured with 'none' only.")
     _model_arg(e)
+    add_examples(e, "eval long runs/a --plot long.png", "eval long runs/a --lengths 128,256,512 --scaling none,yarn")
     e.add_argument("--lengths", default=None, help="comma-separated window lengths (default: 1, 2, 4 and 8 "
                    "times the training length)")
     e.add_argument("--scaling", default=",".join(DEFAULT_SCALINGS), help="comma-separated scalings: "

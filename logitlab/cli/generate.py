@@ -22,6 +22,7 @@ _ID_LISTS = {"stop_ids": "stop_id_lists", "banned_ids": "banned_id_lists"}  # fi
 
 def register(subparsers) -> None:
     """Add `generate` to `subparsers` (`inspect` is inspect.py's, `chat` chat.py's)."""
+    from logitlab.cli.common import add_examples
     g = subparsers.add_parser("generate", help="continue a prompt, streaming the text",
                               description="Continue PROMPT with a model, printing text as it is generated, "
                               "then (on stderr, so `> out.txt` holds only the text) the prompt's token count, the "
@@ -35,8 +36,15 @@ def register(subparsers) -> None:
     g.add_argument("--ordinary", action="store_true", help="encode PROMPT as plain text: special-token text "
                    "such as <|endoftext|> stays text (default: it becomes the special token's id)")
     _sample_flags(g)
+    add_examples(g, 'generate runs/a "def parse(" --max-new-tokens 48 --temperature 0.8',
+                 'generate Qwen/Qwen3-0.6B "The capital of France is" --temperature 0 --verbose',
+                 'generate runs/a "" --num-samples 3 --seed 0            # three unconditional samples',
+                 'generate runs/a "import os" --stop "\\n\\n" --json')
     g.add_argument("--json", action="store_true",
-                   help="print one JSON object at the end instead of streaming")
+                   help="print one JSON object at the end instead of streaming (one line per sample)")
+    g.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="generate N continuations of PROMPT, one after another (with --seed S, sample i draws "
+                   "from seed S + i; default 1)")
     g.set_defaults(func=_generate)
 
 
@@ -235,29 +243,58 @@ def _write_prompt(out, prompt: str) -> None:
 def _generate(args) -> int:
     from logitlab.cli.common import console, error_console
     from logitlab.cli.models import load
-    from logitlab.generate.loop import stream
 
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     m = load(args)
     cfg = sample_config(args, m.end_ids[1:], m.generation)
     prompt = _unescape(args.prompt)
     ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all")
     if not ids and m.eot_id is not None:
         ids = [m.eot_id]  # an empty prompt starts from end-of-text, as GPT-2 samples unconditionally
-    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
-               step=_decode_step(args, m.model))
-    out = console()
+    out, step = console(), _decode_step(args, m.model)
+    for i in range(args.num_samples):
+        # sample i draws from seed + i, so --seed S --num-samples N is N different, repeatable samples
+        this = cfg if cfg.seed is None or i == 0 else dataclasses.replace(cfg, seed=cfg.seed + i)
+        if args.num_samples > 1 and not args.json:
+            out.print(f"--- sample {i + 1} of {args.num_samples}", style="dim", markup=False, highlight=False)
+        _one_sample(args, m, ids, prompt, this, step, out, error_console())
+    return 0
+
+
+def _one_sample(args, m, ids, prompt, cfg, step, out, err) -> None:
+    """Stream one continuation to stdout (text, then a newline where a terminal or a pipe reads it)
+    and the timings to stderr; with --json, one JSON object per line instead."""
+    from logitlab.generate.loop import stream
+
+    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes, step=step)
     if not args.json:
         _write_prompt(out, prompt)
     text = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), not args.json)
     r = s.result
     if args.json:
-        print(json.dumps(dict(prompt=prompt, prompt_ids=ids, text=text, ids=r.tokens[0],
+        print(json.dumps(dict(prompt=prompt, prompt_ids=ids, text=text, ids=r.tokens[0], seed=cfg.seed,
                               stop_reason=r.stop_reasons[0], prefill_seconds=r.prefill_seconds,
                               decode_tokens=r.decode_tokens, decode_seconds=r.decode_seconds,
                               decode_tokens_per_second=r.decode_tokens_per_second), ensure_ascii=False))
-    else:
-        _timings(error_console(), r, len(ids), newline=out.is_terminal)  # stderr: `> out.txt` is the text
-    return 0
+        return
+    if _reader_wants_newline():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    _timings(err, r, len(ids), newline=False)  # stderr: `> out.txt` is the text alone
+
+
+def _reader_wants_newline() -> bool:
+    """A newline after the text when stdout is a terminal or a pipe (the next prompt or line starts
+    clean); a redirected file keeps the text exactly as generated."""
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):   # no real file descriptor (captured output)
+        return True
+    return sys.stdout.isatty() or stat.S_ISFIFO(mode)
 
 
 def _decode_step(args, model):

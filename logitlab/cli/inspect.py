@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from logitlab.cli.common import add_examples
 from logitlab.cli.generate import _model_flags as model_flags
 from logitlab.cli.generate import _number as number
 from logitlab.cli.generate import _unescape as unescape
@@ -22,6 +23,9 @@ def register(subparsers) -> None:
                               "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
                               "rows.")
     model_flags(i)
+    add_examples(i, 'inspect runs/a "import os" --position 0 --lens',
+                 'inspect runs/a "def main():\\n    return" --rows 5 --temperature 0.7 --top-p 0.9',
+                 'inspect gpt2 " the bank of the river" --neighbours " bank"')
     i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); "
                    "special-token text in it such as <|endoftext|> becomes its id unless --ordinary is given")
     i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "

@@ -108,6 +108,9 @@ def register(subparsers) -> None:
                               "packed rows whose attention stays inside each conversation, a validation loss "
                               "on held-out conversations and sample replies at each evaluation.")
     add_model_argument(p, dtype=False)
+    cli.add_examples(p, "sft runs/demo --data chats.jsonl --out runs/sft --steps 150",
+                     "sft Qwen/Qwen3-0.6B --data chats.jsonl --out runs/lora --lora-targets q_proj,v_proj",
+                     "sft runs/demo --data chats.jsonl --out runs/sft --resume")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--samples", type=int, default=2, help="held-out prompts answered at each evaluation (default: 2)")
     p.add_argument("--lora-targets", help="LoRA on these projections (q_proj,v_proj,... or all-linear); "
@@ -135,6 +138,7 @@ def register(subparsers) -> None:
                               description="Write a .jsonl of conversations made from the running Python's "
                               "standard library: 'What does json.dumps do?' answered with the first line of its "
                               "docstring (no download; the same set on every run of one Python version).")
+    cli.add_examples(g, "sft-data --out chats.jsonl --limit 2000")
     g.add_argument("--out", required=True, help=".jsonl file to write")
     g.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
     g.set_defaults(func=cmd_sft_data)
@@ -143,6 +147,7 @@ def register(subparsers) -> None:
                               description="Compare the embedding rows (and untied LM-head rows) of BASE and "
                               "TUNED: the tokens that moved most, special tokens first, and the share of the "
                               "change the special tokens carry.")
+    cli.add_examples(d, "embedding-diff runs/demo runs/sft --data chats.jsonl --top 20")
     d.add_argument("base", metavar="BASE", help="the base MODEL (a run, checkpoint, logitlab or Hugging Face "
                    "directory, or a hub id)")
     d.add_argument("tuned", metavar="TUNED", help="the fine-tuned MODEL")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from logitlab.cli.common import add_examples
+
 
 def register(subparsers) -> None:
     from logitlab.cli.models import add_model_argument
@@ -16,6 +18,8 @@ def register(subparsers) -> None:
                               "Concurrent requests share one batched decode. Point any OpenAI client at "
                               "http://HOST:PORT/v1.")
     add_model_argument(p)
+    add_examples(p, "serve runs/a                          # http://127.0.0.1:8000/v1 and the explorer at /",
+                 "serve Qwen/Qwen3-0.6B --port 8080 --dtype bf16")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for "
                    "every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
