@@ -145,7 +145,7 @@ def test_tokenizer_show_and_inspect_quote_tokens_alike(tmp_path, capsys, monkeyp
     ids = tok.encode(text)
     assert main(["tokenizer", "show", "--tokenizer", str(d / "tokenizer.logitlab.json"), text]) == 0
     shown = capsys.readouterr().out
-    assert main(["inspect", "--checkpoint", str(d), text]) == 0
+    assert main(["inspect", str(d), text]) == 0
     inspected = capsys.readouterr().out
     for i in ids:
         cell = quote_token(tok.token_bytes(i))

@@ -39,7 +39,7 @@ def test_plot_and_generate_from_the_run(demo_run, tmp_path, capsys):
     assert cli.main(["plot", str(demo_run), "--out", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
-    assert cli.main(["generate", "--checkpoint", str(demo_run), "def f(", "--max-new-tokens", "8",
+    assert cli.main(["generate", str(demo_run), "def f(", "--max-new-tokens", "8",
                      "--seed", "0", "--json"]) == 0
     out = capsys.readouterr().out
     assert out.strip()

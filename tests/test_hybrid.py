@@ -497,15 +497,15 @@ def test_inspect_shows_sinks_and_the_linear_state(tmp_path, capsys):
     save_model(Transformer(cfg), tmp_path / "m")
     tok.save(tmp_path / "m" / TOKENIZER_FILE)
     text = "def f(x):\\n    return x"
-    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), text, "--sinks", "2", "--linear"]) == 0
+    assert main(["inspect", str(tmp_path / "m"), text, "--sinks", "2", "--linear"]) == 0
     out = capsys.readouterr().out
     assert "on positions 0..1" in out and "Gated DeltaNet layer 0" in out and "decay exp(g)" in out
-    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), text, "--sinks", "--linear", "--json"]) == 0
+    assert main(["inspect", str(tmp_path / "m"), text, "--sinks", "--linear", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [s["layer"] for s in report["sinks"]] == [1, 3] and report["sinks"][0]["k"] == 4
     assert [t["layer"] for t in report["linear"]] == [0, 2]
     plain = _config(vocab_size=tok.vocab_size)
     save_model(Transformer(plain), tmp_path / "p")
     tok.save(tmp_path / "p" / TOKENIZER_FILE)
-    assert main(["inspect", "--checkpoint", str(tmp_path / "p"), text, "--linear"]) == 2
+    assert main(["inspect", str(tmp_path / "p"), text, "--linear"]) == 2
     assert "no Gated DeltaNet" in capsys.readouterr().err

@@ -191,7 +191,7 @@ def test_sharded_checkpoint_exports_and_generates(tp_run, reference, tmp_path, c
     worst = max(float((exported[k].float() - one[k].float()).abs().max()) for k in one)
     assert worst <= 1e-4, worst                                          # 6 AdamW steps of the same run
     capsys.readouterr()
-    assert cli_main(["generate", "--hf", str(hf), "the quick", "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert cli_main(["generate", str(hf), "the quick", "--max-new-tokens", "4", "--seed", "0"]) == 0
     assert capsys.readouterr().out.strip()
 
 

@@ -314,14 +314,23 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str
 
 
 def _load_transformers_model(directory, dtype: torch.dtype):
+    """transformers' model of `directory`, loaded without its progress bar (a report of ours
+    follows; the bar's carriage returns would land in it). The bar's setting is restored after."""
     try:
         import transformers
+        from transformers.utils import logging as hf_logging
     except ImportError as exc:
-        raise RuntimeError("verifying against transformers needs the `transformers` package "
-                           "(pip install transformers)") from exc
+        raise ImportError("verifying against transformers needs it: pip install 'logitlab[hf]'",
+                          name="transformers") from exc
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(directory), attn_implementation="eager", **{key: dtype}).eval()
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(directory), attn_implementation="eager", **{key: dtype}).eval()
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 @torch.no_grad()
