@@ -730,7 +730,7 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
     out3 = _cli_json(capsys, base + ["--logit-bias", f"{tok.eot_id}=100"])
     assert out3["stop_reason"] == "eot" and out3["ids"] == [tok.eot_id] and out3["text"] == ""
     # an empty prompt starts from end-of-text
-    assert _cli_json(capsys, base[:3] + [""] + base[4:])["prompt_ids"] == [tok.eot_id]
+    assert _cli_json(capsys, base[:2] + [""] + base[3:])["prompt_ids"] == [tok.eot_id]
     # streaming mode prints the prompt, the text and the timings line
     assert main(["generate", str(hf_dir), "Hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
     printed = capsys.readouterr()  # the text on stdout, the timings line on stderr
