@@ -1,6 +1,7 @@
 """logits -> ids: sampling as pure functions on logits (sampling.py) and the generation loop:
 prefill, decode steps from a KV cache, streaming, batches of prompts (loop.py), with the
-reference path that recomputes the whole sequence for every token."""
+reference path that recomputes the whole sequence for every token; stop strings matched in
+linear time (stops.py, shared with the CLI and the server)."""
 
 from logitlab.generate.loop import (
     GenerationResult,
