@@ -87,15 +87,13 @@ def template_name(tok) -> str:
 
 @lru_cache(maxsize=16)
 def _compiled(template: str, limits):
-    """(environment, compiled template): the sandbox bounded by `limits` (sandbox.py) with what transformers
-    gives a template: trim_blocks, lstrip_blocks, loop controls, a tojson that does not escape
-    HTML, raise_exception and strftime_now. ValueError when the template does not parse."""
-    try:
-        import jinja2
+    """(environment, compiled template): the sandbox bounded by `limits` (sandbox.py) with what
+    transformers gives a template: trim_blocks, lstrip_blocks, loop controls, a tojson that does not
+    escape HTML, raise_exception and strftime_now. ValueError when the template does not parse or
+    holds a refused statement."""
+    import jinja2
 
-        from logitlab.tokenizer.sandbox import BoundedEnvironment, TemplateRaised
-    except ImportError as exc:
-        raise RuntimeError("Jinja chat templates need the jinja2 package (pip install jinja2)") from exc
+    from logitlab.tokenizer.sandbox import BoundedEnvironment, TemplateRaised
 
     def raise_exception(message):
         raise TemplateRaised(message if isinstance(message, str) and len(message) <= 2000 else "(message too long)")
@@ -144,8 +142,10 @@ def render(tok, messages, add_generation_prompt: bool = False, limits=None) -> s
     template = getattr(tok, "chat_template", None)
     if template is None:
         return render_chatml(messages, add_generation_prompt)
-    from logitlab.tokenizer.sandbox import TemplateLimitError, TemplateLimits, TemplateRaised
-
+    try:
+        from logitlab.tokenizer.sandbox import TemplateLimitError, TemplateLimits, TemplateRaised
+    except ImportError as exc:  # jinja2, which sandbox.py imports
+        raise RuntimeError("Jinja chat templates need the jinja2 package (pip install jinja2)") from exc
     name = template_name(tok)
     try:
         env, compiled = _compiled(template, limits or TemplateLimits())
