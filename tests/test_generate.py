@@ -759,7 +759,8 @@ def test_cli_checkpoint_dir_and_chat(hf_dir, tmp_path, capsys, monkeypatch):
 
 
 def test_stream_text_holds_back_split_characters_and_stop_strings():
-    from logitlab.cli.generate import StopHoldBack, stream_text
+    from logitlab.cli.generate import stream_text
+    from logitlab.generate.stops import StopHoldBack
 
     tok = small_tokenizer()
     ids = tok.encode("héllo wörld")

@@ -159,38 +159,11 @@ def _unescape(text: str) -> str:
 
 # -------------------- Streaming text
 
-class StopHoldBack:
-    """Passes text through, holding back a tail that could be the start of a stop string, and
-    cutting the text where a stop string appears (the stop string itself is not shown)."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.buf, self.done = [s for s in stops if s], "", False
-
-    def feed(self, piece: str) -> str:
-        if self.done:
-            return ""
-        self.buf += piece
-        hits = [self.buf.find(s) for s in self.stops if s in self.buf]
-        if hits:
-            self.done = True
-            out, self.buf = self.buf[:min(hits)], ""
-            return out
-        keep = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.buf)), keep, -1):
-                if self.buf.endswith(s[:n]):
-                    keep = n
-                    break
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return out
-
-    def flush(self) -> str:
-        out, self.buf = ("" if self.done else self.buf), ""
-        return out
-
-
 def stream_text(tokenizer, ids, hidden_ids=(), stops=()):
-    """Ids -> text pieces: UTF-8-safe (decode_stream), without end/stop ids, cut at stop strings."""
+    """Ids -> text pieces: UTF-8-safe (decode_stream), without end/stop ids, cut at stop strings
+    (a tail that could start one held back: generate.stops.StopHoldBack)."""
+    from logitlab.generate.stops import StopHoldBack
+
     hold = StopHoldBack([s.decode("utf-8", errors="replace") for s in stops])
     hidden = set(hidden_ids)
     for piece in tokenizer.decode_stream(i for i in ids if i not in hidden):

@@ -4,9 +4,12 @@ model (as `eval` does: run, checkpoint, logitlab or Hugging Face directory) and 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from logitlab.cli.common import add_examples
+
+API_KEY_ENV = "LOGITLAB_API_KEY"
 
 
 def register(subparsers) -> None:
@@ -26,6 +29,9 @@ def register(subparsers) -> None:
     p.add_argument("--name", default=None, help="the model's name in the API (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health and the explorer page "
+                   f"(default: the environment variable {API_KEY_ENV}, if set; else no key)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=_serve)
 
@@ -39,10 +45,30 @@ def build_app(args):
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    key = api_key(args)
     m = load_path(args.model, args.dtype, args.revision)
     name = args.name or (args.model if m.provenance.get("revision") else Path(args.model).resolve().name)
     return create_app(m.model, m.tokenizer, name=name, max_batch=args.max_batch,
-                      max_body_bytes=args.max_body_bytes, end_ids=m.end_ids)
+                      max_body_bytes=args.max_body_bytes, end_ids=m.end_ids, api_key=key)
+
+
+def api_key(args) -> str | None:
+    """--api-key, else $LOGITLAB_API_KEY (unset or empty: no key). OPENAI_API_KEY is not read: it
+    often holds a real OpenAI key, which a local server should neither use nor hand to its clients."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty")
+        return args.api_key.strip()
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 def _serve(args) -> int:
@@ -51,8 +77,13 @@ def _serve(args) -> int:
     from logitlab.cli.common import error_console
 
     app = build_app(args)
-    name = app.state.served.name
-    error_console().print(f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1, explorer at /)",
-                          markup=False)
+    name, console = app.state.served.name, error_console()
+    keyed = api_key(args) is not None
+    console.print(f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1, explorer at /"
+                  f"{'; API key required' if keyed else ''})", markup=False, soft_wrap=True)
+    if not keyed and not _loopback(args.host):
+        console.print(f"warning: {args.host} is not a loopback address and there is no API key: anyone who can "
+                      f"reach port {args.port} can use the model. Set --api-key or {API_KEY_ENV}.", markup=False,
+                      soft_wrap=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -1,6 +1,7 @@
 """logits -> ids: sampling as pure functions on logits (sampling.py) and the generation loop:
 prefill, decode steps from a KV cache, streaming, batches of prompts (loop.py), with the
-reference path that recomputes the whole sequence for every token.
+reference path that recomputes the whole sequence for every token; stop strings matched in
+linear time (stops.py, shared with the CLI and the server).
 
 The names are resolved on first use (PEP 562), so importing the package, or one
 module of it, imports nothing else of it."""

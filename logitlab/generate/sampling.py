@@ -18,7 +18,7 @@ Processing order, applied to float32 logits (B, V) by `process_logits`:
   5. top-k: keep the k largest logits;
   6. softmax (max subtracted first, so it never overflows);
   7. top-p (nucleus, Holtzman et al. 2019): keep the smallest set of most probable tokens whose
-     mass reaches P, renormalise;
+     mass reaches P (at least the most probable one), renormalise;
   8. min-p: drop tokens whose probability is below min_p times the largest one, renormalise.
 Sampling then draws from those probabilities with a torch.Generator passed in.
 
@@ -170,12 +170,15 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 def top_p_filter(probs: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filtering: keep the smallest set of most probable tokens whose mass reaches p.
 
-    A token is kept when the mass of the tokens ranked above it is still below p."""
+    A token is kept when the mass of the tokens ranked above it is still below p; the most
+    probable token always is (its mass before is 0), also for a p that float32 rounds to 0, such
+    as 1e-300: the limit of nucleus sampling as p -> 0 is the top token, as T -> 0 is greedy."""
     if p >= 1.0:
         return probs
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # (B, V)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
     drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False  # 0 >= p holds when p underflows to 0 in float32
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     kept = probs.masked_fill(drop, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)

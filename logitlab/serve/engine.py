@@ -36,6 +36,7 @@ import torch
 
 from logitlab.generate.loop import decode_step, prefill
 from logitlab.generate.sampling import SampleConfig, bias_vector, invalid_cause, make_generator, pick
+from logitlab.generate.stops import StopMatcher, StopStrings
 from logitlab.model.cache import KVCache
 
 # Rows that finished stay in the batch (fed a dummy token) until a rebuild; a rebuild only to drop
@@ -78,7 +79,8 @@ class Request:
     finished: bool = False
     generator: torch.Generator | None = None
     state: dict = field(default_factory=dict)  # pick's bias / seen / counts, (V,) and (1, V)
-    tail: bytes = b""                   # last bytes generated, for stop strings split across tokens
+    sequences: StopMatcher | None = None  # progress through its stop id sequences (stops.py)
+    strings: StopMatcher | None = None    # progress through its stop strings, over the bytes generated
 
     @property
     def ids(self) -> list[int]:
@@ -117,7 +119,8 @@ class Engine:
     def submit(self, prompt: list[int], config: SampleConfig, emit: Callable[[object], None],
                top_logprobs: int = 0) -> Request:
         """Queue a request; ValueError for a prompt that is empty, out of the vocabulary or leaves
-        no room in the context. max_new_tokens beyond the context is cut (finish "length")."""
+        no room in the context, or stop strings without token_bytes. max_new_tokens beyond the
+        context is cut (finish "length")."""
         V = self.model.config.vocab_size
         prompt = [int(i) for i in prompt]
         if not prompt:
@@ -128,11 +131,16 @@ class Engine:
         if len(prompt) >= self.context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context}, which "
                              f"leaves no room to generate")
+        if config.stop_bytes and self.token_bytes is None:
+            raise ValueError("stop strings need the engine's token_bytes")
         device = next(self.model.parameters()).device
+        sequences, strings = StopStrings(config.stop_sequences), StopStrings(config.stop_bytes)
         request = Request(prompt, config, emit, top_logprobs, next(self._ids),
                           min(config.max_new_tokens, self.context - len(prompt)),
                           generator=make_generator(config.seed, device),
-                          state=dict(bias=bias_vector(config, V, device), seen=None, counts=None))
+                          state=dict(bias=bias_vector(config, V, device), seen=None, counts=None),
+                          sequences=sequences.matcher() if sequences else None,
+                          strings=strings.matcher() if strings else None)
         with self._lock:
             self._inbox.append(request)
             self._lock.notify_all()
@@ -336,16 +344,10 @@ class Engine:
         c = r.config
         if token == self.eot_id or token in c.stop_ids:
             return "stop"
-        if any(len(r.generated) >= len(s) and tuple(r.generated[-len(s):]) == s for s in c.stop_sequences):
+        if r.sequences is not None and r.sequences.feed((token,)) is not None:
             return "stop"
-        if c.stop_bytes:
-            if self.token_bytes is None:
-                raise ValueError("stop strings need the engine's token_bytes")
-            keep = max(len(s) for s in c.stop_bytes) - 1
-            r.tail = r.tail + self.token_bytes(token)
-            if any(s in r.tail for s in c.stop_bytes):
-                return "stop"
-            r.tail = r.tail[len(r.tail) - keep:] if keep else b""
+        if r.strings is not None and r.strings.feed(self.token_bytes(token)) is not None:
+            return "stop"
         if len(r.generated) >= r.budget:
             return "length"
         return None

@@ -66,32 +66,60 @@ def render_chatml(messages, add_generation_prompt: bool = False) -> str:
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
+class ChatTemplateError(ValueError):
+    """A chat template failed: it ran past a bound of its TemplateLimits, used what a chat template
+    may not ({% include %}, ...), hit an error of its own, or (`raised`) refused the conversation
+    itself with raise_exception. The message names the template (`template_name`)."""
+
+    def __init__(self, message: str, raised: bool = False):
+        super().__init__(message)
+        self.raised = raised
+
+
+def template_name(tok) -> str:
+    """How errors name a tokenizer's chat template: the file it was read from, when the template
+    is still the one read from it (`chat_template_origin`, (template, file), set by the readers)."""
+    origin = getattr(tok, "chat_template_origin", None)
+    if origin is not None and origin[0] is not None and origin[0] == tok.chat_template:
+        return f"chat template {origin[1]}"
+    return "chat template (the tokenizer's chat_template)"
+
+
 @lru_cache(maxsize=16)
-def _compiled(template: str):
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as exc:
-        raise RuntimeError("Jinja chat templates need the jinja2 package (pip install jinja2)") from exc
+def _compiled(template: str, limits):
+    """(environment, compiled template): the sandbox bounded by `limits` (sandbox.py) with what
+    transformers gives a template: trim_blocks, lstrip_blocks, loop controls, a tojson that does not
+    escape HTML, raise_exception and strftime_now. ValueError when the template does not parse or
+    holds a refused statement."""
+    import jinja2
+
+    from logitlab.tokenizer.sandbox import BoundedEnvironment, TemplateRaised
 
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise TemplateRaised(message if isinstance(message, str) and len(message) <= 2000 else "(message too long)")
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                   sort_keys=sort_keys)
+        # with an indent the text can be far larger than the value: joined under the size bound
+        return encoder.encode(x) if indent is None else env.join_bounded(encoder.iterencode(x))
 
     def strftime_now(fmt):
         from datetime import datetime
 
+        if not isinstance(fmt, str) or len(fmt) > 200:
+            raise TemplateRaised("strftime_now takes a format string of at most 200 characters")
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    env = BoundedEnvironment(limits, trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                             filters={"tojson": tojson},
+                             globals={"raise_exception": raise_exception, "strftime_now": strftime_now})
     try:
-        return env.from_string(template)
+        return env, env.compile_template(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise ValueError(f"chat template does not parse (line {exc.lineno}): {exc.message}") from None
+        raise ValueError(f"does not parse (line {exc.lineno}): {exc.message}") from None
+    except jinja2.exceptions.TemplateError as exc:  # a refused statement
+        raise ValueError(str(exc)) from None
 
 
 def template_variables(tok) -> dict[str, str]:
@@ -106,19 +134,32 @@ def template_variables(tok) -> dict[str, str]:
     return found
 
 
-def render(tok, messages, add_generation_prompt: bool = False) -> str:
-    """The conversation's text through `tok.chat_template` (ChatML when it is None)."""
+def render(tok, messages, add_generation_prompt: bool = False, limits=None) -> str:
+    """The conversation's text through `tok.chat_template` (ChatML when it is None), within
+    `limits` (a sandbox.TemplateLimits; its defaults when None). ChatTemplateError, naming the
+    template, for anything that goes wrong inside it."""
     messages = check_messages(messages)
     template = getattr(tok, "chat_template", None)
     if template is None:
         return render_chatml(messages, add_generation_prompt)
-    import jinja2
-
     try:
-        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                          **template_variables(tok))
-    except jinja2.exceptions.TemplateError as exc:
-        raise ValueError(f"chat template failed: {exc}") from None
+        from logitlab.tokenizer.sandbox import TemplateLimitError, TemplateLimits, TemplateRaised
+    except ImportError as exc:  # jinja2, which sandbox.py imports
+        raise RuntimeError("Jinja chat templates need the jinja2 package (pip install jinja2)") from exc
+    name = template_name(tok)
+    try:
+        env, compiled = _compiled(template, limits or TemplateLimits())
+    except ValueError as exc:
+        raise ChatTemplateError(f"{name}: {exc}") from None
+    try:
+        return env.render(compiled, messages=messages,
+                          add_generation_prompt=add_generation_prompt, **template_variables(tok))
+    except TemplateRaised as exc:
+        raise ChatTemplateError(f"{name} refused the conversation: {exc}", raised=True) from None
+    except TemplateLimitError as exc:
+        raise ChatTemplateError(f"{name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001  a template is a program: any failure in it is its own
+        raise ChatTemplateError(f"{name} failed: {type(exc).__name__}: {str(exc)[:500]}") from None
 
 
 def _check_specials(tok, text: str) -> None:
@@ -183,13 +224,19 @@ def read_hf_chat_template(path: str | os.PathLike) -> str | None:
     """The "chat_template" of a Hugging Face tokenizer_config.json (a file, or a directory holding
     one, or a chat_template.jinja beside it); a list of named templates gives the "default" one.
     None when there is none."""
+    return find_hf_chat_template(path)[0]
+
+
+def find_hf_chat_template(path: str | os.PathLike) -> tuple[str | None, Path | None]:
+    """(the template, the file it is in) as read_hf_chat_template finds it; (None, None) when
+    there is none."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8"), folder / "chat_template.jinja"
     config = folder / "tokenizer_config.json" if path.is_dir() else path
     if not config.is_file():
-        return None
+        return None, None
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -200,7 +247,7 @@ def read_hf_chat_template(path: str | os.PathLike) -> str | None:
         template = named.get("default")
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{config}: 'chat_template' must be a string or a list of {{name, template}}")
-    return template
+    return template, (config if template is not None else None)
 
 
 def end_of_turn_id(tok) -> int | None:

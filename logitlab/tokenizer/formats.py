@@ -216,6 +216,7 @@ def load_logitlab(cls, path):
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{path}: field 'chat_template' must be str, got {type(template).__name__}")
     tok.chat_template = template
+    tok.chat_template_origin = (template, str(path))  # chat.template_name: errors name the file
     return tok
 
 
@@ -346,9 +347,10 @@ def load_hf(cls, path):
         specials[added["content"]] = added["id"]
         vocab.pop(added["id"], None)
     tok = _build(cls, vocab, merges, str(path), specials, pattern)
-    from logitlab.tokenizer.chat import read_hf_chat_template  # the tokenizer_config.json beside it
+    from logitlab.tokenizer.chat import find_hf_chat_template  # the tokenizer_config.json beside it
 
-    tok.chat_template = read_hf_chat_template(Path(path).parent)
+    tok.chat_template, source = find_hf_chat_template(Path(path).parent)
+    tok.chat_template_origin = (tok.chat_template, str(source))  # chat.template_name: errors name the file
     return tok
 
 

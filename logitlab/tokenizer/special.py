@@ -47,6 +47,7 @@ def add_special_tokens(tok, tokens: Iterable[str]):
     new = type(tok)(dict(tok._decoder), tok.merges, special_tokens=specials,
                     pattern=tok.pattern_name or tok.pattern)
     new.chat_template = getattr(tok, "chat_template", None)
+    new.chat_template_origin = getattr(tok, "chat_template_origin", None)
     return new, added
 
 
