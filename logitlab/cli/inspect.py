@@ -106,7 +106,7 @@ def _inspect(args) -> int:
     ids = [first] + ids if args.bos else ids
     if not ids:
         raise ValueError("the text encodes to no tokens")
-    label = lambda i: tok.decode([i])  # noqa: E731
+    label = lambda i: tok.token_bytes(i).decode("utf-8", errors="replace")  # noqa: E731  (what i adds: "▁a" -> " a")
     cfg = SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     report = dict(ids=ids, bos=bool(args.bos))
     if len(ids) >= 2:

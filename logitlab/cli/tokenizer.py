@@ -260,13 +260,13 @@ def cmd_show(args) -> int:
     n_bytes = len(text.encode("utf-8", errors="replace"))
     ratio = n_bytes / len(ids) if ids else 0.0
     if pieces:
-        encoder = "SentencePiece-style BPE, " + ("reference" if args.reference else "heap") + " merges"
+        encoder = "SentencePiece-style BPE" + (", reference encoder" if args.reference else "")
     else:
         encoder = "encoder " + ("tiktoken" if tok.fast_path_ok and not args.reference else "reference")
     out.print(f"{len(ids)} tokens, {n_bytes} bytes, {ratio:.2f} bytes/token (vocab_size {tok.vocab_size}, {encoder})")
     if pieces:
         out.print("'▁' is a space; <0xNN> is one byte of a character outside the vocabulary (byte fallback); "
-                  "bytes: what each token adds to the text", markup=False, highlight=False)
+                  "bytes: what each token adds to the text", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
