@@ -263,6 +263,18 @@ def test_save_hf_and_logitlab_json_read_back_with_equal_ids(files, tmp_path, kin
     assert any("\t[▁" in line and "\t<- [" in line for line in listing)
 
 
+def test_added_special_tokens_take_the_next_ids(files):
+    from logitlab.tokenizer.special import add_special_tokens
+
+    tok = files["metaspace"][2]
+    new, added = add_special_tokens(tok, ["<|im_start|>", "<|im_end|>", "</s>"])
+    assert added == {"<|im_start|>": tok.vocab_size, "<|im_end|>": tok.vocab_size + 1}
+    text = "<|im_start|>user\nHi 日本<|im_end|>\n"
+    ids = new.encode(text)
+    assert ids[0] == tok.vocab_size and ids[-2] == tok.vocab_size + 1 and new.decode(ids) == text
+    assert new.encode("Hi 日本</s>") == tok.encode("Hi 日本</s>")
+
+
 def test_sentencepiece_file_errors_name_the_problem(files, tmp_path):
     data = json.loads(files["llama"][0].read_text())
     path = tmp_path / "tokenizer.json"

@@ -106,6 +106,11 @@ def test_chat_uses_the_template_and_stops_at_eos(hf_dir, capsys, monkeypatch):
     assert tok.apply_chat_template(messages, add_generation_prompt=True) == \
         auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tok.eot_id == 2 and tok.special_tokens["</s>"] == 2
+    # SFT's pieces: the whole chat's ids (each piece alone would start with a "▁" of its own)
+    turns = tok.chat_turns(messages[:2])
+    assert [i for _, ids in turns for i in ids] == tok.apply_chat_template(messages[:2])
+    assert [r for r, _ in turns] == ["user", "generation_prompt", "assistant"]
+    assert tok.decode(turns[-1][1]) == "Hello!</s>\n"
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\nAgain\n"))
     assert main(["chat", "--hf", str(hf_dir), "--max-new-tokens", "5", "--seed", "0"]) == 0
     assert capsys.readouterr().out.count("tok/s") == 2

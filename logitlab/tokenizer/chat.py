@@ -19,7 +19,8 @@ chat.py owns rendering conversations. Two templates exist:
 `chat_turns` cuts a rendered conversation into pieces, one per message, so SFT can put its loss
 on the assistant's pieces only: the piece of an assistant message is what the message adds after
 the generation prompt (its content and end-of-turn token), and the generation prompt is a piece
-of its own (role GENERATION_PROMPT). Pieces are found by rendering growing prefixes of the
+of its own (role GENERATION_PROMPT). A byte-level tokenizer encodes each piece alone; a
+SentencePiece-style one encodes the whole chat and cuts its ids at the pieces' ends. Pieces are found by rendering growing prefixes of the
 conversation, which needs a template whose output for messages[:i] is a prefix of its output for messages[:i+1] (true
 of ChatML and of most published templates; otherwise a ValueError says so).
 """
@@ -175,7 +176,27 @@ def chat_turns(tok, messages) -> list[tuple[str, list[int]]]:
         pieces.append((m["role"], full[len(done):]))
         done = full
     _check_specials(tok, done)
-    return [(role, tok.encode(text)) for role, text in pieces if text]
+    pieces = [(role, text) for role, text in pieces if text]
+    if getattr(tok, "kind", None) == "sentencepiece":
+        return _cut_encoded(tok, pieces)
+    return [(role, tok.encode(text)) for role, text in pieces]
+
+
+def _cut_encoded(tok, pieces: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    """The whole chat encoded once (its ids are apply_chat_template's), cut where each piece ends.
+    A SentencePiece-style piece encodes differently alone (its text would get the "▁" of a text's
+    start), so each cut is found by encoding the chat up to it; ValueError when a token crosses one."""
+    text = "".join(t for _, t in pieces)
+    whole, out, done, end = tok.encode(text), [], 0, 0
+    for n, (role, piece) in enumerate(pieces):
+        end += len(piece)
+        prefix = tok.encode(text[:end])
+        if whole[:len(prefix)] != prefix:
+            raise ValueError(f"cannot cut the chat into turns: a token crosses the end of piece {n} ({role}) "
+                             f"into the next")
+        out.append((role, whole[done:len(prefix)]))
+        done = len(prefix)
+    return out
 
 
 def fit_history(tok, messages, budget: int) -> tuple[list[int], int]:

@@ -338,6 +338,11 @@ class SentencePieceTokenizer(ChatMethods):
         if run:
             yield bytes_text(run)
 
+    def with_added_tokens(self, tokens: dict[str, int]) -> SentencePieceTokenizer:
+        """A copy with more special added tokens ({content: id}, ids from vocab_size on)."""
+        added = [*self._added, *(AddedToken(s, i, special=True, normalized=False) for s, i in tokens.items())]
+        return type(self)(self._vocab, self.merges, self.config, added, self.roles)
+
     # ---------------------------------------------------------------- formats (sp_files.py)
     def fingerprint(self) -> str:
         from logitlab.tokenizer.sp_files import fingerprint
