@@ -35,11 +35,12 @@ import operator
 import re
 from collections.abc import Iterable, Iterator
 from logitlab.tokenizer.chat import ChatMethods
-from logitlab.tokenizer.sp_bpe import (BYTE_PIECE, byte_of_piece, independent_parts, merge, merge_plain,
-                                       pair_table, splits_at_metaspace, symbols)
+from logitlab.tokenizer.sp_bpe import (BYTE_PIECE, byte_of_piece, independent_parts, joined_pairs, merge,
+                                       merge_plain, pair_table, symbols)
 from logitlab.tokenizer.sp_pipeline import AddedToken, Metaspace, Replace, SentencePieceConfig, bytes_text
 
-CACHE_LIMIT = 100_000  # encoded words kept
+CACHE_LIMIT = 100_000  # encoded word parts kept
+CACHE_LENGTH = 256  # characters of the longest part kept
 
 
 def _alternation(strings: Iterable[str]) -> re.Pattern | None:
@@ -70,22 +71,22 @@ class SentencePieceTokenizer(ChatMethods):
         self.merges = [(str(a), str(b)) for a, b in merges]
         self._added = tuple(added_tokens)
         self._pieces = self._id_table()
+        self._added_by_content = {t.content: t for t in self._added}
         self.vocab_size = len(self._pieces)
         self._pairs = pair_table([self._merge_ids(n, a, b) for n, (a, b) in enumerate(self.merges)])
         self._unk_id = self._role_id(config.unk_token, "unk_token") if config.unk_token else None
         self.bos_id = self._role_id(config.bos_token, "bos_token") if config.bos_token else None
+        self._roles = {name: (token, self._role_id(token, name)) for name, token in dict(roles or {}).items()}
         self._byte_ids = [self._vocab.get(BYTE_PIECE(b)) for b in range(256)] if config.byte_fallback else None
-        self._cut = splits_at_metaspace((a + b for a, b in self.merges), self._vocab)
+        self._joined = joined_pairs(a + b for a, b in self.merges)  # where tokens may join characters
         self._special = {t.content: t.id for t in self._added if t.special}
         self._special_ids = set(self._special.values())
-        self._added_by_content = {t.content: t for t in self._added}
         self._raw_re = _alternation(t.content for t in self._added if not t.normalized)
         self._normalized = {config.normalize(t.content): t for t in self._added if t.normalized}
         self._normalized_re = _alternation(self._normalized)
-        self._bytes = [self._token_bytes_of(p) for p in self._pieces]
         byte_decoder = config.has_byte_fallback_decoder
         self._is_byte = [byte_decoder and byte_of_piece(p) is not None for p in self._pieces]
-        self.roles = self._check_roles(dict(roles or {}))
+        self._bytes = [bytes([byte_of_piece(p)]) if b else self._text_of(p) for p, b in zip(self._pieces, self._is_byte)]
         self._cache: dict[str, list[int]] = {}
         self.chat_template: str | None = None  # Jinja source; None: ChatML (chat.py)
 
@@ -117,6 +118,10 @@ class SentencePieceTokenizer(ChatMethods):
             if table.get(t.id, t.content) != t.content:
                 raise ValueError(f"added tokens {table[t.id]!r} and {t.content!r} share id {t.id}")
             table[t.id] = t.content
+        contents = [t.content for t in self._added]
+        if len(set(contents)) != len(contents):
+            twice = next(c for c in contents if contents.count(c) > 1)
+            raise ValueError(f"added token {twice!r} is listed twice")
         n = max(table) + 1
         if len(table) != n:
             first = next(i for i in range(n) if i not in table)
@@ -130,29 +135,19 @@ class SentencePieceTokenizer(ChatMethods):
         return self._vocab[a], self._vocab[b], self._vocab[a + b]
 
     def _role_id(self, token: str, name: str) -> int:
-        found = self._added_by_content_or_vocab(token)
+        found = self._id_of(token) if isinstance(token, str) else None
         if found is None:
-            raise ValueError(f"{name} {token!r} is not in the vocabulary")
+            raise ValueError(f"{name} {token!r} is not a token of this vocabulary")
         return found
 
-    def _added_by_content_or_vocab(self, token: str) -> int | None:
-        for t in self._added:
-            if t.content == token:
-                return t.id
-        return self._vocab.get(token)
+    def _id_of(self, token: str) -> int | None:
+        """An added token's or a vocabulary piece's id (None: neither)."""
+        added = self._added_by_content.get(token)
+        return added.id if added is not None else self._vocab.get(token)
 
-    def _check_roles(self, roles: dict) -> dict[str, str]:
-        for name, token in roles.items():
-            if not isinstance(token, str) or self._added_by_content_or_vocab(token) is None:
-                raise ValueError(f"{name} {token!r} is not a token of this vocabulary")
-        return roles
-
-    def _token_bytes_of(self, piece: str) -> bytes:
-        """What a piece adds in the middle of a text: a byte token its byte (when the decoder has
-        ByteFallback); else the piece through the decoder's per-token replacements."""
-        b = byte_of_piece(piece) if self.config.has_byte_fallback_decoder else None
-        if b is not None:
-            return bytes([b])
+    def _text_of(self, piece: str) -> bytes:
+        """What a piece that is not a byte token adds in the middle of a text: the piece through
+        the decoder's per-token replacements ("▁the" -> b" the")."""
         for step in self.config.decoder:
             if isinstance(step, Replace):
                 piece = piece.replace(step.old, step.new)
@@ -170,10 +165,14 @@ class SentencePieceTokenizer(ChatMethods):
         return self._added
 
     @property
+    def roles(self) -> dict[str, str]:
+        """The special tokens' names: {"bos_token": "<s>", "eos_token": "</s>", ...}."""
+        return {name: token for name, (token, _) in self._roles.items()}
+
+    @property
     def eot_id(self) -> int | None:
         """The end-of-text id generation stops on: roles["eos_token"]'s (None without one)."""
-        eos = self.roles.get("eos_token")
-        return None if eos is None else self._added_by_content_or_vocab(eos)
+        return self._roles["eos_token"][1] if "eos_token" in self._roles else None
 
     @property
     def vocab(self) -> dict[int, bytes]:
@@ -209,7 +208,7 @@ class SentencePieceTokenizer(ChatMethods):
     def token_to_id(self, token: bytes | str) -> int:
         """A piece's id ("▁the", "<s>"), or for bytes the first id whose token_bytes they are."""
         if isinstance(token, str):
-            found = self._added_by_content_or_vocab(token)
+            found = self._id_of(token)
         else:
             found = next((i for i, b in enumerate(self._bytes) if b == bytes(token)), None)
         if found is None:
@@ -280,13 +279,14 @@ class SentencePieceTokenizer(ChatMethods):
         if not fast:
             return merge_plain(symbols(word, self._vocab, self._byte_ids, self._unk_id, cfg.fuse_unk), self._pairs)
         out = []
-        for part in independent_parts(word) if self._cut else [word]:
+        for part in independent_parts(word, self._vocab, self._joined):
             ids = self._cache.get(part)
             if ids is None:
                 ids = merge(symbols(part, self._vocab, self._byte_ids, self._unk_id, cfg.fuse_unk), self._pairs)
                 if len(self._cache) >= CACHE_LIMIT:
                     self._cache.clear()
-                self._cache[part] = ids
+                if len(part) <= CACHE_LENGTH:
+                    self._cache[part] = ids
             out.extend(ids)
         return out
 

@@ -19,19 +19,19 @@ spaces, the decoder). It differs from byte-level BPE (reference.py) in two ways:
 against `merge_plain`. The pair table both read maps (left id, right id) -> (rank, merged id); a
 pair listed twice keeps its last rank, as `tokenizers` reads such a file.
 
-`independent_parts` cuts a word where no merge can cross: before a run of "▁" that follows
-another character, when no merge result holds "▁" after another character (true of
-SentencePiece's vocabularies, whose pieces start with their "▁"s). Each part then merges alone and
-can be cached, which is what makes long texts fast; the ids are the same as merging the whole word.
+`independent_parts` cuts a word where no token can cross: between two characters of the
+vocabulary that stand side by side in no merge result (`joined_pairs`). A token spanning that
+place would be a merge result holding both, so each part merges alone, with the ids of the whole
+word, and can be cached: that is what makes long texts fast. (In SentencePiece's vocabularies a
+piece starts with its "▁"s, so every word's end is such a place.)
 """
 
 from __future__ import annotations
 
 import heapq
-import re
 
-__all__ = ["BYTE_PIECE", "byte_of_piece", "independent_parts", "merge", "merge_plain", "pair_table",
-           "splits_at_metaspace", "symbols"]
+__all__ = ["BYTE_PIECE", "byte_of_piece", "independent_parts", "joined_pairs", "merge", "merge_plain",
+           "pair_table", "symbols"]
 
 SPACE = "▁"  # U+2581, SentencePiece's visible space
 
@@ -144,18 +144,20 @@ def merge(ids: list[int], pairs: dict[tuple[int, int], tuple[int, int]]) -> list
     return [t for t, keep in zip(ids, alive) if keep]
 
 
-_CROSSING = re.compile(f"[^{SPACE}]{SPACE}")
-_PART = re.compile(f"{SPACE}*[^{SPACE}]*")
+def joined_pairs(merged_pieces) -> set[str]:
+    """Every two characters that stand side by side in some merge result: the only places where
+    a token can join two characters of a word."""
+    return {p[k:k + 2] for p in merged_pieces for k in range(len(p) - 1)}
 
 
-def splits_at_metaspace(merged_pieces, vocab: dict[str, int]) -> bool:
-    """True when words may be cut before each run of "▁" that follows another character: "▁" is
-    in the vocabulary and no merge result holds "▁" right after another character, so no merge
-    joins the two sides of such a cut."""
-    return SPACE in vocab and not any(_CROSSING.search(p) for p in merged_pieces)
-
-
-def independent_parts(word: str) -> list[str]:
-    """"▁a▁▁bc▁" -> ["▁a", "▁▁bc", "▁"]: the word cut before each "▁" run that follows another
-    character (see splits_at_metaspace for when that is allowed)."""
-    return [p for p in _PART.findall(word) if p]
+def independent_parts(word: str, vocab: dict[str, int], joined: set[str]) -> list[str]:
+    """The word cut between each two characters that are both in the vocabulary (so neither
+    becomes byte tokens or <unk>) and side by side in no merge result: "▁the▁cat" -> ["▁the",
+    "▁cat"] when no merge result holds "e▁"."""
+    parts, start = [], 0
+    for i in range(1, len(word)):
+        if word[i - 1:i + 1] not in joined and word[i - 1] in vocab and word[i] in vocab:
+            parts.append(word[start:i])
+            start = i
+    parts.append(word[start:])
+    return parts
