@@ -13,19 +13,20 @@ import warnings
 import pytest
 
 pytest.importorskip("tokenizers")
+import _sp_tokenizers as kinds  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import _sp_tokenizers as kinds  # noqa: E402
 from logitlab.tokenizer.core import Tokenizer  # noqa: E402
 from logitlab.tokenizer.sentencepiece import SentencePieceTokenizer  # noqa: E402
 from logitlab.tokenizer.sp_bpe import merge, merge_plain  # noqa: E402
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-MANY = settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FIXTURES_OK = [HealthCheck.function_scoped_fixture]
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=FIXTURES_OK)
+MANY = settings(max_examples=1500, deadline=None, suppress_health_check=FIXTURES_OK)
 PIECES = ["<s>", "</s>", "<unk>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", " ", "  ", "   ", "\n",
-          "\n\n", "\t", "\r\n", "▁", "▁▁", "<0x41>", "<0xE2>", "日本語", "中文", "🎉", "🙂", "👩‍💻", "é", "e\u0301", "\x00",
-          "\x1b", "\u200b", "\ufeff", "Hello", " world", "def ", "import os", "self.", "  return"]
+          "\n\n", "\t", "\r\n", "▁", "▁▁", "<0x41>", "<0xE2>", "日本語", "中文", "🎉", "🙂", "👩‍💻", "é",
+          "e\u0301", "\x00", "\x1b", "\u200b", "\ufeff", "Hello", " world", "def ", "import os", "self.", "  return"]
 TEXTS = st.lists(st.one_of(st.sampled_from(PIECES), st.text(st.characters(codec="utf-8"), max_size=6),
                            st.text(string.ascii_letters + " .,:()", max_size=12)), max_size=10).map("".join)
 EDGE_CASES = ["", " ", "  ", "\n", "x", " leading", "  two leading", "trailing  ", "a\tb\n\nc\r\n", "日本語のテキスト",
@@ -119,7 +120,7 @@ def test_token_bytes_are_what_each_piece_adds(files, kind):
     for bad in (-1, V := ours.vocab_size, 1.0, True, "3"):
         with pytest.raises(ValueError, match="token id"):
             ours.token_bytes(bad)
-    with pytest.raises(ValueError, match=f"at position 1 of the ids"):
+    with pytest.raises(ValueError, match="at position 1 of the ids"):
         ours.decode([space, V])
 
 

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 import _sp_tokenizers as kinds  # noqa: E402
+
 from logitlab.cli.main import main  # noqa: E402
 from logitlab.tokenizer.core import Tokenizer  # noqa: E402
 
@@ -67,7 +68,8 @@ def test_tokenizer_show_prints_pieces_as_they_are(hf_dir, capsys):
 def test_tokenizer_convert_writes_each_format(hf_dir, tmp_path, capsys):
     path = str(hf_dir / "tokenizer.json")
     tok = Tokenizer.from_hf(path)
-    assert main(["tokenizer", "convert", "--tokenizer", path, "--to", "logitlab", "--out", str(tmp_path / "t.json")]) == 0
+    assert main(["tokenizer", "convert", "--tokenizer", path, "--to", "logitlab",
+                 "--out", str(tmp_path / "t.json")]) == 0
     assert Tokenizer.load(tmp_path / "t.json").fingerprint() == tok.fingerprint()
     assert main(["tokenizer", "convert", "--tokenizer", str(tmp_path / "t.json"), "--to", "hf",
                  "--out", str(tmp_path / "tokenizer.json")]) == 0

@@ -19,10 +19,11 @@ chat.py owns rendering conversations. Two templates exist:
 `chat_turns` cuts a rendered conversation into pieces, one per message, so SFT can put its loss
 on the assistant's pieces only: the piece of an assistant message is what the message adds after
 the generation prompt (its content and end-of-turn token), and the generation prompt is a piece
-of its own (role GENERATION_PROMPT). A byte-level tokenizer encodes each piece alone; a
-SentencePiece-style one encodes the whole chat and cuts its ids at the pieces' ends. Pieces are found by rendering growing prefixes of the
+of its own (role GENERATION_PROMPT). Pieces are found by rendering growing prefixes of the
 conversation, which needs a template whose output for messages[:i] is a prefix of its output for messages[:i+1] (true
-of ChatML and of most published templates; otherwise a ValueError says so).
+of ChatML and of most published templates; otherwise a ValueError says so). A byte-level
+tokenizer encodes each piece alone; a SentencePiece-style one encodes the whole chat and cuts its
+ids at the pieces' ends.
 """
 
 from __future__ import annotations

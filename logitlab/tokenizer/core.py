@@ -37,6 +37,7 @@ import operator
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from logitlab.tokenizer.chat import ChatMethods  # apply_chat_template, chat_turns
 from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage's public names)
     ASCII_PATTERNS,
     CL100K_PATTERN,
@@ -51,7 +52,6 @@ from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage
     special_regex,
     uncovered_error,
 )
-from logitlab.tokenizer.chat import ChatMethods  # apply_chat_template, chat_turns
 from logitlab.tokenizer.reference import bpe, bpe_plain, encode_pieces, merge_table, utf8
 from logitlab.tokenizer.special import place_specials
 from logitlab.tokenizer.special import prefix_overlap as _prefix_overlap

@@ -34,9 +34,18 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Iterable, Iterator
+
 from logitlab.tokenizer.chat import ChatMethods
-from logitlab.tokenizer.sp_bpe import (BYTE_PIECE, byte_of_piece, independent_parts, joined_pairs, merge,
-                                       merge_plain, pair_table, symbols)
+from logitlab.tokenizer.sp_bpe import (
+    BYTE_PIECE,
+    byte_of_piece,
+    independent_parts,
+    joined_pairs,
+    merge,
+    merge_plain,
+    pair_table,
+    symbols,
+)
 from logitlab.tokenizer.sp_pipeline import AddedToken, Metaspace, Replace, SentencePieceConfig, bytes_text
 
 CACHE_LIMIT = 100_000  # encoded word parts kept
@@ -86,7 +95,8 @@ class SentencePieceTokenizer(ChatMethods):
         self._normalized_re = _alternation(self._normalized)
         byte_decoder = config.has_byte_fallback_decoder
         self._is_byte = [byte_decoder and byte_of_piece(p) is not None for p in self._pieces]
-        self._bytes = [bytes([byte_of_piece(p)]) if b else self._text_of(p) for p, b in zip(self._pieces, self._is_byte)]
+        self._bytes = [bytes([byte_of_piece(p)]) if b else self._text_of(p)  # token_bytes
+                       for p, b in zip(self._pieces, self._is_byte)]
         self._cache: dict[str, list[int]] = {}
         self.chat_template: str | None = None  # Jinja source; None: ChatML (chat.py)
 

@@ -26,9 +26,18 @@ from pathlib import Path
 
 from logitlab.tokenizer.formats import HF, LISTING, LOGITLAB, _field, _read_json, check_target, write_file
 from logitlab.tokenizer.sp_bpe import SPACE, byte_of_piece
-from logitlab.tokenizer.sp_pipeline import (LLAMA_DECODER, AddedToken, Metaspace, Replace, SentencePieceConfig,
-                                            SplitAfter, config_to_json, decoder_from_json, normalizer_from_json,
-                                            pre_tokenizer_from_json)
+from logitlab.tokenizer.sp_pipeline import (
+    LLAMA_DECODER,
+    AddedToken,
+    Metaspace,
+    Replace,
+    SentencePieceConfig,
+    SplitAfter,
+    config_to_json,
+    decoder_from_json,
+    normalizer_from_json,
+    pre_tokenizer_from_json,
+)
 
 ROLE_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
 
@@ -41,7 +50,8 @@ def _model(model: dict, where) -> tuple[dict[str, int], list[tuple[str, str]]]:
         raise ValueError(f"{where}: BPE dropout {model['dropout']!r} makes encoding random; not supported")
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
-            raise ValueError(f"{where}: BPE {key} {model[key]!r} is not supported (SentencePiece-style files have none)")
+            raise ValueError(f"{where}: BPE {key} {model[key]!r} is not supported (SentencePiece-style files "
+                             f"have none)")
     vocab = _field(model, "vocab", dict, where)
     merges = []
     for n, m in enumerate(_field(model, "merges", list, where)):
@@ -182,10 +192,8 @@ def _as_transformers_reads(settings: dict, config, added, vocab, has_post_proces
         config = rebuild(settings, config)
         if config.unk_token is not None and config.unk_token not in vocab:
             config = _replace(config, unk_token=None)
-    declared = settings.get("added_tokens_decoder")
-    declared = _added_tokens([{**t, "id": int(i)} for i, t in declared.items()], where) if isinstance(declared, dict) else []
     known = {t.content for t in added}
-    for t in declared:
+    for t in _declared(settings, Path(where).parent / "tokenizer_config.json"):
         if t.content not in known:
             added.append(t)
             known.add(t.content)
@@ -202,6 +210,19 @@ def _as_transformers_reads(settings: dict, config, added, vocab, has_post_proces
                              f"after every text); logitlab's encode adds at most a BOS token before it")
         config = _replace(config, bos_token=roles.get("bos_token") if settings.get("add_bos_token") else None)
     return config, list(added), roles
+
+
+def _declared(settings: dict, where: Path) -> list[AddedToken]:
+    """tokenizer_config.json's added_tokens_decoder: {"32000": {"content": ..., "special": ...}}."""
+    declared = settings.get("added_tokens_decoder") or {}
+    if not isinstance(declared, dict):
+        raise ValueError(f"{where}: added_tokens_decoder must be an object id -> token")
+    entries = []
+    for i, t in declared.items():
+        if not str(i).isdigit() or not isinstance(t, dict):
+            raise ValueError(f"{where}: added_tokens_decoder entry {i!r} must be an id with a token object")
+        entries.append({**t, "id": int(i)})
+    return _added_tokens(entries, where)
 
 
 def _replace(config: SentencePieceConfig, **changes) -> SentencePieceConfig:
