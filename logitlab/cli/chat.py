@@ -203,7 +203,7 @@ def _turn(args, m, cfg, generator, room, out, history: str) -> str:
     """One reply to the transcript `history`, written as it comes; returns the transcript with it."""
     from logitlab.generate.loop import stream
 
-    ids = m.tokenizer.encode(history, allowed_special="none" if args.ordinary else "all")[-room:]
+    ids = m.tokenizer.encode(history, allowed_special="none" if args.ordinary else "all", add_bos=True)[-room:]
     s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
                generator=generator, step=_decode_step(args, m.model))
     reply, stopped = _write_reply(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes))

@@ -251,7 +251,8 @@ def _held_out_tokens(args, loaded, limit: int):
         eot = loaded.tokenizer.eot_id
         ids: list[int] = []
         for f in files:
-            ids += ([eot] if eot is not None else []) + loaded.tokenizer.encode(_read_text(f))
+            first = [] if eot is None or loaded.tokenizer.bos_id is not None else [eot]  # <s> by add_bos
+            ids += first + loaded.tokenizer.encode(_read_text(f), add_bos=True)
             if len(ids) > limit:
                 break
         return np.asarray(ids[:limit + 1], dtype=np.int64), f"{len(files)} file(s) from --data"

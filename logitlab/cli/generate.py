@@ -222,7 +222,7 @@ def _generate(args) -> int:
     m = load(args)
     cfg = sample_config(args, m.end_ids[1:], m.generation)
     prompt = _unescape(args.prompt)
-    ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all")
+    ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all", add_bos=True)
     if not ids and m.eot_id is not None:
         ids = [m.eot_id]  # an empty prompt starts from end-of-text, as GPT-2 samples unconditionally
     out, step = console(), _decode_step(args, m.model)

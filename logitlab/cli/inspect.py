@@ -53,8 +53,8 @@ def register(subparsers) -> None:
                    "by key columns, with each head's induction and previous-token scores")
     i.add_argument("--linear", action="store_true", help="Gated DeltaNet layers: decay exp(g), beta and the "
                    "state norm per head over the text (mean over heads per position)")
-    i.add_argument("--bos", action="store_true", help="put the end-of-text token first, so the first token "
-                   "of TEXT is scored too (GPT-2 style)")
+    i.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token (<s>) first, or byte-level "
+                   "BPE's end-of-text token, so the first token of TEXT is scored too (GPT-2 style)")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     i.set_defaults(func=_inspect)
 
@@ -104,12 +104,13 @@ def _inspect(args) -> int:
 
     tok = (m := load(args)).tokenizer
     ids = tok.encode(unescape(args.text), allowed_special="none" if args.ordinary else "all")
-    if args.bos and tok.eot_id is None:
-        raise ValueError("--bos needs a tokenizer with <|endoftext|>")
-    ids = [tok.eot_id] + ids if args.bos else ids
+    first = tok.bos_id if tok.bos_id is not None else tok.eot_id  # <s>, or byte-level BPE's <|endoftext|>
+    if args.bos and first is None:
+        raise ValueError("--bos needs a tokenizer with a BOS token or <|endoftext|>")
+    ids = [first] + ids if args.bos else ids
     if not ids:
         raise ValueError("the text encodes to no tokens")
-    label = lambda i: tok.decode([i])  # noqa: E731
+    label = lambda i: tok.token_bytes(i).decode("utf-8", errors="replace")  # noqa: E731  (what i adds: "▁a" -> " a")
     cfg = SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     report = dict(ids=ids, bos=bool(args.bos))
     if len(ids) >= 2:
@@ -166,9 +167,9 @@ def _print_inspect(report: dict, token_bytes) -> None:
         scored = f"{s.scored} token{'' if s.scored == 1 else 's'} scored"
         out.print(f"{scored}: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
                   f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}", markup=False)
-    out.print("token 0 is the end-of-text token added by --bos: it is context, so the text's first token is "
+    out.print("token 0 is the start token added by --bos: it is context, so the text's first token is "
               "scored" if report.get("bos") else "token 0 is not scored: nothing before it predicts it (pass "
-              "--bos to put the end-of-text token first and score it too)", markup=False, highlight=False)
+              "--bos to put a start token first and score it too)", markup=False, highlight=False)
     n = report["next"]
     settings = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())
     columns = ["rank", "id", "token", "logit", "model: softmax(logits)", "sampler: what is drawn from"]

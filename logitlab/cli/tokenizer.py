@@ -1,4 +1,5 @@
-"""`logitlab tokenizer ...`: train, encode, decode, show and convert byte-level BPE tokenizers.
+"""`logitlab tokenizer ...`: train, encode, decode, show and convert tokenizers (byte-level BPE,
+and SentencePiece-style BPE read from a Hugging Face tokenizer.json).
 
 Registered by cli.py. A tokenizer comes from `--tokenizer FILE` (logitlab JSON, or a Hugging Face
 tokenizer.json), or from `--gpt2 DIR` (a folder with GPT-2's vocab.json + merges.txt).
@@ -248,18 +249,24 @@ def cmd_show(args) -> int:
     table = Table(title=f"{len(ids)} tokens", show_lines=False)
     for col in ("#", "id", "token", "bytes"):
         table.add_column(col, justify="right" if col in ("#", "id") else "left")
+    pieces = tok.kind == "sentencepiece"  # its pieces as the vocabulary spells them: '▁the', '<0xE2>'
     for n, i in enumerate(ids):
         raw = tok.token_bytes(i)
-        label = escape(quote_token(raw))
+        label = escape(quote_token(tok.piece(i) if pieces else raw))
         table.add_row(str(n), str(i), f"[bold]{label}[/bold] special" if tok.is_special(i) else label,
                       raw.hex(" "))
     out = console()
     out.print(table)
     n_bytes = len(text.encode("utf-8", errors="replace"))
     ratio = n_bytes / len(ids) if ids else 0.0
-    out.print(f"{len(ids)} tokens, {n_bytes} bytes, {ratio:.2f} bytes/token "
-              f"(vocab_size {tok.vocab_size}, "
-              f"encoder {'tiktoken' if tok.fast_path_ok and not args.reference else 'reference'})")
+    if pieces:
+        encoder = "SentencePiece-style BPE" + (", reference encoder" if args.reference else "")
+    else:
+        encoder = "encoder " + ("tiktoken" if tok.fast_path_ok and not args.reference else "reference")
+    out.print(f"{len(ids)} tokens, {n_bytes} bytes, {ratio:.2f} bytes/token (vocab_size {tok.vocab_size}, {encoder})")
+    if pieces:
+        out.print("'▁' is a space; <0xNN> is one byte of a character outside the vocabulary (byte fallback); "
+                  "bytes: what each token adds to the text", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

@@ -140,10 +140,12 @@ def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(directory: str | os.PathLike, revision: str | None = None):
-    """The tokenizer stored in a model directory (or of a hub id, hub.resolve_model), as a logitlab
-    Tokenizer, or None when there is none. Looked for in this order: tokenizer.json (Hugging Face),
-    vocab.json + merges.txt (GPT-2), tokenizer.logitlab.json (logitlab's own). A file that is there
-    but cannot be read raises ValueError naming it."""
+    """The tokenizer stored in a model directory (or of a hub id, hub.resolve_model), or None when
+    there is none. Looked for in this order: tokenizer.json (Hugging Face: byte-level BPE as a
+    Tokenizer, SentencePiece-style BPE as a SentencePieceTokenizer, read with the
+    tokenizer_config.json beside it as transformers reads them), vocab.json + merges.txt (GPT-2),
+    tokenizer.logitlab.json (logitlab's own, either kind). A file that is there but cannot be read
+    raises ValueError naming it."""
     from logitlab.tokenizer.core import Tokenizer
 
     d = hub.resolve_model(directory, revision).directory
@@ -271,7 +273,8 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
     end_of_turn = tokenizer.special_tokens.get("<|im_end|>") if tokenizer is not None else None
     # a chat model ends its turn with <|im_end|>: transformers' generate stops on either
     eos = [end_of_turn, eot] if end_of_turn is not None and eot is not None else eot
-    hf_config.update(bos_token_id=eot, eos_token_id=eos)
+    bos = tokenizer.bos_id if tokenizer is not None else None  # <s> of a SentencePiece-style tokenizer
+    hf_config.update(bos_token_id=eot if bos is None else bos, eos_token_id=eos)
     state = families.state_dict_to_hf(model.state_dict(), config)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     directory = Path(directory)

@@ -211,7 +211,7 @@ def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
         return prompt
     else:
         raise ApiError(400, "'prompt' must be a string, a list of strings or a list of token ids", "prompt")
-    ids = [tokenizer.encode(p) for p in prompts]
+    ids = [tokenizer.encode(p, add_bos=True) for p in prompts]  # <s> first for a SentencePiece-style tokenizer
     if any(not p for p in ids) and eot is None:
         raise ApiError(400, "'prompt' is empty and the tokenizer has no <|endoftext|> to start from", "prompt")
     return [p or [eot] for p in ids]
@@ -253,7 +253,7 @@ def chat_prompt(tokenizer, messages) -> tuple[list[int], list[str], list[int]]:
         except ValueError:
             pass  # the template needs special tokens this tokenizer lacks: plain text below
     text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages) + f"{IM_START}assistant\n"
-    return tokenizer.encode(text, allowed_special="none"), [IM_END], []
+    return tokenizer.encode(text, allowed_special="none", add_bos=True), [IM_END], []
 
 
 # -------------------- text out

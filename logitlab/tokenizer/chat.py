@@ -21,7 +21,9 @@ on the assistant's pieces only: the piece of an assistant message is what the me
 the generation prompt (its content and end-of-turn token), and the generation prompt is a piece
 of its own (role GENERATION_PROMPT). Pieces are found by rendering growing prefixes of the
 conversation, which needs a template whose output for messages[:i] is a prefix of its output for messages[:i+1] (true
-of ChatML and of most published templates; otherwise a ValueError says so).
+of ChatML and of most published templates; otherwise a ValueError says so). A byte-level
+tokenizer encodes each piece alone; a SentencePiece-style one encodes the whole chat and cuts its
+ids at the pieces' ends.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ CHATML_TEMPLATE = (
 
 
 GENERATION_PROMPT = "generation_prompt"  # chat_turns' role for the header before an assistant message
+
+
+class ChatMethods:
+    """The chat methods of every logitlab tokenizer (byte-level Tokenizer, SentencePieceTokenizer)."""
+
+    chat_template: str | None = None  # Jinja source; None: ChatML
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True):
+        """Messages [{"role", "content"}, ...] -> ids (or the text, tokenize=False), as transformers'."""
+        return apply_chat_template(self, messages, add_generation_prompt, tokenize)
+
+    def chat_turns(self, messages) -> list[tuple[str, list[int]]]:
+        """(role, ids) per piece of the rendered chat; the ids concatenate to the whole chat."""
+        return chat_turns(self, messages)
 
 
 def check_messages(messages) -> list[dict]:
@@ -124,8 +140,11 @@ def _compiled(template: str, limits):
 
 def template_variables(tok) -> dict[str, str]:
     """The special tokens a template reads, as written to tokenizer_config.json (so transformers
-    passes the same ones): bos_token the end of text, eos_token the end of a turn (<|im_end|>
-    when the tokenizer has it, else the end of text)."""
+    passes the same ones). A SentencePiece-style tokenizer names them itself (its `roles`: <s>,
+    </s>, ...); for a byte-level one bos_token is the end of text and eos_token the end of a turn
+    (<|im_end|> when the tokenizer has it, else the end of text)."""
+    if getattr(tok, "kind", None) == "sentencepiece":
+        return dict(tok.roles)
     specials, found = tok.special_tokens, {}
     if ENDOFTEXT in specials:
         found = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT}
@@ -199,7 +218,27 @@ def chat_turns(tok, messages) -> list[tuple[str, list[int]]]:
         pieces.append((m["role"], full[len(done):]))
         done = full
     _check_specials(tok, done)
-    return [(role, tok.encode(text)) for role, text in pieces if text]
+    pieces = [(role, text) for role, text in pieces if text]
+    if getattr(tok, "kind", None) == "sentencepiece":
+        return _cut_encoded(tok, pieces)
+    return [(role, tok.encode(text)) for role, text in pieces]
+
+
+def _cut_encoded(tok, pieces: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    """The whole chat encoded once (its ids are apply_chat_template's), cut where each piece ends.
+    A SentencePiece-style piece encodes differently alone (its text would get the "▁" of a text's
+    start), so each cut is found by encoding the chat up to it; ValueError when a token crosses one."""
+    text = "".join(t for _, t in pieces)
+    whole, out, done, end = tok.encode(text), [], 0, 0
+    for n, (role, piece) in enumerate(pieces):
+        end += len(piece)
+        prefix = tok.encode(text[:end])
+        if whole[:len(prefix)] != prefix:
+            raise ValueError(f"cannot cut the chat into turns: a token crosses the end of piece {n} ({role}) "
+                             f"into the next")
+        out.append((role, whole[done:len(prefix)]))
+        done = len(prefix)
+    return out
 
 
 def fit_history(tok, messages, budget: int) -> tuple[list[int], int]:
@@ -258,19 +297,25 @@ def end_of_turn_id(tok) -> int | None:
 
 def hf_tokenizer_config(tok, model_max_length: int) -> dict:
     """tokenizer_config.json for transformers' AutoTokenizer: the chat template (ChatML when the
-    tokenizer has none and holds ChatML's markers), the special tokens and the end of turn as eos."""
+    tokenizer has none and holds ChatML's markers), the special tokens and the end of turn as eos.
+    A SentencePiece-style tokenizer.json keeps its post-processor (the <s> it adds), so no
+    add_bos_token is written for it: transformers would rebuild the post-processor from it."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-              "clean_up_tokenization_spaces": False, "add_bos_token": False}
+              "clean_up_tokenization_spaces": False}
+    sentencepiece = getattr(tok, "kind", None) == "sentencepiece"
+    if not sentencepiece:
+        config["add_bos_token"] = False
     specials = tok.special_tokens
     config.update(template_variables(tok))
-    if ENDOFTEXT in specials:
+    if ENDOFTEXT in specials and not sentencepiece:
         config["unk_token"] = ENDOFTEXT
     template = getattr(tok, "chat_template", None)
     if template is None and IM_START in specials and IM_END in specials:
         template = CHATML_TEMPLATE
     if template is not None:
         config["chat_template"] = template
-    extra = sorted(s for s in specials if s != ENDOFTEXT)
+    named = set(config.values()) if sentencepiece else set()
+    extra = sorted(s for s in specials if s != ENDOFTEXT and s not in named)
     if extra:
         config["additional_special_tokens"] = extra
     return config
@@ -281,7 +326,7 @@ def write_hf_tokenizer_config(tok, directory: str | os.PathLike, model_max_lengt
     from logitlab.io.files import atomic_write_text
 
     config = hf_tokenizer_config(tok, model_max_length)
-    keys = ("bos_token", "eos_token", "unk_token", "additional_special_tokens")
+    keys = ("bos_token", "eos_token", "unk_token", "pad_token", "additional_special_tokens")
     special_map = {k: config[k] for k in keys if k in config}
     directory = Path(directory)
     atomic_write_text(directory / "special_tokens_map.json", json.dumps(special_map, indent=2) + "\n")

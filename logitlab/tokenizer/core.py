@@ -2,20 +2,18 @@
 
 This module owns encoding and decoding. Split patterns and safe cut points live in patterns.py
 (re-exported here); the reference encoder in reference.py; learning merges in bpe.py; file formats
-(logitlab JSON, GPT-2 vocab.json + merges.txt, Hugging Face tokenizer.json, tiktoken) in formats.py.
+in formats.py. SentencePiece-style BPE (Llama-2, Gemma) is sentencepiece.py's, with this interface.
 
 Id layout. A tokenizer we train puts the 256 byte values at ids 0..255 (id == byte value), one
-id per merge after them in learned order (256, 257, ...), and the special tokens last, in the
-order given. This is GPT-2's own layout (its <|endoftext|> is 50256), so token ids are also
-tiktoken ranks. Loaded vocabularies keep the ids their files give (GPT-2's byte tokens, for
-example, are not in byte order).
+id per merge after them in learned order (256, 257, ...), and the special tokens last: GPT-2's
+layout (its <|endoftext|> is 50256), so ids are also tiktoken ranks. Loaded vocabularies keep
+the ids their files give (GPT-2's byte tokens, for example, are not in byte order).
 
-Encoding. Text is first cut at special tokens (leftmost match; at one position the longest
-special token wins), then each piece is split by the pre-tokenization regex, and each
-pre-token's UTF-8 bytes are merged by BPE. The split pattern's whole matches are the pieces
-(capture groups are ignored) and they must cover the text: a custom pattern that drops
-characters is refused when the Tokenizer is built, and text it would still drop raises
-ValueError naming it (see patterns.py). Two encoders give the same ids:
+Encoding. Text is cut at special tokens (leftmost; at one position the longest wins), each piece
+split by the pre-tokenization regex, and each pre-token's UTF-8 bytes merged by BPE. The split
+pattern's whole matches (capture groups ignored) are the pieces and must cover the text: a
+custom pattern that drops characters is refused when the Tokenizer is built, and text it would
+still drop raises ValueError naming it (patterns.py). Two encoders give the same ids:
 
 * the reference path (`encode(..., fast=False)`): replays merges, lowest rank first, exactly as
   training learned them (reference.py: `bpe`, O(n log n), beside `bpe_plain`, the same rule
@@ -25,12 +23,11 @@ ValueError naming it (see patterns.py). Two encoders give the same ids:
   when the vocabulary is consistent: merge results are distinct byte strings whose ids grow with
   merge order, and every token's own bytes encode to that single token. `Tokenizer` checks these
   conditions on first use (`fast_path_ok`) and uses the reference path when they fail. They are
-  a static check; tests compare both paths on GPT-2 and on trained vocabularies (property-based
-  text, tinyshakespeare, and 10 MB of stdlib source with a 32k vocabulary).
+  a static check; tests compare both paths on GPT-2 and trained vocabularies (property-based
+  text, tinyshakespeare, 10 MB of stdlib source with a 32k vocabulary).
 
-Special tokens: `encode(text)` turns every special-token string into its id
-(`allowed_special="all"`, the default). For untrusted text use `encode_ordinary(text)` or
-`encode(text, allowed_special="none")`: special-token strings are then ordinary text.
+Special tokens: `encode(text)` turns every special-token string into its id (the default
+`allowed_special="all"`); `encode_ordinary(text)` (untrusted text) keeps them ordinary text.
 """
 
 from __future__ import annotations
@@ -38,7 +35,9 @@ from __future__ import annotations
 import codecs
 import operator
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
+from logitlab.tokenizer.chat import ChatMethods  # apply_chat_template, chat_turns
 from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage's public names)
     ASCII_PATTERNS,
     CL100K_PATTERN,
@@ -57,8 +56,11 @@ from logitlab.tokenizer.reference import bpe, bpe_plain, encode_pieces, merge_ta
 from logitlab.tokenizer.special import place_specials
 from logitlab.tokenizer.special import prefix_overlap as _prefix_overlap
 
+if TYPE_CHECKING:
+    from logitlab.tokenizer.sentencepiece import SentencePieceTokenizer
 
-class Tokenizer:
+
+class Tokenizer(ChatMethods):
     """Byte-level BPE tokenizer: `Tokenizer(vocab, merges, special_tokens=None, pattern="gpt2")`.
 
     vocab: id -> bytes for the 256 single bytes, every merge result and (optionally) the special
@@ -68,6 +70,9 @@ class Tokenizer:
     pattern: "gpt2" (default), "cl100k" or a regex whose whole matches cover any text and are
     never empty (checked here; ValueError with an example of what it drops otherwise).
     """
+
+    kind = "byte_level"  # SentencePieceTokenizer (sentencepiece.py) has the same interface
+    bos_id = None  # nothing goes before a text (encode's add_bos adds nothing here)
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
                  special_tokens: Iterable[str] | dict[str, int] | None = None, pattern: str = "gpt2"):
@@ -222,10 +227,12 @@ class Tokenizer:
             raise ValueError(f"allowed_special names unknown special tokens: {sorted(unknown)}")
         return allowed
 
-    def encode(self, text: str, allowed_special: str | Iterable[str] = "all", fast: bool | None = None) -> list[int]:
+    def encode(self, text: str, allowed_special: str | Iterable[str] = "all", fast: bool | None = None,
+               add_bos: bool = False) -> list[int]:
         """Text -> ids. allowed_special: "all" (default: special-token strings become their ids),
         "none" (untrusted text: they are ordinary text) or a set of special-token strings.
-        fast: None/True -> tiktoken core when the vocabulary allows it; False -> reference path."""
+        fast: None/True -> tiktoken core when the vocabulary allows it; False -> reference path.
+        add_bos: SentencePieceTokenizer's; byte-level BPE has no BOS token, so it adds nothing."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects str, got {type(text).__name__}")
         allowed = self._allowed(allowed_special)
@@ -341,19 +348,6 @@ class Tokenizer:
         if tail:
             yield tail
 
-    # ---------------------------------------------------------------- chat (chat.py)
-    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True):
-        """Messages [{"role", "content"}, ...] -> ids (or the text, tokenize=False), as transformers'."""
-        from logitlab.tokenizer.chat import apply_chat_template
-
-        return apply_chat_template(self, messages, add_generation_prompt, tokenize)
-
-    def chat_turns(self, messages) -> list[tuple[str, list[int]]]:
-        """(role, ids) per piece of the rendered chat; the ids concatenate to the whole chat."""
-        from logitlab.tokenizer.chat import chat_turns
-
-        return chat_turns(self, messages)
-
     # ---------------------------------------------------------------- formats
     def fingerprint(self) -> str:
         from logitlab.tokenizer.formats import fingerprint
@@ -367,10 +361,13 @@ class Tokenizer:
         save_logitlab(self, path)
 
     @classmethod
-    def load(cls, path) -> Tokenizer:
-        from logitlab.tokenizer.formats import load_logitlab
+    def load(cls, path) -> Tokenizer | SentencePieceTokenizer:
+        """A logitlab tokenizer file, as the tokenizer of the kind it holds."""
+        from logitlab.tokenizer.formats import load_logitlab, read_logitlab
+        from logitlab.tokenizer.sentencepiece import SentencePieceTokenizer
 
-        return load_logitlab(cls, path)
+        kind, data = read_logitlab(path)
+        return load_logitlab(cls, path, data) if kind == "byte_level" else SentencePieceTokenizer.load(path, data)
 
     @classmethod
     def from_gpt2_files(cls, vocab_json, merges_txt) -> Tokenizer:
@@ -384,10 +381,13 @@ class Tokenizer:
         save_hf(self, path)
 
     @classmethod
-    def from_hf(cls, path) -> Tokenizer:
-        from logitlab.tokenizer.formats import load_hf
+    def from_hf(cls, path) -> Tokenizer | SentencePieceTokenizer:
+        """A Hugging Face tokenizer.json: byte-level BPE, or SentencePiece-style (sentencepiece.py)."""
+        from logitlab.tokenizer.formats import _read_json, is_sentencepiece_json, load_hf
+        from logitlab.tokenizer.sentencepiece import SentencePieceTokenizer
 
-        return load_hf(cls, path)
+        data = _read_json(path, "tokenizer.json")
+        return SentencePieceTokenizer.from_hf(path, data) if is_sentencepiece_json(data) else load_hf(cls, path, data)
 
     def save_tiktoken(self, path) -> None:
         from logitlab.tokenizer.formats import save_tiktoken

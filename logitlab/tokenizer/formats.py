@@ -1,5 +1,6 @@
 """Tokenizer file formats: logitlab JSON, GPT-2 vocab.json + merges.txt, Hugging Face
-tokenizer.json (byte-level BPE) and tiktoken rank files.
+tokenizer.json (byte-level BPE) and tiktoken rank files. SentencePiece-style files are
+sp_files.py's (`read_logitlab` and `is_sentencepiece_json` tell the kinds apart).
 
 Every reader checks its input and raises ValueError / FileNotFoundError naming the file and the
 bad entry. Ids are kept as the files give them; the writers store our ids unchanged, so a file
@@ -192,11 +193,32 @@ def save_logitlab(tok, path) -> None:
     write_file(listing, "\n".join(lines) + "\n", LISTING)
 
 
-def load_logitlab(cls, path):
+KINDS = ("byte_level", "sentencepiece")  # a logitlab file's "kind" (absent: byte_level)
+
+
+def read_logitlab(path) -> tuple[str, dict]:
+    """(kind, parsed JSON) of a logitlab tokenizer file; ValueError for anything else."""
     path = Path(path)
     data = _read_json(path, "tokenizer file")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a logitlab tokenizer file (field 'format' must be {FORMAT!r})")
+    kind = data.get("kind", "byte_level")
+    if kind not in KINDS:
+        raise ValueError(f"{path}: unknown tokenizer kind {kind!r} (expected one of {KINDS})")
+    return kind, data
+
+
+def is_sentencepiece_json(data) -> bool:
+    """True for a tokenizer.json that is not byte-level BPE (no ByteLevel pre-tokenizer or decoder)."""
+    return isinstance(data, dict) and '"ByteLevel"' not in json.dumps([data.get("pre_tokenizer"), data.get("decoder")])
+
+
+def load_logitlab(cls, path, data: dict | None = None):
+    """A byte-level logitlab tokenizer file as `cls`; `data`: its parsed JSON when already read."""
+    path = Path(path)
+    kind, data = read_logitlab(path) if data is None else ("byte_level", data)
+    if kind != "byte_level":
+        raise ValueError(f"{path}: a {kind} tokenizer, not byte-level BPE")
     try:
         vocab = {int(i): bytes.fromhex(h) for i, h in _field(data, "vocab", dict, path).items()}
         merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in _field(data, "merges", list, path)]
@@ -327,8 +349,9 @@ def _hf_pattern(pre, where) -> str:
                      f"or Split(regex, Isolated) followed by ByteLevel(use_regex=false))")
 
 
-def load_hf(cls, path):
-    data = _read_json(path, "tokenizer.json")
+def load_hf(cls, path, data: dict | None = None):
+    """A byte-level Hugging Face tokenizer.json as `cls`; `data`: its parsed JSON when already read."""
+    data = _read_json(path, "tokenizer.json") if data is None else data
     model = _field(data, "model", dict, path)
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not BPE")

@@ -44,8 +44,11 @@ def add_special_tokens(tok, tokens: Iterable[str]):
                              f"choose a string the vocabulary does not hold as one token")
         added[s] = specials[s] = next_id
         next_id += 1
-    new = type(tok)(dict(tok._decoder), tok.merges, special_tokens=specials,
-                    pattern=tok.pattern_name or tok.pattern)
+    if getattr(tok, "kind", None) == "sentencepiece":  # the new ones as special added tokens
+        new = tok.with_added_tokens(added)
+    else:
+        new = type(tok)(dict(tok._decoder), tok.merges, special_tokens=specials,
+                        pattern=tok.pattern_name or tok.pattern)
     new.chat_template = getattr(tok, "chat_template", None)
     new.chat_template_origin = getattr(tok, "chat_template_origin", None)
     return new, added
