@@ -161,7 +161,8 @@ def test_the_api_key_guards_every_route_but_health_and_the_page(model, tok):
                                    ("POST", "/v1/explore/neighbours", dict(id=5))):
             none = c.request(method, path, json=body)
             assert none.status_code == 401 and none.headers["www-authenticate"] == "Bearer"
-            assert none.json() == {"error": {"message": none.json()["error"]["message"], "type": "invalid_request_error",
+            error = none.json()["error"]
+            assert none.json() == {"error": {"message": error["message"], "type": "invalid_request_error",
                                              "param": None, "code": None}}
             assert "Authorization: Bearer" in none.json()["error"]["message"]
             for wrong in (f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer ", f"Basic {KEY}", KEY):
@@ -181,8 +182,8 @@ def test_cli_serve_takes_the_key_from_the_flag_or_the_environment_and_warns_with
         tmp_path, capsys, monkeypatch, model, tok):
     import uvicorn
 
-    from logitlab.cli.main import build_parser, main
     from logitlab.cli import serve as cli_serve
+    from logitlab.cli.main import build_parser, main
     from logitlab.cli.serve import build_app
     from logitlab.io import checkpoint
 

@@ -192,9 +192,10 @@ FEATURES = [
     "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
     "{% endif %}{% endfor %}{{ ns.last }} {{ messages|selectattr('role', 'eq', 'user')|list|length }}",
     "{{ messages|map(attribute='content')|join(' | ') }} {{ messages[1:]|length }} {{ messages[::-1][0].role }}",
-    "{% for m in messages %}{% if m.role == 'assistant' %}{% continue %}{% endif %}{{ m.content|trim|replace('i', 'I') }}"
-    "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}",
-    "{{ messages[0]|tojson }} {{ {'b': [1, 2], 'a': 'x'}|tojson(indent=2, sort_keys=True) }} {{ '%s-%03d' % ('a', 7) }}",
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% continue %}{% endif %}"
+    "{{ m.content|trim|replace('i', 'I') }}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}",
+    "{{ messages[0]|tojson }} {{ {'b': [1, 2], 'a': 'x'}|tojson(indent=2, sort_keys=True) }} "
+    "{{ '%s-%03d' % ('a', 7) }}",
     "{% macro wrap(tag) %}<{{ tag }}>{{ caller() }}</{{ tag }}>{% endmacro %}{% call wrap('b') %}{{ bos_token }}"
     "{% endcall %}{% set block %}{{ eos_token ~ '|' ~ 3 }}{% endset %}{{ block * 2 }} {{ '{}:{}'.format(1, 'x') }}",
     "{%- for i in range(3) -%}\n  {{ i ** 2 }}{{ ',' if not loop.last }}\n{%- endfor %} {{ (range(5)|sum) // 2 }}"
