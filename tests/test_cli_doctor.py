@@ -47,3 +47,30 @@ def test_doctor_lists_every_extra(monkeypatch, capsys):
         assert extra in out
     assert "peft missing" in out
     assert "pip install 'logitlab[post]'" in out
+
+
+def test_help_and_argument_errors_import_no_torch():
+    """`logitlab --help`, a command's --help and an argument error answer without importing torch
+    (the parser is built from torch-free config modules), so they take a fraction of a second."""
+    import subprocess
+
+    code = ("import sys\nfrom logitlab.cli.main import main\n"
+            "for argv in (['--help'], ['train', '--help'], ['generate', '--help'], ['sft', '--help'], "
+            "['eval', 'long', '--help'], ['generate']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "heavy = sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules)\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "HEAVY []" in out.stderr, out.stderr[-2000:]
+
+
+def test_help_copies_of_library_constants_agree():
+    from logitlab.cli import eval as cli_eval
+    from logitlab.data.sft import TRAIN_ON
+    from logitlab.eval.long import DEFAULT_SCALINGS
+    from logitlab.model.positions import EXTENSIONS
+    from logitlab.train.config import SFTConfig
+
+    assert cli_eval.DEFAULT_SCALINGS == DEFAULT_SCALINGS and cli_eval.EXTENSIONS == EXTENSIONS
+    for value in TRAIN_ON:
+        SFTConfig(data="x.jsonl", train_on=value)

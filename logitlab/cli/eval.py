@@ -163,10 +163,14 @@ def _mc(args) -> int:
 
 # -------------------- long
 
+# eval.long.DEFAULT_SCALINGS and model.positions.EXTENSIONS, written here so that building the parser
+# imports no torch (tests/test_cli_doctor.py checks they agree)
+DEFAULT_SCALINGS = ("none", "linear", "ntk", "yarn")
+EXTENSIONS = ("none", "linear", "ntk", "dynamic", "yarn")
+
+
 def _register_long(sub) -> None:
     from logitlab.cli.common import add_dtype_flag, add_examples
-    from logitlab.eval.long import DEFAULT_SCALINGS
-    from logitlab.model.positions import EXTENSIONS
 
     e = sub.add_parser("long", help="perplexity against evaluation length, with each RoPE scaling",
                        description="Score the same held-out tokens in consecutive windows of each length and "

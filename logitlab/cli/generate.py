@@ -82,7 +82,7 @@ def _model_flags(p) -> None:
 
 def _sample_flags(p) -> None:
     from logitlab.cli.common import add_config_flags
-    from logitlab.generate.loop import SampleConfig
+    from logitlab.generate.config import SampleConfig
 
     add_config_flags(p, SampleConfig, skip=_SKIP)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -121,7 +121,7 @@ def sample_config(args, end_ids: tuple[int, ...] = (), generation: dict | None =
     where it came from (on stderr)."""
     from logitlab.cli.common import build_config, error_console, read_toml
     from logitlab.cli.models import describe_settings, generation_defaults, sample_sources
-    from logitlab.generate.sampling import SampleConfig
+    from logitlab.generate.config import SampleConfig
 
     toml = read_toml(args.config).get("sample", {}) if getattr(args, "config", None) else {}
     defaults = generation_defaults(generation or {})

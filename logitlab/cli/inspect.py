@@ -99,7 +99,7 @@ def _patterns(model, ids, layer: int, head: int | None) -> dict:
 
 def _inspect(args) -> int:
     from logitlab.cli.models import load
-    from logitlab.generate.loop import SampleConfig
+    from logitlab.generate.config import SampleConfig
     from logitlab.inspect import core as ins
 
     tok = (m := load(args)).tokenizer

@@ -92,7 +92,7 @@ def generation_defaults(generation: dict) -> dict:
 def sample_sources(args, toml_table: dict, defaults: dict) -> dict[str, str]:
     """Where each SampleConfig field came from: the flag, the TOML file, generation_config.json or
     logitlab's default (the precedence, highest first)."""
-    from logitlab.generate.sampling import SampleConfig
+    from logitlab.generate.config import SampleConfig
 
     sources = {}
     for f in dataclasses.fields(SampleConfig):

@@ -100,7 +100,7 @@ def register(subparsers) -> None:
     """Add `sft` and `embedding-diff` to `subparsers`."""
     from logitlab.cli.models import add_model_argument
     from logitlab.train.config import TrainConfig
-    from logitlab.train.sft import SFTConfig
+    from logitlab.train.config import SFTConfig
 
     p = subparsers.add_parser("sft", help="supervised fine-tuning on conversations (optionally LoRA)",
                               description="Fine-tune a model on a .jsonl of {\"messages\": [...]} or "
@@ -175,8 +175,8 @@ def cmd_sft_data(args) -> int:
 def _sampler(tokenizer, val_path, train_cfg, sft_cfg, n: int):
     """on_eval(model, step) -> greedy replies to the first n held-out prompts."""
     from logitlab.data.sft import read_conversations
+    from logitlab.generate.config import SampleConfig
     from logitlab.generate.loop import generate
-    from logitlab.generate.sampling import SampleConfig
     from logitlab.tokenizer.chat import end_of_turn_id
     from logitlab.train.sft import split_conversations
 

@@ -12,7 +12,7 @@ import importlib
 
 _EXPORTS = {
     "GenerationResult": "loop",
-    "SampleConfig": "sampling",
+    "SampleConfig": "config",
     "SamplingError": "sampling",
     "Stream": "loop",
     "decode_step": "loop",

@@ -162,3 +162,23 @@ class TrainConfig:
             raise ValueError("lr is not set: TrainConfig.for_model(model) chooses the default for a model")
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         return WarmupCosine(self.lr, self.warmup_steps, self.steps, min_lr)
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """What SFT adds to TrainConfig: the conversations and how they become rows."""
+
+    data: str = field(default="", metadata={"help": "conversations (.jsonl: messages, or prompt/completion)"})
+    val_data: str | None = field(default=None, metadata={"help": "held-out conversations (default: a split)"})
+    val_fraction: float = field(default=0.1, metadata={"help": "share held out when val_data is not given"})
+    train_on: Literal["all", "assistant", "last"] = field(
+        default="assistant", metadata={"help": "loss on all tokens, every assistant turn, or the last one"})
+    pack: bool = field(default=True, metadata={"help": "pack conversations into rows (False: one per row, padded)"})
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("SFTConfig.data is empty: give a .jsonl file of conversations")
+        if self.train_on not in ("all", "assistant", "last"):          # data.sft.TRAIN_ON
+            raise ValueError(f"train_on must be one of ('all', 'assistant', 'last'), got {self.train_on!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
