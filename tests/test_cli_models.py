@@ -146,3 +146,20 @@ def test_old_model_flags_become_the_positional():
     assert rewrite_legacy(["generate", "runs/a", "--checkpoint"])[0] == ["generate", "runs/a", "--checkpoint"]
     with pytest.raises(ValueError, match="give the model once"):
         rewrite_legacy(["chat", "--hf", "a", "--checkpoint", "b"])
+
+
+def test_serve_requests_default_to_the_models_generation_config():
+    pytest.importorskip("starlette")
+    from logitlab.io.generation_config import sample_defaults
+    from logitlab.serve.protocol import sampling
+
+    defaults = sample_defaults({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                                "max_new_tokens": 99})
+    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 99}
+    served = {k: v for k, v in defaults.items() if k != "max_new_tokens"}
+    config, _ = sampling({}, 100, 16, defaults=served)
+    assert (config.temperature, config.top_k, config.top_p, config.max_new_tokens) == (0.6, 20, 0.95, 16)
+    config, _ = sampling({"temperature": 1.0, "top_k": 0}, 100, 16, defaults=served)
+    assert (config.temperature, config.top_k, config.top_p) == (1.0, 0, 0.95)   # the request wins
+    assert sampling({}, 100, 16)[0].temperature == 1.0                            # no generation config
+    assert sample_defaults({"eos_token_id": 2}) == {"temperature": 0.0}           # transformers: greedy

@@ -21,10 +21,6 @@ MODEL_HELP = ("the model: a run directory (its latest checkpoint), a checkpoint 
               "Hugging Face directory, or a hub id ORG/NAME[@REVISION] (fetched into the Hugging Face cache)")
 LEGACY_NOTE = "note: {flag} DIR is now the positional MODEL (the old spelling works for one more release): {example}"
 
-# generation_config.json key -> SampleConfig field (do_sample: false makes temperature 0, greedy)
-_GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_new_tokens"}
-
 
 # command -> the flags that named its model before MODEL (kept for one release; main() rewrites them)
 LEGACY_FLAGS = {"generate": ("--checkpoint", "--hf"), "inspect": ("--checkpoint", "--hf"),
@@ -79,14 +75,10 @@ def load(args):
 
 
 def generation_defaults(generation: dict) -> dict:
-    """SampleConfig fields from a generation_config.json: its explicit values only (an absent one
-    keeps logitlab's default); do_sample false, or absent as transformers reads it, means greedy."""
-    if not generation:
-        return {}
-    out = {field: generation[key] for key, field in _GENERATION_KEYS.items() if generation.get(key) is not None}
-    if not generation.get("do_sample", False):
-        out["temperature"] = 0.0
-    return out
+    """SampleConfig defaults from a model's generation_config.json (io.generation_config)."""
+    from logitlab.io.generation_config import sample_defaults
+
+    return sample_defaults(generation)
 
 
 def sample_sources(args, toml_table: dict, defaults: dict) -> dict[str, str]:

@@ -99,8 +99,7 @@ def _listed(added: dict) -> str:
 def register(subparsers) -> None:
     """Add `sft` and `embedding-diff` to `subparsers`."""
     from logitlab.cli.models import add_model_argument
-    from logitlab.train.config import TrainConfig
-    from logitlab.train.config import SFTConfig
+    from logitlab.train.config import SFTConfig, TrainConfig
 
     p = subparsers.add_parser("sft", help="supervised fine-tuning on conversations (optionally LoRA)",
                               description="Fine-tune a model on a .jsonl of {\"messages\": [...]} or "

@@ -48,8 +48,11 @@ def build_app(args):
     key = api_key(args)
     m = load_path(args.model, args.dtype, args.revision)
     name = args.name or (args.model if m.provenance.get("revision") else Path(args.model).resolve().name)
+    from logitlab.io.generation_config import sample_defaults
+
     return create_app(m.model, m.tokenizer, name=name, max_batch=args.max_batch,
-                      max_body_bytes=args.max_body_bytes, end_ids=m.end_ids, api_key=key)
+                      max_body_bytes=args.max_body_bytes, end_ids=m.end_ids, api_key=key,
+                      sample_defaults=sample_defaults(m.generation))
 
 
 def api_key(args) -> str | None:

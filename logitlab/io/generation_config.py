@@ -2,7 +2,8 @@
 
 generation_config.py reads the fields logitlab uses (sampling defaults and the ids that end
 generation) and checks their JSON types, naming the file and the field; the CLI turns them into the
-defaults of generate, chat and serve (cli/models.py), which the command line overrides.
+defaults of generate, chat and serve (sample_defaults), which the command line and each request
+override.
 """
 
 from __future__ import annotations
@@ -39,4 +40,21 @@ def read_generation_config(directory: str | os.PathLike) -> dict:
             raise ValueError(f"{path}: field {key!r} has {value!r}, expected "
                              f"{' or '.join('a list of ids' if t is list else t.__name__ for t in types)}")
         out[key] = value
+    return out
+
+
+# generation_config.json key -> the SampleConfig field it sets (do_sample: false makes temperature 0)
+_SAMPLE_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_new_tokens"}
+
+
+def sample_defaults(generation: dict) -> dict:
+    """SampleConfig field values from a read_generation_config dict: its explicit values only (an
+    absent one keeps logitlab's default); do_sample false, or absent as transformers reads it,
+    means greedy (temperature 0). {} for a model without a generation_config.json."""
+    if not generation:
+        return {}
+    out = {field: generation[key] for key, field in _SAMPLE_FIELDS.items() if generation.get(key) is not None}
+    if not generation.get("do_sample", False):
+        out["temperature"] = 0.0
     return out

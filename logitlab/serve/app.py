@@ -56,6 +56,7 @@ class Served:
     name: str
     max_body_bytes: int = 1 << 20
     end_ids: tuple[int, ...] = ()
+    defaults: dict = field(default_factory=dict)   # the model's sampling defaults (generation_config.json)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -219,7 +220,7 @@ async def completions(request: Request):
     try:
         body = await _body(request, served)
         _check_model(body, served)
-        config, stops = sampling(body, served.engine.model.config.vocab_size, 16)
+        config, stops = sampling(body, served.engine.model.config.vocab_size, 16, defaults=served.defaults)
         logprobs = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         n = integer(body, "n", 1, 1, MAX_N)
         if boolean(body, "echo"):
@@ -285,7 +286,8 @@ async def chat_completions(request: Request):
         # in a worker thread: a template that runs to its time bound leaves the event loop free
         ids, template_stops, stop_ids = await run_in_threadpool(chat_prompt, served.tokenizer, body.get("messages"))
         _check_prompt(ids, served, "messages")
-        config, stops = sampling(body, served.engine.model.config.vocab_size, served.context, field)
+        config, stops = sampling(body, served.engine.model.config.vocab_size, served.context, field,
+                                 defaults=served.defaults)
         want_logprobs = boolean(body, "logprobs")
         top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if want_logprobs else 0
         n = integer(body, "n", 1, 1, MAX_N)
@@ -352,17 +354,20 @@ class RequireKey:
 
 def create_app(model, tokenizer, *, name: str = "logitlab", max_batch: int = 16, max_body_bytes: int = 1 << 20,
                end_ids: tuple[int, ...] | None = None, engine: Engine | None = None,
-               api_key: str | None = None) -> Starlette:
+               api_key: str | None = None, sample_defaults: dict | None = None) -> Starlette:
     """The ASGI app for `model` (in eval mode) and `tokenizer`, served as `name`. end_ids end a
     generation besides the tokenizer's <|endoftext|>. The engine's thread starts with the app
     (lifespan) and stops with it; pass `engine` to share or drive one yourself. With `api_key`,
-    every route but /health and the explorer page needs `Authorization: Bearer API_KEY`."""
+    every route but /health and the explorer page needs `Authorization: Bearer API_KEY`.
+    sample_defaults (SampleConfig fields: the model's generation_config.json) fill in what a request
+    leaves out, before OpenAI's defaults; max_new_tokens among them is not used (max_tokens is)."""
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must not be empty (None serves without a key)")
     eot = tokenizer.eot_id
     ends = tuple(end_ids if end_ids is not None else ((eot,) if eot is not None else ()))
     engine = engine or Engine(model, eot_id=eot, token_bytes=tokenizer.token_bytes, max_batch=max_batch)
-    served = Served(engine, tokenizer, name, max_body_bytes, ends)
+    defaults = {k: v for k, v in (sample_defaults or {}).items() if k != "max_new_tokens"}
+    served = Served(engine, tokenizer, name, max_body_bytes, ends, defaults)
 
     @asynccontextmanager
     async def lifespan(app):

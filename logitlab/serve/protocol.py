@@ -165,17 +165,20 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def sampling(body: dict, vocab_size: int, default_max_tokens: int, max_tokens_field: str = "max_tokens"
-             ) -> tuple[SampleConfig, list[str]]:
-    """(SampleConfig, stop strings) from the OpenAI fields; every value checked, ApiError naming it."""
+def sampling(body: dict, vocab_size: int, default_max_tokens: int, max_tokens_field: str = "max_tokens",
+             defaults: dict | None = None) -> tuple[SampleConfig, list[str]]:
+    """(SampleConfig, stop strings) from the OpenAI fields; every value checked, ApiError naming it.
+    `defaults` (the model's generation_config.json, io.generation_config.sample_defaults) replace
+    the OpenAI defaults of the fields a request leaves out."""
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
     max_tokens = integer(body, max_tokens_field, default_max_tokens, low=1)
     fields = dict(
         max_new_tokens=max_tokens,
-        temperature=number(body, "temperature", 1.0, 0, 2),
-        top_p=number(body, "top_p", 1.0, 0, 1),
-        top_k=integer(body, "top_k", 0, low=0),
-        min_p=number(body, "min_p", 0.0, 0, 1),
-        repetition_penalty=number(body, "repetition_penalty", 1.0, 0),
+        temperature=number(body, "temperature", d["temperature"], 0, 2),
+        top_p=number(body, "top_p", d["top_p"], 0, 1),
+        top_k=integer(body, "top_k", d["top_k"], low=0),
+        min_p=number(body, "min_p", d["min_p"], 0, 1),
+        repetition_penalty=number(body, "repetition_penalty", d["repetition_penalty"], 0),
         frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2),
         presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
         seed=integer(body, "seed", None),
