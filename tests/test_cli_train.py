@@ -189,6 +189,21 @@ def test_demo_output_shows_sample_and_next_token_table(tmp_path, capsys):
     assert "sample" in text and "next-token probabilities" in text and "ln V" in text
     summary = json.loads((out / "demo.json").read_text())["result"]
     assert summary["val_loss_start"] > summary["val_loss"]
+    # the commands to copy are whole lines, however narrow the console (80 columns here)
+    assert f"next: logitlab generate {out} 'def '" in text.splitlines()
+    assert f"      logitlab export {out} --out {out}/hf" in text.splitlines()
+
+
+def test_demo_compares_its_result_with_the_reference_run():
+    from logitlab.cli.demo import REFERENCE, _against_reference
+
+    line = _against_reference(1200, 3.71, fixed=False)
+    assert line == f"reference: {REFERENCE['steps']:,} steps -> 3.63 on an idle 2-core machine; this run fitted " \
+                   "1,200 steps -> 3.71"
+    short = _against_reference(243, 4.97, fixed=False)
+    assert "Only 243 steps fitted the time budget" in short and "logitlab demo --steps 1016" in short
+    assert "Only" not in _against_reference(100, 5.0, fixed=True) and "took 100 steps" in \
+        _against_reference(100, 5.0, fixed=True)
 
 
 def test_train_on_one_file_says_how_validation_was_made(tmp_path, capsys):
