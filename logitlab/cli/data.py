@@ -29,10 +29,11 @@ EOT = "<|endoftext|>"
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
     from logitlab.data.filters import FilterConfig
 
-    p.add_argument("--data", nargs="+", metavar="[NAME=]PATH",
+    # flags taking several values accumulate when repeated (--data a --data b is --data a b)
+    p.add_argument("--data", nargs="+", action="extend", metavar="[NAME=]PATH",
                    help="text files, directories, globs, .jsonl(.gz/.zst) or .parquet, each optionally named "
                    "NAME=PATH (a source's name, for --mix and the report; default: the path itself; default "
-                   "data: the Python stdlib source, named stdlib)")
+                   "data: the Python stdlib source, named stdlib); repeatable")
     p.add_argument("--text-field", default="text", help=".jsonl field holding the text (default: text)")
     p.add_argument("--column", default="text", help=".parquet column holding the text (default: text)")
     p.add_argument("--val-fraction", type=float, default=0.01,
@@ -47,7 +48,7 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default: 134217728)")
     g.add_argument("--filter", action="store_true", help="apply the cleaning filters (thresholds below; "
                    "default: off)")
-    g.add_argument("--dedup", nargs="+", choices=["exact", "near"], default=None,
+    g.add_argument("--dedup", nargs="+", action="extend", choices=["exact", "near"], default=None,
                    help="remove exact duplicates (hash of the normalised text) and/or near duplicates (MinHash "
                    "LSH); the first occurrence in input order is kept (default: none)")
     g.add_argument("--dedup-bands", type=int, default=16, help="LSH bands (default: 16)")
@@ -58,8 +59,11 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
                    help="weights per source by tokens, e.g. web=0.7,code=0.3, or a TOML file with a [mix] table "
                    "(default: the sources as read)")
     g.add_argument("--mix-seed", type=int, default=0, help="seed of the mixture's sampling (default: 0)")
-    cli.add_config_flags(p, FilterConfig, prefix="filter_", skip=("enabled",),
+    cli.add_config_flags(p, FilterConfig, prefix="filter_", skip=("enabled", "code_sources"),
                          description="Thresholds of --filter's rules (none: switch a rule off).")
+    g.add_argument("--filter-code-sources", nargs="+", action="extend", default=argparse.SUPPRESS, metavar="NAME",
+                   help="sources the code rules apply to, the prose rules to the others; repeatable (default: none; "
+                   "the default stdlib corpus is code)")
 
 
 def _sharded(args) -> bool:
