@@ -14,15 +14,22 @@ a field of `FilterConfig` (None switches that rule off):
   then `strip_lines`), removed from every document that holds them.
 
 `document_reason` applies the prose or the code rules; `FilterStats` counts what was removed and
-why. Words are whitespace-separated tokens. It imports nothing from logitlab.
+why. Words are whitespace-separated tokens. Each measurement is first a plain function, one
+obvious loop (the reference); `FastMeasures` computes the same numbers with the loops in C
+(str methods over whole lists, bytes.translate, numpy), which is what `prepare` runs: a loop per
+character in Python cost more than encoding the text. It imports nothing from logitlab.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Iterable
+
+import numpy as np
 
 BULLETS = ("•", "●", "-", "*", "‣", "◦", "–")
 ELLIPSES = ("...", "…")
@@ -135,25 +142,154 @@ def alnum_share(text: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# The same measurements with the loops in C (the fast path; tests check they equal the above)
+# --------------------------------------------------------------------------------------------
+
+def _ascii_rejects(test) -> bytes:
+    return bytes(b for b in range(128) if not test(chr(b)))
+
+
+_ASCII_REJECTS = {name: _ascii_rejects(getattr(str, name)) for name in ("isspace", "isalpha", "isalnum")}
+
+
+def count_chars(text: str, kind: str) -> int:
+    """How many characters of `text` pass str.<kind> ("isspace", "isalpha" or "isalnum"): the count
+    `sum(getattr(c, kind)() for c in text)`, with each distinct character tested once. ASCII text
+    is counted by bytes.translate deleting the bytes that fail; other text through its code points,
+    counted per distinct value by numpy."""
+    if text.isascii():
+        return len(text.encode("ascii").translate(None, _ASCII_REJECTS[kind]))
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    values, counts = np.unique(codes, return_counts=True)
+    test = getattr(str, kind)
+    return sum(n for v, n in zip(values.tolist(), counts.tolist()) if test(chr(v)))
+
+
+def fast_duplicate_ngram_fraction(words: list[str], n: int) -> float:
+    """duplicate_ngram_fraction with integer n-grams: word i becomes the position of its first
+    occurrence, an n-gram the int64 key sum(id[i+k] * L^(n-1-k)) (renumbered 0..U-1 by np.unique
+    before a product could overflow), and numpy finds the repeated keys and the words they cover."""
+    L = len(words)
+    if L < n:
+        return 0.0
+    first: dict[str, int] = {}
+    ids = np.fromiter(map(first.setdefault, words, range(L)), dtype=np.int64, count=L)
+    if len(first) == L:
+        return 0.0  # no word repeats, so no n-gram does
+    keys, span = ids, L  # every key < span
+    for k in range(1, n):
+        if span > (1 << 62) // L:
+            keys = np.unique(keys, return_inverse=True)[1].reshape(-1)
+            span = int(keys.max()) + 1
+        keys, span = keys[:-1] * L + ids[k:], span * L  # the (k+1)-grams starting at 0 .. L-k-1
+    _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    starts = np.flatnonzero(counts[inverse.reshape(-1)] > 1)
+    if not starts.size:
+        return 0.0
+    edges = np.zeros(L + 1, dtype=np.int64)  # +1 where a repeated n-gram starts, -1 after it ends
+    edges[starts] += 1
+    edges[starts + n] -= 1
+    covered = np.cumsum(edges[:L]) > 0
+    lengths = np.fromiter(map(len, words), dtype=np.int64, count=L)
+    total = int(lengths.sum())
+    return int(lengths[covered].sum()) / total if total else 0.0
+
+
+_BULLET, _ELLIPSIS = operator.methodcaller("startswith", BULLETS), operator.methodcaller("endswith", ELLIPSES)
+
+
+class Measures:
+    """What the rules compare with their thresholds, for one text, each by the plain function
+    above (the reference); computed when a rule asks, so a rule that is off costs nothing."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @functools.cached_property
+    def words(self) -> list[str]:
+        return self.text.split()
+
+    @functools.cached_property
+    def lines(self) -> list[str]:
+        return self.text.splitlines()
+
+    def mean_word_length(self) -> float:
+        return mean_word_length(self.words)
+
+    def symbol_ratio(self) -> float:
+        return symbol_ratio(self.text, self.words)
+
+    def bullet_lines(self) -> float:
+        return line_share(self.lines, lambda ln: ln.startswith(BULLETS))
+
+    def ellipsis_lines(self) -> float:
+        return line_share(self.lines, lambda ln: ln.endswith(ELLIPSES))
+
+    def duplicate_lines(self) -> float:
+        return duplicate_line_fraction(self.lines)
+
+    def duplicate_ngrams(self, n: int) -> float:
+        return duplicate_ngram_fraction(self.words, n)
+
+    def alpha_share(self) -> float:
+        return alpha_share(self.text)
+
+    def alnum_share(self) -> float:
+        return alnum_share(self.text)
+
+
+class FastMeasures(Measures):
+    """The same numbers, equal to the last bit (tests/test_data_filters.py), from loops in C: the
+    non-empty stripped lines made once and counted with map, duplicates as len - len(set),
+    characters by count_chars, n-grams by fast_duplicate_ngram_fraction. What `prepare` uses."""
+
+    @functools.cached_property
+    def kept_lines(self) -> list[str]:
+        return list(filter(None, map(str.strip, self.lines)))
+
+    def _share(self, test) -> float:
+        kept = self.kept_lines
+        return sum(map(test, kept)) / len(kept) if kept else 0.0
+
+    def bullet_lines(self) -> float:
+        return self._share(_BULLET)
+
+    def ellipsis_lines(self) -> float:
+        return self._share(_ELLIPSIS)
+
+    def duplicate_lines(self) -> float:
+        kept = self.kept_lines
+        return (len(kept) - len(set(kept))) / len(kept) if kept else 0.0
+
+    def duplicate_ngrams(self, n: int) -> float:
+        return fast_duplicate_ngram_fraction(self.words, n)
+
+    def alpha_share(self) -> float:
+        chars = len(self.text) - count_chars(self.text, "isspace")
+        return count_chars(self.text, "isalpha") / chars if chars else 0.0
+
+    def alnum_share(self) -> float:
+        return count_chars(self.text, "isalnum") / len(self.text) if self.text else 0.0
+
+
+# --------------------------------------------------------------------------------------------
 # Rules: each returns the reason a document fails, or None
 # --------------------------------------------------------------------------------------------
 
-def gopher_reason(text: str, cfg: FilterConfig) -> str | None:
+def gopher_reason(text: str, cfg: FilterConfig, measures: type[Measures] = FastMeasures) -> str | None:
     """The first Gopher rule `text` fails (checked in the order of FilterConfig's fields)."""
-    words, lines = text.split(), text.splitlines()
+    m = measures(text)
     checks = (
-        ("word_count", cfg.min_words, lambda: len(words) < cfg.min_words),
-        ("word_count", cfg.max_words, lambda: len(words) > cfg.max_words),
-        ("mean_word_length", cfg.min_mean_word_length, lambda: mean_word_length(words) < cfg.min_mean_word_length),
-        ("mean_word_length", cfg.max_mean_word_length, lambda: mean_word_length(words) > cfg.max_mean_word_length),
-        ("symbol_ratio", cfg.max_symbol_ratio, lambda: symbol_ratio(text, words) > cfg.max_symbol_ratio),
-        ("bullet_lines", cfg.max_bullet_lines,
-         lambda: line_share(lines, lambda ln: ln.startswith(BULLETS)) > cfg.max_bullet_lines),
-        ("ellipsis_lines", cfg.max_ellipsis_lines,
-         lambda: line_share(lines, lambda ln: ln.endswith(ELLIPSES)) > cfg.max_ellipsis_lines),
-        ("duplicate_lines", cfg.max_duplicate_lines, lambda: duplicate_line_fraction(lines) > cfg.max_duplicate_lines),
+        ("word_count", cfg.min_words, lambda: len(m.words) < cfg.min_words),
+        ("word_count", cfg.max_words, lambda: len(m.words) > cfg.max_words),
+        ("mean_word_length", cfg.min_mean_word_length, lambda: m.mean_word_length() < cfg.min_mean_word_length),
+        ("mean_word_length", cfg.max_mean_word_length, lambda: m.mean_word_length() > cfg.max_mean_word_length),
+        ("symbol_ratio", cfg.max_symbol_ratio, lambda: m.symbol_ratio() > cfg.max_symbol_ratio),
+        ("bullet_lines", cfg.max_bullet_lines, lambda: m.bullet_lines() > cfg.max_bullet_lines),
+        ("ellipsis_lines", cfg.max_ellipsis_lines, lambda: m.ellipsis_lines() > cfg.max_ellipsis_lines),
+        ("duplicate_lines", cfg.max_duplicate_lines, lambda: m.duplicate_lines() > cfg.max_duplicate_lines),
         ("duplicate_ngrams", cfg.max_duplicate_ngrams,
-         lambda: duplicate_ngram_fraction(words, cfg.duplicate_ngram_size) > cfg.max_duplicate_ngrams),
+         lambda: m.duplicate_ngrams(cfg.duplicate_ngram_size) > cfg.max_duplicate_ngrams),
     )
     for name, threshold, fails in checks:
         if threshold is not None and fails():
@@ -161,18 +297,19 @@ def gopher_reason(text: str, cfg: FilterConfig) -> str | None:
     return None
 
 
-def alpha_reason(text: str, cfg: FilterConfig) -> str | None:
-    if cfg.min_alpha_share is not None and alpha_share(text) < cfg.min_alpha_share:
+def alpha_reason(text: str, cfg: FilterConfig, measures: type[Measures] = FastMeasures) -> str | None:
+    if cfg.min_alpha_share is not None and measures(text).alpha_share() < cfg.min_alpha_share:
         return "alpha_share"
     return None
 
 
-def code_reason(text: str, cfg: FilterConfig) -> str | None:
+def code_reason(text: str, cfg: FilterConfig, measures: type[Measures] = FastMeasures) -> str | None:
     """The first code rule `text` fails: line length, alphanumeric share, generated markers."""
-    lines = text.splitlines()
+    m = measures(text)
+    lines = m.lines
     if cfg.max_line_length is not None and lines and max(map(len, lines)) > cfg.max_line_length:
         return "code.max_line_length"
-    if cfg.min_alnum_share is not None and alnum_share(text) < cfg.min_alnum_share:
+    if cfg.min_alnum_share is not None and m.alnum_share() < cfg.min_alnum_share:
         return "code.alnum_share"
     if cfg.generated_lines:
         head = "\n".join(lines[:cfg.generated_lines]).lower()
@@ -181,16 +318,18 @@ def code_reason(text: str, cfg: FilterConfig) -> str | None:
     return None
 
 
-def document_reason(text: str, source: str, cfg: FilterConfig) -> str | None:
+def document_reason(text: str, source: str, cfg: FilterConfig,
+                    measures: type[Measures] = FastMeasures) -> str | None:
     """Why the document fails (the code rules for cfg.code_sources, else Gopher and the alphabetic
-    share), or None to keep it. An empty document is always removed ("empty")."""
+    share), or None to keep it. An empty document is always removed ("empty"). `measures=Measures`
+    takes every number from the plain reference functions; the default FastMeasures gives the same."""
     if not cfg.enabled:
         return None
     if not text.strip():
         return "empty"
     if source in cfg.code_sources:
-        return code_reason(text, cfg)
-    return gopher_reason(text, cfg) or alpha_reason(text, cfg)
+        return code_reason(text, cfg, measures)
+    return gopher_reason(text, cfg, measures) or alpha_reason(text, cfg, measures)
 
 
 # --------------------------------------------------------------------------------------------
