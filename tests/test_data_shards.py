@@ -323,6 +323,19 @@ def test_cli_prepare_parts_merge_and_stats(tmp_path, capsys):
         _cli(["prepare", *common, "--out", str(tmp_path / "x"), "--num-shards", "2"])
 
 
+def test_repeated_list_flags_accumulate():
+    from logitlab.cli import data as cli_data
+
+    parser = argparse.ArgumentParser()
+    cli_data.register(parser.add_subparsers())
+    args = parser.parse_args(["prepare", "--data", "a", "b", "--data", "c", "--dedup", "exact", "--dedup", "near",
+                              "--filter-code-sources", "x", "--filter-code-sources", "y", "z"])
+    assert args.data == ["a", "b", "c"] and args.dedup == ["exact", "near"]
+    prep, _ = cli_data._configs(args)
+    assert prep.filters.code_sources == ("x", "y", "z") and prep.dedup.exact and prep.dedup.near
+    assert parser.parse_args(["prepare"]).data is None
+
+
 def test_prepare_without_new_flags_keeps_the_single_file_layout(tmp_path, capsys):
     from logitlab.cli.main import main
 
