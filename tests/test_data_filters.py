@@ -1,4 +1,5 @@
-"""filters.py: each cleaning rule on crafted documents, its threshold, boilerplate lines and the counts."""
+"""filters.py: each cleaning rule on crafted documents, its threshold, boilerplate lines and the counts;
+measures.py: the fast measurements equal the plain ones."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logitlab.data import filters as flt
+from logitlab.data import measures as ms
 
 CFG = flt.FilterConfig()
 PROSE = ("The committee met on Tuesday to discuss the budget for the coming year. Several members "
@@ -129,7 +131,7 @@ def test_count_chars_equals_a_loop_over_every_code_point():
     ascii_part = every[:128] * 3
     for kind in ("isspace", "isalpha", "isalnum"):
         for text in (every, ascii_part, "", "naïve café ２０２４\u2028x\u3000"):
-            assert flt.count_chars(text, kind) == sum(getattr(c, kind)() for c in text), (kind, text[:20])
+            assert ms.count_chars(text, kind) == sum(getattr(c, kind)() for c in text), (kind, text[:20])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6])
@@ -138,10 +140,10 @@ def test_fast_duplicate_ngrams_equal_the_plain_count(n):
     for length in [0, 1, n - 1, n, n + 1, 7, 40, 300]:
         for vocab in (["a"], ["a", "bb"], list("abcdefgh"), [f"w{i}" for i in range(500)]):
             words = rng.choice(vocab, size=length).tolist()
-            assert flt.fast_duplicate_ngram_fraction(words, n) == flt.duplicate_ngram_fraction(words, n)
+            assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
     # long enough that the int64 keys must be renumbered before the product overflows
     words = [f"w{i}" for i in rng.integers(0, 40_000, size=60_000)] + ["x", "y", "z", "q", "r", "s"] * 3
-    assert flt.fast_duplicate_ngram_fraction(words, n) == flt.duplicate_ngram_fraction(words, n)
+    assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
 
 
 _LINES = st.sampled_from(["", "  ", "- item", "• point", "and so on...", "wait…", "The same line.", "the same line.",
@@ -153,7 +155,7 @@ _LINES = st.sampled_from(["", "  ", "- item", "• point", "and so on...", "wait
 @given(st.lists(_LINES, max_size=40), st.sampled_from(["\n", "\r\n", " ", "\u2029"]))
 def test_fast_measures_equal_the_plain_ones(lines, sep):
     text = sep.join(lines)
-    plain, fast = flt.Measures(text), flt.FastMeasures(text)
+    plain, fast = ms.Measures(text), ms.FastMeasures(text)
     for name in ("mean_word_length", "symbol_ratio", "bullet_lines", "ellipsis_lines", "duplicate_lines",
                  "alpha_share", "alnum_share"):
         assert getattr(fast, name)() == getattr(plain, name)(), name
@@ -161,4 +163,4 @@ def test_fast_measures_equal_the_plain_ones(lines, sep):
         assert fast.duplicate_ngrams(n) == plain.duplicate_ngrams(n)
     for cfg in (CFG, flt.FilterConfig(min_words=3, max_symbol_ratio=0.5, max_duplicate_lines=0.5, code_sources=("c",))):
         for source in ("web", "c"):
-            assert flt.document_reason(text, source, cfg) == flt.document_reason(text, source, cfg, flt.Measures)
+            assert flt.document_reason(text, source, cfg) == flt.document_reason(text, source, cfg, ms.Measures)
