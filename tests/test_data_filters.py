@@ -154,6 +154,7 @@ _LINES = st.sampled_from(["", "  ", "- item", "• point", "and so on...", "wait
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_LINES, max_size=40), st.sampled_from(["\n", "\r\n", " ", "\u2029"]))
 def test_fast_measures_equal_the_plain_ones(lines, sep):
+    assert all(len(b) == 1 for b in ms.BULLETS)  # FastMeasures tells a bullet line by its first character
     text = sep.join(lines)
     plain, fast = ms.Measures(text), ms.FastMeasures(text)
     for name in ("mean_word_length", "symbol_ratio", "bullet_lines", "ellipsis_lines", "duplicate_lines",

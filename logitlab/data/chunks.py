@@ -73,6 +73,8 @@ def map_ordered(chunks, init_args: tuple, workers: int):
     import collections
     import multiprocessing as mp
 
+    init(*init_args)
+    encode("")  # the encoder's one-time checks happen here once, and forked workers inherit them
     ctx = mp.get_context("spawn" if os.name == "nt" else "fork")
     with ctx.Pool(workers, initializer=init, initargs=init_args) as pool:
         pending: collections.deque = collections.deque()
