@@ -105,38 +105,45 @@ def count_chars(text: str, kind: str) -> int:
     return sum(n for v, n in zip(values.tolist(), counts.tolist()) if test(chr(v)))
 
 
-def fast_duplicate_ngram_fraction(words: list[str], n: int) -> float:
-    """duplicate_ngram_fraction with integer n-grams: word i becomes the position of its first
-    occurrence, an n-gram the int64 key sum(id[i+k] * L^(n-1-k)) (renumbered 0..U-1 by np.unique
-    before a product could overflow); sorted, equal neighbours are the repeated n-grams."""
+def _multipliers(n: int) -> np.ndarray:
+    """n odd 64-bit constants (odd: multiplying by one is a bijection of the 64-bit integers)."""
+    return np.array([(0x9E3779B97F4A7C15 * (2 * k + 1)) % (1 << 64) | 1 for k in range(n)], dtype=np.uint64)
+
+
+def fast_duplicate_ngram_fraction(words: list[str], n: int, total_chars: int | None = None) -> float:
+    """duplicate_ngram_fraction without a Python object per n-gram: n-gram i gets the 64-bit key
+    sum(hash(words[i+k]) * c_k) (mod 2^64; `hash` is Python's, so equal words hash alike), and
+    equal n-grams get equal keys. Sorting the keys finds the shared ones; only those candidates
+    are compared as word tuples, so a collision of keys never counts (exact, like the plain
+    one). `total_chars` is sum(map(len, words)) when the caller knows it."""
     L = len(words)
     if L < n:
         return 0.0
-    first: dict[str, int] = {}
-    ids = np.fromiter(map(first.setdefault, words, range(L)), dtype=np.int64, count=L)
-    if len(first) == L:
-        return 0.0  # no word repeats, so no n-gram does
-    keys, span = ids, L  # every key < span
+    hashes = np.fromiter(map(hash, words), dtype=np.int64, count=L).view(np.uint64)
+    m, c = L - n + 1, _multipliers(n)
+    keys = hashes[:m] * c[0]
     for k in range(1, n):
-        if span > (1 << 62) // L:
-            keys = np.unique(keys, return_inverse=True)[1].reshape(-1)
-            span = int(keys.max()) + 1
-        keys, span = keys[:-1] * L + ids[k:], span * L  # the (k+1)-grams starting at 0 .. L-k-1
+        keys += hashes[k:k + m] * c[k]  # wraps mod 2^64, as intended
     order = np.argsort(keys)
     ranked = keys[order]
     same = ranked[1:] == ranked[:-1]
     if not same.any():
         return 0.0
-    repeated = np.zeros(len(keys), dtype=bool)  # in sorted order: equal to a neighbour
-    repeated[1:] = same
-    repeated[:-1] |= same
-    starts = order[repeated]  # where an n-gram that occurs more than once starts
+    shared = np.zeros(m, dtype=bool)  # in sorted order: a key equal to a neighbour's
+    shared[1:] = same
+    shared[:-1] |= same
+    candidates = order[shared].tolist()
+    grams = [tuple(words[i:i + n]) for i in candidates]
+    counts = collections.Counter(grams)
+    starts = np.array([i for i, g in zip(candidates, grams) if counts[g] > 1], dtype=np.int64)
+    if not starts.size:
+        return 0.0
     edges = np.zeros(L + 1, dtype=np.int64)  # +1 where a repeated n-gram starts, -1 after it ends
-    edges[starts] += 1
+    edges[starts] += 1  # the starts are distinct positions
     edges[starts + n] -= 1
-    covered = np.cumsum(edges[:L]) > 0
-    lengths = np.fromiter(map(len, words), dtype=np.int64, count=L)
-    return int(lengths[covered].sum()) / int(lengths.sum())
+    covered = np.flatnonzero(np.cumsum(edges[:L]) > 0).tolist()
+    total = sum(map(len, words)) if total_chars is None else total_chars
+    return sum(len(words[i]) for i in covered) / total
 
 
 _BULLET_CHARS = "".join(BULLETS)  # every bullet is one character: a line's first one says it
@@ -213,7 +220,7 @@ class FastMeasures(Measures):
         return (len(kept) - len(set(kept))) / len(kept) if kept else 0.0
 
     def duplicate_ngrams(self, n: int) -> float:
-        return fast_duplicate_ngram_fraction(self.words, n)
+        return fast_duplicate_ngram_fraction(self.words, n, self.non_space)
 
     def alpha_share(self) -> float:
         return count_chars(self.text, "isalpha") / self.non_space if self.non_space else 0.0
