@@ -141,9 +141,17 @@ def test_fast_duplicate_ngrams_equal_the_plain_count(n):
         for vocab in (["a"], ["a", "bb"], list("abcdefgh"), [f"w{i}" for i in range(500)]):
             words = rng.choice(vocab, size=length).tolist()
             assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
-    # long enough that the int64 keys must be renumbered before the product overflows
     words = [f"w{i}" for i in rng.integers(0, 40_000, size=60_000)] + ["x", "y", "z", "q", "r", "s"] * 3
     assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
+
+    class Colliding(str):  # every word hashes alike: every n-gram key collides, and none may count
+        def __hash__(self):
+            return 7
+
+    words = [Colliding(w) for w in rng.choice(list("abcdefgh"), size=60).tolist()]
+    assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
+    distinct = [Colliding(f"w{i}") for i in range(40)]
+    assert ms.fast_duplicate_ngram_fraction(distinct, n) == 0.0
 
 
 _LINES = st.sampled_from(["", "  ", "- item", "• point", "and so on...", "wait…", "The same line.", "the same line.",
