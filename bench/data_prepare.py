@@ -31,12 +31,11 @@ import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, machine_info, markdown_table, publish, rss_kib, run_child
+from bench.common import ROOT, command_line, machine_info, markdown_table, publish, rss_kib, run_child
 
 EOT = "<|endoftext|>"
 PROSE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -315,8 +314,7 @@ def main(argv=None) -> int:
         toks = make_tokenizers(workdir)
         corpus = workdir / "corpus.jsonl"
         text_bytes = make_corpus(corpus, megabytes)
-        result = {"machine": machine_info(), "command": " ".join(["python3 -m bench.data_prepare", *(argv or sys.argv[1:])]),
-                  "corpus_mb": text_bytes / 1e6}
+        result = {"machine": machine_info(), "command": command_line(), "corpus_mb": text_bytes / 1e6}
         result["encoder_ratio"] = [bench_encoder_ratio(corpus, text_bytes, toks[0], args.repeats)]
         if args.prose is not None:
             prose = workdir / "prose.jsonl"
