@@ -217,6 +217,20 @@ def test_part_is_the_same_with_worker_processes(tmp_path):
     assert json.loads(ids[0]).endswith("part0.jsonl.gz:1") and len(ids) == a["documents"]
 
 
+def test_the_fast_measurements_prepare_the_same_part_as_the_plain_ones(tmp_path, monkeypatch):
+    import functools
+
+    from logitlab.data import chunks, filters, measures
+
+    tok, sources = byte_tokenizer(), _corpus(tmp_path)
+    fast = parts.prepare_part(sources, tok, tmp_path / "fast", CFG, workers=1)
+    plain = functools.partial(filters.document_reason, measures=measures.Measures)
+    monkeypatch.setattr(chunks.flt, "document_reason", plain)
+    assert parts.prepare_part(sources, tok, tmp_path / "plain", CFG, workers=1) == fast
+    for name in ("tokens.bin", "docs.bin", "doc_ids.jsonl", "filtered.jsonl"):
+        assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+
+
 def test_parts_resume_and_merge_checks_the_job(tmp_path):
     class Counting:
         def __init__(self):
