@@ -14,6 +14,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+EOT = "<|endoftext|>"
 
 def register(subparsers) -> None:
     """Add the `tokenizer` command and its subcommands to `subparsers`."""
@@ -22,14 +23,16 @@ def register(subparsers) -> None:
     sub.required = True
 
     train = sub.add_parser("train", help="learn BPE merges from text files")
-    train.add_argument("--data", nargs="+", metavar="PATH",
-                       help="files or directories (default: the Python standard library's *.py files)")
+    # flags taking several values accumulate when repeated (--special-token A --special-token B)
+    train.add_argument("--data", nargs="+", action="extend", metavar="PATH",
+                       help="files or directories; repeatable (default: the Python standard library's *.py files)")
     train.add_argument("--glob", default="**/*", help="files taken from directories (default: **/*)")
     train.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, specials included")
     train.add_argument("--max-bytes", type=int, default=None, metavar="N",
                        help="train on about N bytes: whole files spread evenly over the sources (default: all)")
-    train.add_argument("--special-token", nargs="*", default=["<|endoftext|>"], metavar="S",
-                       help="special tokens (default: <|endoftext|>; give the flag alone for none)")
+    train.add_argument("--special-token", nargs="*", action="extend", default=None, metavar="S",
+                       help="special tokens, several after one flag or the flag repeated (default: <|endoftext|>; "
+                       "give the flag alone for none)")
     train.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k or a regex")
     train.add_argument("--workers", type=int, default=None, help="pre-tokenization processes (default: all cores)")
     train.add_argument("--out", required=True, help="tokenizer file to write (logitlab JSON + .vocab listing)")
@@ -165,7 +168,8 @@ def cmd_train(args) -> int:
         warnings.simplefilter("always", ShortVocabularyWarning)
         warnings.simplefilter("always", UnicodeWarning)
         with bpe_progress_bar(enabled=not args.no_progress) as progress:
-            tok = train_tokenizer(data, args.vocab_size, args.special_token or [], pattern=args.pattern,
+            specials = [EOT] if args.special_token is None else args.special_token
+            tok = train_tokenizer(data, args.vocab_size, specials, pattern=args.pattern,
                                   workers=args.workers, progress=progress, glob=args.glob)
     for w in caught:
         error_console().print(f"[yellow]warning:[/yellow] {escape(str(w.message))}", soft_wrap=True)
