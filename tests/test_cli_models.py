@@ -163,3 +163,30 @@ def test_serve_requests_default_to_the_models_generation_config():
     assert (config.temperature, config.top_k, config.top_p) == (1.0, 0, 0.95)   # the request wins
     assert sampling({}, 100, 16)[0].temperature == 1.0                            # no generation config
     assert sample_defaults({"eos_token_id": 2}) == {"temperature": 0.0}           # transformers: greedy
+
+
+def test_tokenizer_commands_read_escapes_and_a_models_tokenizer(dirs, capsys):
+    native, hf_dir = dirs
+    # one rule for \t and \n everywhere: tokenizer encode and generate get the same ids for "\t"
+    assert main(["tokenizer", "encode", "--tokenizer", str(native), "a\\tb\\n", "--json"]) == 0
+    ids = json.loads(capsys.readouterr().out)
+    from logitlab.io.hf import load_tokenizer
+
+    tok = load_tokenizer(native)
+    assert ids == tok.encode("a\tb\n")
+    assert main(["tokenizer", "encode", "--tokenizer", str(hf_dir), "a\\tb\\n", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == ids                    # a Hugging Face directory's tokenizer
+    assert main(["tokenizer", "encode", "--tokenizer", str(hf_dir / "nothing-here.json"), "x"]) == 2
+    assert "tokenizer file not found" in capsys.readouterr().err
+
+
+def test_list_flags_add_up_when_repeated():
+    from logitlab.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["eval", "bpb", "m", "--data", "a.txt", "--data", "b.txt", "c.txt"])
+    assert args.data == ["a.txt", "b.txt", "c.txt"]
+    args = parser.parse_args(["train", "--layer-types", "full_attention", "--layer-types", "sliding_attention"])
+    assert args.layer_types == ["full_attention", "sliding_attention"]
+    args = parser.parse_args(["tokenizer", "add-special", "m", "--out", "o", "--tokens", "<a>", "--tokens", "<b>"])
+    assert args.model == "m" and args.tokens == ["<a>", "<b>"]

@@ -37,7 +37,7 @@ def base(tmp_path_factory):
 
 def test_add_special_then_sft_with_lora_then_diff(base, capsys):
     root = base
-    assert main(["tokenizer", "add-special", "--model", str(root / "base"), "--out", str(root / "chat")]) == 0
+    assert main(["tokenizer", "add-special", str(root / "base"), "--out", str(root / "chat")]) == 0
     assert "used padded rows" in capsys.readouterr().out
     model, tok = load_for_inference(root / "chat")
     assert tok.special_tokens["<|im_end|>"] == model.config.vocab_size - 1
@@ -65,7 +65,7 @@ def test_add_special_then_sft_with_lora_then_diff(base, capsys):
 def test_full_sft_from_the_command_line_moves_the_weights(base, capsys):
     root = base
     if not (root / "chat").exists():
-        main(["tokenizer", "add-special", "--model", str(root / "base"), "--out", str(root / "chat")])
+        main(["tokenizer", "add-special", str(root / "base"), "--out", str(root / "chat")])
     code = main(["sft", str(root / "chat"), "--data", str(root / "chats.jsonl"), "--out",
                  str(root / "full"), "--steps", "2", "--batch-size", "2", "--device", "cpu", "--samples", "0",
                  "--pack", "false", "--train-on", "last", "--tensorboard", "false"])
@@ -97,7 +97,7 @@ def test_chat_uses_the_template_and_stops_at_the_end_of_turn(base, capsys, monke
 
     root = base
     if not (root / "chat").exists():
-        main(["tokenizer", "add-special", "--model", str(root / "base"), "--out", str(root / "chat")])
+        main(["tokenizer", "add-special", str(root / "base"), "--out", str(root / "chat")])
     rendered = []
     real = chat.fit_history
 

@@ -110,7 +110,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             kwargs.update(type=_none_or(str) if optional else str, choices=choices + ([None] if optional else []))
         elif origin in (tuple, list):
             (inner,) = {a for a in get_args(tp) if a is not Ellipsis} or {str}
-            kwargs.update(type=inner, nargs="*")
+            kwargs.update(type=inner, nargs="*", action="extend")       # repeated flags add up
+            if get_origin(inner) is Literal:                            # a tuple of choices (layer_types)
+                kwargs.update(type=str, choices=list(get_args(inner)))
         elif tp in (int, float, str):
             kwargs.update(type=_none_or(tp) if optional else tp)
         elif dataclasses.is_dataclass(tp):

@@ -33,7 +33,7 @@ def register(subparsers) -> None:
                        "summed UTF-8 bytes in bits, so models with different tokenizers compare fairly.")
     _model_arg(b)
     add_examples(b, "eval bpb runs/a --data notes.txt docs/", "eval bpb gpt2 --data essay.txt --json")
-    b.add_argument("--data", nargs="+", required=True, metavar="FILE", help="text files (UTF-8), or "
+    b.add_argument("--data", nargs="+", action="extend", required=True, metavar="FILE", help="text files (UTF-8), or "
                    "directories: every *.txt, *.md and *.py file under them")
     b.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
@@ -184,7 +184,8 @@ def _register_long(sub) -> None:
                    "times the training length)")
     e.add_argument("--scaling", default=",".join(DEFAULT_SCALINGS), help="comma-separated scalings: "
                    f"{', '.join(EXTENSIONS)} (default {','.join(DEFAULT_SCALINGS)})")
-    e.add_argument("--data", nargs="+", metavar="FILE", help="held-out text files or directories (default: "
+    e.add_argument("--data", nargs="+", action="extend", metavar="FILE", help="held-out text files or directories "
+                   "(repeatable; default: "
                    "the run's validation data)")
     e.add_argument("--tokens", type=int, default=32768, help="held-out targets scored at every length "
                    "(default 32768, rounded down to a multiple of the longest length)")

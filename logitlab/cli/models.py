@@ -22,9 +22,11 @@ MODEL_HELP = ("the model: a run directory (its latest checkpoint), a checkpoint 
 LEGACY_NOTE = "note: {flag} DIR is now the positional MODEL (the old spelling works for one more release): {example}"
 
 
-# command -> the flags that named its model before MODEL (kept for one release; main() rewrites them)
+# command (with its subcommand) -> the flags that named its model before MODEL (kept for one release;
+# main() rewrites them)
 LEGACY_FLAGS = {"generate": ("--checkpoint", "--hf"), "inspect": ("--checkpoint", "--hf"),
-                "chat": ("--checkpoint", "--hf"), "convert": ("--hf", "--to-hf"), "sft": ("--base",)}
+                "chat": ("--checkpoint", "--hf"), "convert": ("--hf", "--to-hf"), "sft": ("--base",),
+                "tokenizer add-special": ("--model",)}
 
 
 def add_model_argument(p, *, dtype: bool = True) -> None:
@@ -42,10 +44,12 @@ def rewrite_legacy(argv: list[str]) -> tuple[list[str], list[str]]:
     """argv with an old model flag (`generate --checkpoint DIR ...`) turned into the positional MODEL
     right after the command (`generate DIR ...`), and the notes to show. Only the command's own
     legacy flags are touched."""
-    command = next((a for a in argv if not a.startswith("-")), None)
+    words = [a for a in argv if not a.startswith("-")][:2]
+    command = next((c for c in (" ".join(words), words[0] if words else None) if c in LEGACY_FLAGS), None)
     flags = LEGACY_FLAGS.get(command, ())
     out, found = list(argv), []
-    i = out.index(command) + 1 if command in out else len(out)
+    last = command.split()[-1] if command else None
+    i = out.index(last) + 1 if command else len(out)
     while i < len(out):
         name, eq, value = out[i].partition("=")
         if name in flags and (eq or i + 1 < len(out)):
@@ -58,7 +62,7 @@ def rewrite_legacy(argv: list[str]) -> tuple[list[str], list[str]]:
     if not found:
         return out, []
     (name, value), = found
-    out.insert(out.index(command) + 1, value)
+    out.insert(out.index(last) + 1, value)
     return out, [LEGACY_NOTE.format(flag=name, example=f"logitlab {command} {value} ...")]
 
 

@@ -25,10 +25,11 @@ def add_special_parser(sub) -> None:
                        "embedding and LM head when there are enough (no tensor changes shape), else by an "
                        "explicit resize; new rows start as the mean embedding (--init). Old ids keep their "
                        "rows, so the model's logits on old ids are unchanged.")
-    p.add_argument("--model", help="run, checkpoint or model directory (its tokenizer is the one extended)")
-    p.add_argument("--tokenizer", help="tokenizer file, when there is no --model")
-    p.add_argument("--tokens", nargs="+", default=["<|im_start|>", "<|im_end|>"],
-                   help="special tokens to add (default: ChatML's <|im_start|> <|im_end|>)")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="the model whose tokenizer is extended (a run, "
+                   "checkpoint or model directory, or a Hugging Face directory or hub id); or give --tokenizer")
+    p.add_argument("--tokenizer", help="tokenizer file, when there is no MODEL")
+    p.add_argument("--tokens", nargs="+", action="extend", default=None, metavar="TOKEN",
+                   help="special tokens to add; repeated flags add up (default: ChatML's <|im_start|> <|im_end|>)")
     p.add_argument("--chat-template", help="'chatml', a .jinja file, or a Hugging Face tokenizer_config.json "
                    "whose chat_template the tokenizer keeps (default: keep the tokenizer's; none means ChatML)")
     p.add_argument("--init", choices=["mean", "keep"], default="mean",
@@ -54,7 +55,6 @@ def _read_template(spec: str | None):
 
 
 def cmd_add_special(args) -> int:
-    from logitlab.io import checkpoint
     from logitlab.io.files import atomic_directory
     from logitlab.io.model_dir import MODEL_KIND, TOKENIZER_FILE, write_model_files
     from logitlab.tokenizer.core import Tokenizer
@@ -62,15 +62,16 @@ def cmd_add_special(args) -> int:
     from logitlab.train.vocab import fit_vocab
 
     if bool(args.model) == bool(args.tokenizer):
-        raise ValueError("give exactly one of --model (a model and its tokenizer) or --tokenizer (a file)")
+        raise ValueError("give exactly one of MODEL (a model and its tokenizer) or --tokenizer (a file)")
     model = None
     if args.model:
-        model, tok = checkpoint.load_for_inference(args.model)
-        if tok is None:
-            raise FileNotFoundError(f"{args.model}: no {TOKENIZER_FILE} beside the model")
+        from logitlab.io.loading import load_model_and_tokenizer
+
+        loaded = load_model_and_tokenizer(args.model)
+        model, tok = loaded.model, loaded.tokenizer
     else:
         tok = Tokenizer.load(args.tokenizer)
-    new, added = add_special_tokens(tok, args.tokens)
+    new, added = add_special_tokens(tok, args.tokens or ["<|im_start|>", "<|im_end|>"])
     if args.chat_template is not None:
         new.chat_template = _read_template(args.chat_template)
     con = cli.console()

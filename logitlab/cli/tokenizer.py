@@ -48,7 +48,8 @@ def register(subparsers) -> None:
         if name == "decode":
             p.add_argument("ids", nargs="*", help="ids (default: read from stdin; JSON list or whitespace separated)")
         else:
-            p.add_argument("text", nargs="?", help="text (default: read from stdin)")
+            p.add_argument("text", nargs="?", help="text; \\n and \\t in it are a newline and a tab, \\\\ a "
+                           "backslash, as in generate and inspect (default: read from stdin, taken as it is)")
             p.add_argument("--ordinary", action="store_true",
                            help="treat special-token strings as plain text (for untrusted input)")
         if name != "show":
@@ -68,7 +69,8 @@ def register(subparsers) -> None:
 
 def _add_source(parser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--tokenizer", metavar="FILE", help="logitlab tokenizer JSON or HF tokenizer.json")
+    group.add_argument("--tokenizer", metavar="FILE|MODEL", help="a logitlab tokenizer JSON or a Hugging Face "
+                       "tokenizer.json, or a MODEL whose tokenizer to use (a run or model directory, or a hub id)")
     group.add_argument("--gpt2", metavar="DIR", help="folder with GPT-2's vocab.json and merges.txt")
     parser.add_argument("--reference", action="store_true", help="use the pure-Python encoder")
 
@@ -83,7 +85,7 @@ def load_tokenizer(args):
         return Tokenizer.from_gpt2_files(folder / "vocab.json", folder / "merges.txt")
     path = Path(args.tokenizer)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {path}")
+        return _model_tokenizer(args.tokenizer)
     try:
         head = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -93,8 +95,23 @@ def load_tokenizer(args):
     return Tokenizer.load(path)
 
 
+def _model_tokenizer(spec: str):
+    """The tokenizer of a model directory or hub id (io.hf.load_tokenizer), for --tokenizer MODEL."""
+    from logitlab.io import hf, hub
+
+    if not Path(spec).is_dir() and not hub.looks_like_hub_id(spec):
+        raise FileNotFoundError(f"tokenizer file not found: {spec}")
+    tok = hf.load_tokenizer(spec)
+    if tok is None:
+        raise FileNotFoundError(f"{spec}: no tokenizer file in this model directory")
+    return tok
+
+
 def _text(args) -> str:
-    return args.text if args.text is not None else sys.stdin.read()
+    """TEXT with the escapes every command reads (\\n, \\t, \\\\), or stdin as it is."""
+    from logitlab.cli.generate import _unescape
+
+    return _unescape(args.text) if args.text is not None else sys.stdin.read()
 
 
 def _encode(tok, args) -> list[int]:

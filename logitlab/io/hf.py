@@ -148,7 +148,7 @@ def load_tokenizer(directory: str | os.PathLike, revision: str | None = None):
     raises ValueError naming it."""
     from logitlab.tokenizer.core import Tokenizer
 
-    d = hub.resolve_model(directory, revision).directory
+    d = hub.resolve_model(directory, revision, files=hub.TOKENIZER_FILES).directory
     if (d / "tokenizer.json").is_file():
         return Tokenizer.from_hf(d / "tokenizer.json")
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():

@@ -24,6 +24,9 @@ from pathlib import Path
 WANTED = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
           "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
           "chat_template.jinja", "chat_template.json"]
+# What a tokenizer alone needs (tokenizer show --tokenizer ORG/NAME fetches no weights).
+TOKENIZER_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "chat_template.json"]
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 # owner/name (or a bare name such as gpt2), each part of letters, digits, "-", "_" and "."
