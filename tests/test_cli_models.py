@@ -190,3 +190,31 @@ def test_list_flags_add_up_when_repeated():
     assert args.layer_types == ["full_attention", "sliding_attention"]
     args = parser.parse_args(["tokenizer", "add-special", "m", "--out", "o", "--tokens", "<a>", "--tokens", "<b>"])
     assert args.model == "m" and args.tokens == ["<a>", "<b>"]
+
+
+def test_every_help_page_has_an_example_that_parses():
+    """Every command and subcommand's --help ends with examples, and each example (the part after
+    `logitlab`, before a # comment) parses with the real parser."""
+    import argparse
+    import shlex
+
+    from logitlab.cli.main import build_parser
+    from logitlab.cli.models import rewrite_legacy
+
+    parser = build_parser()
+
+    def walk(p, path):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield path + [name], sub
+                    yield from walk(sub, path + [name])
+
+    for path, sub in walk(parser, []):
+        assert sub.epilog and sub.epilog.startswith("example"), " ".join(path)
+        for line in sub.epilog.splitlines()[1:]:
+            command = line.split("#")[0].split("|")[-1].strip()
+            if not command.startswith("logitlab ") or "harness" in path:
+                continue
+            argv = shlex.split(command)[1:]
+            parser.parse_args(rewrite_legacy(argv)[0])     # SystemExit on a bad example

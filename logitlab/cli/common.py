@@ -142,6 +142,11 @@ def add_examples(parser: argparse.ArgumentParser, *commands: str) -> None:
     parser.formatter_class = _ExamplesFormatter
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """"1 doc", "2 docs", "1,024 tokens": a count with its noun in the right number."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
 def add_progress_flag(parser: argparse.ArgumentParser) -> None:
     """--progress [BOOL]: a live progress bar when the console is interactive (default true)."""
     parser.add_argument("--progress", type=_parse_bool, nargs="?", const=True, default=True, metavar="BOOL",

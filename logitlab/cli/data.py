@@ -100,11 +100,11 @@ def _progress_bar(con, label: str):
     """A transient bar of documents and tokens; yields the progress(documents, tokens) callback."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn(label), BarColumn(bar_width=None), TextColumn("{task.fields[docs]} docs"),
-                  TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), console=con,
+    with Progress(TextColumn(label), BarColumn(bar_width=None), TextColumn("{task.fields[docs]}"),
+                  TextColumn("{task.fields[tokens]}"), TimeElapsedColumn(), console=con,
                   transient=True) as bar:
-        task = bar.add_task(label, total=None, docs=0, tokens=0)
-        yield lambda d, t: bar.update(task, docs=d, tokens=t)
+        task = bar.add_task(label, total=None, docs=cli.plural(0, "doc"), tokens=cli.plural(0, "token"))
+        yield lambda d, t: bar.update(task, docs=cli.plural(d, "doc"), tokens=cli.plural(t, "token"))
 
 
 def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
@@ -122,8 +122,10 @@ def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
 def _print_prepared(con, out_dir: Path, manifest: dict) -> dict:
     s = manifest["splits"]
     shards = f", {len(s['train']['shards'])} train shard(s)" if "shards" in s["train"] else ""
-    con.print(f"prepared {out_dir}: train {s['train']['tokens']:,} tokens / {s['train']['documents']} docs, "
-              f"val {s['val']['tokens']:,} tokens / {s['val']['documents']} docs ({manifest['dtype']}{shards})")
+    train, val = s["train"], s["val"]
+    con.print(f"prepared {out_dir}: train {cli.plural(train['tokens'], 'token')} / "
+              f"{cli.plural(train['documents'], 'doc')}, val {cli.plural(val['tokens'], 'token')} / "
+              f"{cli.plural(val['documents'], 'doc')} ({manifest['dtype']}{shards})")
     if (dedup := manifest.get("dedup")) and (dedup["exact"] or dedup["near"]):
         near = (f"; near: {dedup['bands']} bands x {dedup['rows']} rows over {dedup['ngram']}-grams imply a "
                 f"Jaccard threshold of about {dedup['threshold']:.2f}") if dedup["near"] else ""
@@ -152,7 +154,8 @@ def _prepare_sharded(args, tokenizer, out_dir: Path, con) -> dict:
                                       num_shards=args.num_shards, workers=args.workers, progress=progress,
                                       notice=notice)
         con.print(f"part {info['shard_index']} of {info['num_shards']} in {out_dir}: {info['files']} files, "
-                  f"{info['documents']} docs, {info['tokens']:,} tokens; when every part is done: "
+                  f"{cli.plural(info['documents'], 'doc')}, {cli.plural(info['tokens'], 'token')}; when every part "
+                  f"is done: "
                   f"logitlab prepare merge PART_DIRS... --out DIR", markup=False, soft_wrap=True)
         return info
     with _progress_bar(con, "cleaning, hashing, tokenizing") as progress:
@@ -257,6 +260,8 @@ def register(subparsers) -> None:
                        description="Deduplicate across all parts (first occurrence in input order kept), split "
                        "validation by the document rule, apply the mixture and write train-/val-NNNNN.bin and the "
                        "global manifest.json. The result does not depend on how many workers made the parts.")
+    cli.add_examples(m, "prepare merge parts/0 parts/1 parts/2 --out data/", "prepare merge parts/* --out data/ "
+                     "--mix web=0.7,code=0.3")
     m.add_argument("parts", nargs="+", metavar="PART_DIR", help="the part directories (any order)")
     m.add_argument("--out", dest="merge_out", metavar="DIR", required=True, help="output token directory (required)")
     m.add_argument("--val-fraction", type=float, default=0.01, help="as for prepare (default: 0.01)")
@@ -266,11 +271,13 @@ def register(subparsers) -> None:
     m.set_defaults(func=cmd_prepare_merge)
 
     p = subparsers.add_parser("data", help="reports on token directories", description="Reports on token directories.")
+    cli.add_examples(p, "data stats data/", "data stats data/ --top 40 --plot none")
     sub = p.add_subparsers(dest="data_command", metavar="stats", required=True)
     s = sub.add_parser("stats", help="documents and tokens per source, lengths, filters, duplicates, top tokens",
                        description="Print (and plot) what a token directory holds: documents and tokens per "
                        "source, the document-length histogram, removed-by-filter counts, the duplicate rate, "
                        "bytes per token and the most frequent tokens and token n-grams.")
+    cli.add_examples(s, "data stats data/", "data stats runs/demo/data --top 40 --plot stats.png")
     s.add_argument("dir", help="token directory (holds manifest.json)")
     s.add_argument("--top", type=int, default=20, help="how many frequent tokens and n-grams (default: 20)")
     s.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens counted (default: 2000000)")

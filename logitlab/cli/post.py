@@ -25,6 +25,8 @@ def add_special_parser(sub) -> None:
                        "embedding and LM head when there are enough (no tensor changes shape), else by an "
                        "explicit resize; new rows start as the mean embedding (--init). Old ids keep their "
                        "rows, so the model's logits on old ids are unchanged.")
+    cli.add_examples(p, "tokenizer add-special runs/demo --out runs/demo-chat",
+                     "tokenizer add-special --tokenizer tok.json --tokens '<|tool|>' --out tok-chat.json")
     p.add_argument("model", metavar="MODEL", nargs="?", help="the model whose tokenizer is extended (a run, "
                    "checkpoint or model directory, or a Hugging Face directory or hub id); or give --tokenizer")
     p.add_argument("--tokenizer", help="tokenizer file, when there is no MODEL")

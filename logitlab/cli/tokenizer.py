@@ -18,11 +18,18 @@ EOT = "<|endoftext|>"
 
 def register(subparsers) -> None:
     """Add the `tokenizer` command and its subcommands to `subparsers`."""
+    from logitlab.cli.common import add_examples
+
     parser = subparsers.add_parser("tokenizer", help="train, inspect and use byte-level BPE tokenizers")
+    add_examples(parser, "tokenizer train --vocab-size 4096 --max-bytes 2000000 --out tok.json",
+                 'tokenizer show --tokenizer tok.json "def main():"', 'tokenizer encode --tokenizer gpt2 "Hello"')
     sub = parser.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
     sub.required = True
 
     train = sub.add_parser("train", help="learn BPE merges from text files")
+    add_examples(train, "tokenizer train --vocab-size 4096 --max-bytes 2000000 --out tok.json",
+                 "tokenizer train --data notes/ essays.txt --vocab-size 8192 --special-token '<|endoftext|>' "
+                 "--special-token '<|im_start|>' --out tok.json --export-hf tokenizer.json")
     # flags taking several values accumulate when repeated (--special-token A --special-token B)
     train.add_argument("--data", nargs="+", action="extend", metavar="PATH",
                        help="files or directories; repeatable (default: the Python standard library's *.py files)")
@@ -44,6 +51,12 @@ def register(subparsers) -> None:
     for name, helptext in (("encode", "text -> ids"), ("decode", "ids -> text"),
                            ("show", "each token of a text with its id and bytes")):
         p = sub.add_parser(name, help=helptext)
+        add_examples(p, *{"encode": ['tokenizer encode --tokenizer tok.json "def main():\\n" --json',
+                                     "echo 'text from stdin' | logitlab tokenizer encode --tokenizer runs/a"],
+                          "decode": ["tokenizer decode --tokenizer tok.json 100 257 31",
+                                     "echo '[100, 257]' | logitlab tokenizer decode --tokenizer tok.json"],
+                          "show": ['tokenizer show --tokenizer tok.json "def main():\\n\\treturn 0"',
+                                   'tokenizer show --tokenizer Qwen/Qwen3-0.6B "Hello, world"']}[name])
         _add_source(p)
         if name == "decode":
             p.add_argument("ids", nargs="*", help="ids (default: read from stdin; JSON list or whitespace separated)")
@@ -57,6 +70,8 @@ def register(subparsers) -> None:
         p.set_defaults(func={"encode": cmd_encode, "decode": cmd_decode, "show": cmd_show}[name])
 
     convert = sub.add_parser("convert", help="write a tokenizer in another format")
+    add_examples(convert, "tokenizer convert --tokenizer tok.json --to hf --out tokenizer.json",
+                 "tokenizer convert --gpt2 gpt2/ --to tiktoken --out gpt2.tiktoken")
     _add_source(convert)
     convert.add_argument("--to", choices=["logitlab", "hf", "tiktoken"], required=True,
                          help="format to write: logitlab JSON, Hugging Face tokenizer.json or a tiktoken rank file")
