@@ -91,7 +91,11 @@ def resolve_config(target: str, revision: str | None = None):
     if not path.exists() and "/" not in target and difflib.get_close_matches(target, families.PRESETS, cutoff=0.8):
         raise ValueError(families.unknown_preset(target))
     if not path.exists() and hub.looks_like_hub_id(target):
-        path = hub.resolve_model(target, revision, files=["config.json"]).directory
+        try:
+            path = hub.resolve_model(target, revision, files=["config.json"]).directory
+        except ValueError as exc:
+            raise ValueError(f"{target!r} is neither a preset ({', '.join(families.PRESETS)}), a config file or "
+                             f"model directory, nor a hub model: {exc}") from None
     if path.is_dir() and not (path / "config.json").is_file():
         path = checkpoint.resolve_model_dir(path)   # a run directory: its latest checkpoint
     if path.is_dir():
