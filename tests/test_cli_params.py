@@ -110,7 +110,8 @@ def test_params_json_carries_the_planner(capsys, memory):
         assert r["fits_instead"] is None
 
 
-def test_a_hybrid_is_counted_by_layer_kind(capsys):
+def test_a_hybrid_is_counted_by_layer_kind(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")        # the row labels whole (at 80 columns they wrap)
     out = _params(capsys, "qwen3.5-9b", "--tflops", "989")
     assert "attention (8 layers)" in out and "Gated DeltaNet (24 layers)" in out
     assert "in_proj_qkv" in out and "A_log" in out and "1,017,118,720" in out   # the untied head
