@@ -228,7 +228,7 @@ class NDLayout:
             logits = model(x.to(device))                                   # (b, T, V), maybe sharded on V
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum")
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        return float(loss), y.numel()
+        return float(loss), int((y != IGNORE_INDEX).sum())                # a padding batch counts none
 
     def _eval_pipeline(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[float, int]:
         """A forward-only schedule step; the stages were built for `rows` rows per step, so a
