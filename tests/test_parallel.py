@@ -367,3 +367,26 @@ def test_rank_failure_guard_converts_backend_errors_only():
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
         with parallel.rank_failure_guard(parallel.DistInfo()):
             raise RuntimeError("shape mismatch")
+
+
+def test_rank_failure_names_the_collective_and_the_line_that_called_it():
+    """A timed-out collective names itself and the caller's line, from the traceback: the
+    innermost torch.distributed function and the innermost frame outside torch before it."""
+    import os
+
+    fake_c10d = os.path.join(os.sep, "site-packages", "torch", "distributed", "distributed_c10d.py")
+    namespace = {"DistBackendError": torch.distributed.DistBackendError}
+    exec(compile("def all_reduce(tensor):\n    raise DistBackendError('Timed out waiting 10000ms for recv')\n",
+                 fake_c10d, "exec"), namespace)
+
+    def evaluate():
+        namespace["all_reduce"](torch.ones(()))
+
+    with pytest.raises(parallel.RankFailureError, match=r"rank 0 of 1: a collective operation failed \(all_reduce, "
+                       r"called from test_parallel\.py:\d+ in evaluate\), so another rank .* Timed out waiting"):
+        with parallel.rank_failure_guard(parallel.DistInfo()):
+            evaluate()
+    try:
+        raise torch.distributed.DistBackendError("Connection closed by peer")
+    except torch.distributed.DistBackendError as exc:
+        assert parallel.setup.failed_collective(exc) is None      # raised outside torch.distributed: no name
