@@ -226,24 +226,26 @@ def rank_failure_guard(info: DistInfo | None = None) -> Iterator[None]:
 
 def failed_collective(exc: BaseException) -> str | None:
     """Which collective `exc` came out of, from its traceback: the innermost torch.distributed
-    function (all_reduce, broadcast, all_gather_into_tensor...; FSDP2's gathers end in one of them)
-    and the innermost line outside torch that led there -> "all_reduce, called from
-    logitlab/train/loss.py:129 in evaluate", or None when no torch.distributed frame is in it."""
+    function (all_reduce, broadcast, all_gather_single...: FSDP2's weight gathers end in one of
+    them) and the innermost line that led there from the run itself, outside torch and outside
+    the plumbing of logitlab.parallel and logitlab.model -> "all_reduce, called from
+    logitlab/train/loss.py:129 in evaluate"; None when no torch.distributed frame is in it."""
     frames = traceback.extract_tb(exc.__traceback__)
-    in_torch = [f for f in frames if _is_torch_distributed(f.filename)]
+    in_torch = [f for f in frames if _is_in(f.filename, "torch", "distributed")]
     if not in_torch:
         return None
     c10d = [f for f in in_torch if Path(f.filename).name == "distributed_c10d.py"]
     name = (c10d or in_torch)[-1].name
-    outside = [f for f in frames[:frames.index(in_torch[0])] if f"{os.sep}torch{os.sep}" not in f.filename]
-    if not outside:
+    callers = [f for f in frames[:frames.index(in_torch[0])] if not (
+        _is_in(f.filename, "torch") or _is_in(f.filename, "logitlab", "parallel") or _is_in(f.filename, "logitlab", "model"))]
+    if not callers:
         return name
-    caller = outside[-1]
+    caller = callers[-1]
     return f"{name}, called from {_short_path(caller.filename)}:{caller.lineno} in {caller.name}"
 
 
-def _is_torch_distributed(filename: str) -> bool:
-    return f"{os.sep}torch{os.sep}distributed{os.sep}" in filename
+def _is_in(filename: str, *package: str) -> bool:
+    return os.sep + os.sep.join(package) + os.sep in filename
 
 
 def _short_path(filename: str) -> str:
