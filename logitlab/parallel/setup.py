@@ -228,7 +228,8 @@ def failed_collective(exc: BaseException) -> str | None:
     """Which collective `exc` came out of, from its traceback: the innermost torch.distributed
     function (all_reduce, broadcast, all_gather_single...: FSDP2's weight gathers end in one of
     them) and the innermost line that led there from the run itself, outside torch and outside
-    the plumbing of logitlab.parallel and logitlab.model -> "all_reduce, called from
+    the plumbing of logitlab.parallel and logitlab.model, with the line that called that one ->
+    "all_reduce, called from logitlab/train/layouts.py:49 in <lambda>, called from
     logitlab/train/loss.py:129 in evaluate"; None when no torch.distributed frame is in it."""
     frames = traceback.extract_tb(exc.__traceback__)
     in_torch = [f for f in frames if _is_in(f.filename, "torch", "distributed")]
@@ -236,12 +237,11 @@ def failed_collective(exc: BaseException) -> str | None:
         return None
     c10d = [f for f in in_torch if Path(f.filename).name == "distributed_c10d.py"]
     name = (c10d or in_torch)[-1].name
-    callers = [f for f in frames[:frames.index(in_torch[0])] if not (
-        _is_in(f.filename, "torch") or _is_in(f.filename, "logitlab", "parallel") or _is_in(f.filename, "logitlab", "model"))]
-    if not callers:
-        return name
-    caller = callers[-1]
-    return f"{name}, called from {_short_path(caller.filename)}:{caller.lineno} in {caller.name}"
+    plumbing = (("torch",), ("logitlab", "parallel"), ("logitlab", "model"))
+    callers = [f for f in frames[:frames.index(in_torch[0])] if not any(_is_in(f.filename, *p) for p in plumbing)]
+    # the innermost two: a hook's one-line lambda says little alone, the loop's function beside it does
+    lines = [f"{_short_path(f.filename)}:{f.lineno} in {f.name}" for f in callers[::-1][:2]]
+    return ", called from ".join([name, *lines])
 
 
 def _is_in(filename: str, *package: str) -> bool:
