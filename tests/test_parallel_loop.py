@@ -291,15 +291,12 @@ def test_a_gathered_checkpoint_resumes_on_the_n_d_hooks(corpus, reference, tmp_p
 
 @pytest.mark.slow
 def test_a_gathered_checkpoint_resumes_on_tensor_parallel_ranks(reference, tmp_path):
-    """The plain loop's checkpoint continued by --tp 2. The resume check does not let a flag
-    change the layout yet, so the run's own run.json is given the layout (what that flag would do)."""
+    """The plain loop's checkpoint continued by `--resume RUN --tp 2`: a layout flag may change at
+    a resume."""
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     for ckpt in ("ckpt-000004", "ckpt-000006"):
         shutil.rmtree(run / ckpt)
-    saved = json.loads((run / "run.json").read_text())
-    saved["train"]["tp"] = 2
-    (run / "run.json").write_text(json.dumps(saved))
-    _torchrun_train("train", "--resume", str(run), "--progress", "false")
+    _torchrun_train("train", "--resume", str(run), "--tp", "2", "--progress", "false")
     _close(_losses(run), _losses(reference), range(1, STEPS + 1))
     assert json.loads((run / "dcp-000006" / "logitlab_dcp.json").read_text())["layout"]["tp"] == 2

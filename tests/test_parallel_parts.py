@@ -99,6 +99,13 @@ def test_training_flags_choose_the_data_parallel_method_and_the_virtual_stages()
         TrainConfig(dist_timeout=0)
     with pytest.raises(ValueError, match="parallel must be one of auto, none, ddp, zero1, zero2, fsdp, got 'hsdp'"):
         TrainConfig(parallel="hsdp")
+    from logitlab.train.sharded_run import NDLayout
+
+    cfg = TrainConfig(batch_size=8, pp=2, pp_schedule="interleaved_1f1b")   # 8 micro-batches per replica
+    assert NDLayout(cfg, cfg.parallel_plan(), parallel.DistInfo(world_size=2)).plan.dp == 1
+    with pytest.raises(ValueError, match=r"--pp 2: each of the 2 data-parallel replicas gets 4 rows of --batch-size 8, "
+                                         r"which do not cut into 8 equal pipeline micro-batches .* multiple of 16"):
+        NDLayout(cfg, cfg.parallel_plan(), parallel.DistInfo(world_size=4))
 
 
 def _loss_and_grads(model, x):
