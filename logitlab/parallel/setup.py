@@ -251,7 +251,9 @@ def _is_in(filename: str, *package: str) -> bool:
 def _short_path(filename: str) -> str:
     """logitlab/train/loss.py for a file of this package, else the file's name."""
     parts = Path(filename).parts
-    return "/".join(parts[len(parts) - parts[::-1].index("logitlab") - 1:]) if "logitlab" in parts else Path(filename).name
+    if "logitlab" not in parts:
+        return parts[-1]
+    return "/".join(parts[len(parts) - parts[::-1].index("logitlab") - 1:])   # from the innermost "logitlab"
 
 
 # --------------------------------------------------------------------------------------------

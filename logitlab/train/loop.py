@@ -10,7 +10,8 @@ ParallelHooks (hooks.py) are importable from here too.
 
 Failure handling: a NaN/inf loss or gradient norm raises TrainingDiverged naming the step before
 the optimizer applies it (the last good checkpoint stays); SIGINT/SIGTERM, and under torchrun
-the death of its launcher, finish the current step, save a checkpoint and return. Progress display is the caller's: `callback(event, record)`.
+the death of its launcher, finish the current step, save a checkpoint and return. Progress
+display is the caller's: `callback(event, record)`.
 
 Several processes: ParallelHooks tells the loop this process's data-parallel rank (its slice of
 each global batch and of the validation windows), how to wrap the model (DDP/FSDP, before the
