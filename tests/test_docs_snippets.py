@@ -355,3 +355,44 @@ def test_toml_examples_load_through_the_config_loaders(tmp_path: Path):
         seen |= set(table) & {"train", "model", "sample"}
     missing = sorted({"train", "model", "sample"} - seen)
     assert not missing, f"the docs show no TOML example of the table(s) {missing}"
+
+
+# -------------------- torchrun commands shown for a cluster, not run here
+
+_SHELL_VALUE = re.compile(r"\$\{?\w+\}?")      # "$RUN", "${RUN}": a value the job script fills in
+_SHELL_ARRAY = re.compile(r"\$\{\w+\[@\]\}")  # "${RESUME[@]}": zero or more arguments
+
+
+def shown_torchrun_commands() -> list[tuple[str, list[str]]]:
+    """(page:line, the arguments after `-m logitlab`) of every torchrun command in a block that is
+    not run (a SLURM job script, say): continuation lines joined, a shell variable standing for one
+    value replaced by "x", an array of arguments dropped. The runnable blocks' commands run."""
+    import shlex
+
+    found = []
+    for page in pages():
+        for info, line, code in fenced_blocks(page.read_text(encoding="utf-8")):
+            if info in RUNNABLE:
+                continue
+            for command in code.replace("\\\n", " ").splitlines():
+                if "torchrun" not in command or "-m logitlab" not in command:
+                    continue
+                words = shlex.split(command.split("#")[0])
+                args = words[words.index("logitlab", words.index("-m")) + 1:]
+                args = ["x" if _SHELL_VALUE.fullmatch(a) else a for a in args if not _SHELL_ARRAY.fullmatch(a)]
+                found.append((f"{page.relative_to(ROOT)}:{line}", args))
+    return found
+
+
+def test_torchrun_commands_shown_but_not_run_use_flags_that_exist():
+    """A job script that is only shown must still be one that runs: its flags parse (the SLURM
+    script's --dist-timeout once named a flag that did not exist)."""
+    from logitlab.cli.main import build_parser
+
+    commands = shown_torchrun_commands()
+    assert any("--dist-timeout" in args for _, args in commands), commands   # distributed.md's SLURM script
+    for where, args in commands:
+        try:
+            build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{where}: `logitlab {' '.join(args)}` does not parse", pytrace=False)

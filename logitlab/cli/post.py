@@ -131,7 +131,8 @@ def register(subparsers) -> None:
                    "a PEFT adapter directory DIR-adapter beside the base model)")
     cli.add_config_flags(p, SFTConfig)
     # the SFT loop runs one eager process: the pretraining loop's compile, parallel and CPU-route flags do not apply
-    cli.add_config_flags(p, TrainConfig, skip=("data_dir", "compile", "parallel", "keep_freed_memory", "bf16_matmul"),
+    cli.add_config_flags(p, TrainConfig, skip=("data_dir", "compile", "parallel", "keep_freed_memory", "bf16_matmul",
+                                                "virtual_stages", "dist_timeout"),
                          shown_defaults={"lr": "a tenth of pretraining's default for the model's size; "
                                          "with LoRA, pretraining's default"}, renamed={"out_dir": "--out"})
     p.set_defaults(func=cmd_sft)

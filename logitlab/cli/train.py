@@ -23,6 +23,7 @@ from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot
     plot_run,
 )
 from logitlab.cli.extend import EXTEND_MAY_CHANGE, extend_run, show_extension
+from logitlab.cli.launched import env_world_size, fit_resumed_mesh
 from logitlab.cli.progress import LiveProgress
 
 # --------------------------------------------------------------------------------------------
@@ -31,7 +32,10 @@ from logitlab.cli.progress import LiveProgress
 
 def exit_code(result) -> int:
     """0 for a finished run (or one stopped by its time limit); 128 + the signal's number for a
-    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell."""
+    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell;
+    1 for a rank that stopped because its launcher (torchrun's agent) died."""
+    if result.stopped == "launcher":
+        return 1
     return 128 + (result.signal or 2) if result.stopped == "signal" else 0
 
 
@@ -49,6 +53,9 @@ def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool
         con.print(f"[yellow]time limit reached at step {result.step} of {train_cfg.steps}[/yellow]")
     if result.stopped == "signal":
         con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
+    elif result.stopped == "launcher":
+        con.print(f"[yellow]the launcher (torchrun) died: stopped at step {result.step}; checkpoint "
+                  f"{result.checkpoint} (continue with --resume)[/yellow]")
     else:
         # no step ran (a resumed run that had already finished): no loss to show
         loss = f", loss {result.last_loss:.4f}" if result.last_loss is not None else ""
@@ -102,6 +109,8 @@ def cmd_train(args) -> int:
     else:
         table = cli.read_toml(args.config) if args.config else {}
     cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
+    if args.resume:
+        cfg = fit_resumed_mesh(args, cfg, env_world_size())
     # the layout's hooks (train.layouts.parallel_hooks): DDP / FSDP2, an N-D data-parallel mesh, or
     # tensor / pipeline parallel and ZeRO-1 (and any resume of a sharded checkpoint) with sharded checkpoints
     hooks = parallel_hooks(cfg, run_dir=args.resume, resume=bool(args.resume))
@@ -156,7 +165,7 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "sav
                      "attention_kernel",
                      # the layout: a checkpoint loads into any mesh (train.layouts.parallel_hooks)
                      "tp", "pp", "dp_shard", "dp_replicate", "parallel", "sequence_parallel",
-                     "activation_checkpointing", "pp_schedule")
+                     "activation_checkpointing", "pp_schedule", "virtual_stages", "dist_timeout")
 
 
 def _read_run(run_dir) -> dict:

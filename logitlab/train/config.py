@@ -20,6 +20,7 @@ def _f(default, help_text: str):
 # reached a validation loss of 5.45 at 3e-3 and 6.85 at 3e-4.
 SMALL_MODEL_PARAMS = 50_000_000
 SMALL_MODEL_LR, LARGE_MODEL_LR = 3e-3, 3e-4
+PARALLEL_CHOICES = ("auto", "none", "ddp", "zero1", "zero2", "fsdp")
 
 
 def default_lr(n_parameters: int) -> float:
@@ -71,9 +72,10 @@ class TrainConfig:
     attention_kernel: Literal["sdpa", "triton"] = _f(
         "sdpa", "attention on the model's path (sdpa) or logitlab's Triton FlashAttention kernel (triton: "
         "CUDA only, kernels.triton_install)")
-    parallel: Literal["none", "ddp", "zero1", "zero2", "fsdp"] = _f(
-        "ddp", "under torchrun: data parallel (ddp), ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) "
-        "or fully sharded (fsdp, ZeRO-3); none = ignore other ranks")
+    parallel: Literal["auto", "none", "ddp", "zero1", "zero2", "fsdp"] = _f(
+        "auto", "under torchrun: data parallel (ddp), ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) "
+        "or fully sharded (fsdp, ZeRO-3); none = ignore other ranks; auto (the default) = fsdp when --dp-shard "
+        "or --dp-replicate is above 1 or with --tp / --pp, else ddp")
     tp: int = _f(1, "tensor-parallel degree (heads split across ranks; parallel.tensor)")
     pp: int = _f(1, "pipeline-parallel stages (layers split across ranks; parallel.pipeline)")
     dp_shard: int = _f(-1, "data-parallel ranks that shard the model (-1: what the world size leaves)")
@@ -83,6 +85,10 @@ class TrainConfig:
         "none", "recompute activations in backward: none, selective (keep matmul and attention outputs) or "
         "full (per block)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = _f("1f1b", "pipeline schedule (with --pp)")
+    virtual_stages: int | None = _f(None, "pipeline stages per rank (interleaved_1f1b: 2 or more, default 2; "
+                                          "the other schedules: 1)")
+    dist_timeout: float = _f(300.0, "under torchrun: seconds a collective waits for the other ranks before the "
+                                    "run stops with an error naming this rank and the collective")
     log_every: int = _f(1, "metrics record every N steps")
     time_limit_s: float | None = _f(None, "time budget in seconds: `logitlab train` times a step first and fits "
                                           "the step count (at most --steps when given), warmup and cosine inside "
@@ -90,8 +96,8 @@ class TrainConfig:
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
 
     def __post_init__(self) -> None:
-        if self.parallel not in ("none", "ddp", "zero1", "zero2", "fsdp"):
-            raise ValueError(f"parallel must be 'none', 'ddp', 'zero1', 'zero2' or 'fsdp', got {self.parallel!r}")
+        if self.parallel not in PARALLEL_CHOICES:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {self.parallel!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.keep_freed_memory not in ("auto", "on", "off"):
@@ -101,20 +107,37 @@ class TrainConfig:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         self._check_ranges()
 
+    @property
+    def data_parallel(self) -> str:
+        """`parallel` with "auto" decided: fsdp when the layout shards (dp_shard or dp_replicate
+        above 1) or cuts the model (tp, pp: plain DDP cannot be combined with them), else ddp."""
+        if self.parallel != "auto":
+            return self.parallel
+        sharded = self.dp_shard > 1 or self.dp_replicate > 1 or self.tp > 1 or self.pp > 1
+        return "fsdp" if sharded else "ddp"
+
+    @property
+    def pipeline_virtual_stages(self) -> int:
+        """virtual_stages decided: 2 for interleaved_1f1b unless set, else 1."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
+
     def parallel_plan(self):
         """The layout of this run's ranks (parallel.mesh.ParallelPlan; checked against the world
         size when the ranks start)."""
         from logitlab.parallel.mesh import ParallelPlan
 
         return ParallelPlan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
-                            parallel=self.parallel if self.parallel != "none" else "ddp",
+                            parallel=self.data_parallel if self.data_parallel != "none" else "ddp",
                             sequence_parallel=self.sequence_parallel,
-                            activation_checkpointing=self.activation_checkpointing, pp_schedule=self.pp_schedule)
+                            activation_checkpointing=self.activation_checkpointing, pp_schedule=self.pp_schedule,
+                            virtual_stages=self.pipeline_virtual_stages if self.pp > 1 else 1)
 
     def needs_nd_loop(self) -> bool:
         """Tensor or pipeline parallel, or ZeRO-1: layouts with sharded checkpoints
         (train.layouts.sharded_hooks runs them through the main loop)."""
-        return self.tp > 1 or self.pp > 1 or self.parallel == "zero1"
+        return self.tp > 1 or self.pp > 1 or self.data_parallel == "zero1"
 
     def _check_ranges(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_tokens", "keep_last", "log_every"):
@@ -123,7 +146,11 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("time_limit_s", "seq_len"):
+        if self.virtual_stages is not None and (self.virtual_stages < 1 or (
+                self.virtual_stages > 1) != (self.pp_schedule == "interleaved_1f1b")):
+            raise ValueError(f"virtual_stages ({self.virtual_stages}) must be >= 2 with pp_schedule "
+                             f"interleaved_1f1b and 1 with {self.pp_schedule!r}")
+        for name in ("time_limit_s", "seq_len", "dist_timeout"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**63:
