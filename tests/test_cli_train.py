@@ -265,3 +265,20 @@ def test_progress_names_the_bf16_routes_and_the_times_that_chose_them():
     con = Console(record=True, width=300, force_terminal=False)
     LiveProgress(con, True)("start", dict(start, amp="None", bf16_route=None, bf16_route_timings_s=None))
     assert "bf16 on the CPU" not in con.export_text()
+
+
+def test_live_progress_keeps_every_evaluation_line_above_the_bar():
+    from rich.console import Console
+
+    from logitlab.cli.progress import LiveProgress
+
+    con = Console(record=True, force_terminal=True, width=100)
+    live = LiveProgress(con, True)
+    live("start", dict(device="cpu", amp="None", tokens_per_step=1024, run_dir="runs/x", steps=30, step=0))
+    for step in (10, 20, 30):
+        live("step", dict(step=step, loss=3.0, tokens_per_s=1000.0))
+        live("eval", dict(step=step, loss=3.0, val_loss=3.5 - step / 100, val_ppl=30.0, tokens_per_s=1000.0))
+    live("end", {})
+    text = con.export_text()
+    for step in (10, 20, 30):
+        assert f"step {step}: loss 3.0000, val {3.5 - step / 100:.4f}" in text

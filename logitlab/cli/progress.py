@@ -1,12 +1,12 @@
-"""The live view of a training run (cli/train.py, cli/demo.py): a rich progress bar with step,
-loss, validation loss, tokens/s and time left in a terminal, else a line per evaluation."""
+"""The live view of a training run (cli/train.py, cli/demo.py): a line per evaluation, and in a
+terminal a rich progress bar below them with step, loss, validation loss, tokens/s and time left."""
 
 from __future__ import annotations
 
 
 class LiveProgress:
-    """The train callback: a rich progress bar (step, loss, val, tok/s, ETA) when the console is
-    interactive, else a line per evaluation."""
+    """The train callback: a line per evaluation, kept on screen, and when the console is
+    interactive a rich progress bar (step, loss, val, tok/s, ETA) under them."""
 
     def __init__(self, con, enabled: bool) -> None:
         self.con, self.enabled, self.bar, self.task = con, enabled and con.is_terminal, None, None
@@ -38,9 +38,12 @@ class LiveProgress:
             self.con.print(f"step 0: val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
             if self.bar is not None:
                 self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
-        elif event == "eval" and self.bar is None and not self.quiet:
+        elif event == "eval" and not self.quiet:
+            # with a live bar, rich prints the line above it: every evaluation stays on screen
             self.con.print(f"step {r['step']}: loss {r['loss']:.4f}, val {r['val_loss']:.4f} "
                            f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s")
+            if self.bar is not None:
+                self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
         elif event == "end":
             self.close()
 
