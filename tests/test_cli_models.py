@@ -218,3 +218,11 @@ def test_every_help_page_has_an_example_that_parses():
                 continue
             argv = shlex.split(command)[1:]
             parser.parse_args(rewrite_legacy(argv)[0])     # SystemExit on a bad example
+
+
+def test_train_does_not_offer_bidirectional_attention(capsys):
+    from logitlab.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--attention", "bidirectional"])
+    assert "unrecognized arguments: --attention" in capsys.readouterr().err

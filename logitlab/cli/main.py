@@ -28,10 +28,19 @@ def _error_text(exc: BaseException) -> str:
     return escape(text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without abbreviated flags: `--attention` is not silently `--attention-kernel`, and a
+    flag added later never changes what an old command line means. Sub-commands inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from logitlab import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="logitlab",
         description="Text -> token ids -> logits -> text, every step visible. New here? Start with "
                     "`logitlab demo`: it trains a tokenizer and a small model on the Python standard "

@@ -371,7 +371,9 @@ def register(subparsers) -> None:
     cli.add_progress_flag(p)
     _add_data_flags(p)
     cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS, renamed={"out_dir": "--out"})
-    cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(),
+    # attention is not a flag: `train` is next-token prediction, which needs causal attention (an
+    # encoder trains with the masked-LM objective in Python: docs/lessons/encoder-and-decoder.md)
+    cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(), skip=("attention",),
                          description="Defaults shown are the tiny preset's (the model without --preset or a "
                          "[model] table); another preset sets its own, and a flag overrides either.")
     p.set_defaults(func=cmd_train)
