@@ -58,7 +58,7 @@ def test_help_and_argument_errors_import_no_torch():
             "for argv in (['--help'], ['train', '--help'], ['generate', '--help'], ['sft', '--help'], "
             "['eval', 'long', '--help'], ['generate']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-            "heavy = sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules)\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules)\n"
             "print('HEAVY', heavy, file=sys.stderr)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert "HEAVY []" in out.stderr, out.stderr[-2000:]

@@ -80,7 +80,7 @@ def test_full_sft_from_the_command_line_moves_the_weights(base, capsys):
 
 def test_add_special_refuses_both_sources(base, capsys):
     code = main(["tokenizer", "add-special", "--out", str(base / "x.json")])
-    assert code == 2 and "exactly one of --model" in capsys.readouterr().err
+    assert code == 2 and "exactly one of MODEL" in capsys.readouterr().err
     code = main(["tokenizer", "add-special", "--tokenizer", str(base / "base" / TOKENIZER_FILE),
                  "--tokens", "<|tool|>", "--chat-template", "chatml", "--out", str(base / "t.json")])
     assert code == 0
