@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 
@@ -18,18 +19,18 @@ def add_snapshot(cache: Path, repo_id: str, source: Path, revisions=("main",), c
     `commit` (default: a hash of the files), named by each of `revisions` -> the snapshot folder."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     files = sorted(p for p in Path(source).iterdir() if p.is_file())
+    sha256 = {p: _digest(p, hashlib.sha256()) for p in files}    # read in pieces: weights may be gigabytes
     if commit is None:
         digest = hashlib.sha1()
         for p in files:
-            digest.update(p.name.encode() + p.read_bytes())
+            digest.update(p.name.encode() + bytes.fromhex(sha256[p]))
         commit = digest.hexdigest()
     snapshot = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     snapshot.mkdir(parents=True, exist_ok=True)
     for p in files:
-        data = p.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
+        blob = repo / "blobs" / sha256[p]
+        shutil.copyfile(p, blob)
         link = snapshot / p.name
         if link.exists() or link.is_symlink():
             link.unlink()
@@ -38,6 +39,13 @@ def add_snapshot(cache: Path, repo_id: str, source: Path, revisions=("main",), c
     for rev in revisions:
         (repo / "refs" / rev).write_text(commit)
     return snapshot
+
+
+def _digest(path: Path, h) -> str:
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def use_cache(monkeypatch, cache: Path) -> None:
