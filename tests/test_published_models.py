@@ -146,7 +146,8 @@ def _need_memory(config: dict) -> None:
     vocab = text["vocab_size"]
     width = text.get("hidden_size", text.get("n_embd"))
     ff = text.get("intermediate_size", 4 * width)
-    params = vocab * width * (1 if text.get("tie_word_embeddings", True) else 2) + 2 * (4 * width * width + 3 * width * ff)
+    tables = 1 if text.get("tie_word_embeddings", True) else 2
+    params = tables * vocab * width + 2 * (4 * width * width + 3 * width * ff)
     need = int(params * 4 * 2.5)                       # one model, its file, the other model, activations
     if _available_bytes() < need:
         pytest.skip(f"needs about {need / 2**30:.1f} GiB free for two float32 copies, "
