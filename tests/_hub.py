@@ -58,3 +58,22 @@ def use_cache(monkeypatch, cache: Path) -> None:
         return
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def add_random_gpt2(cache: Path, vocab_json: Path, merges_txt: Path, work: Path) -> Path:
+    """Put a GPT-2-shaped model into `cache` as the hub id "gpt2": GPT-2 small's shapes (12 layers,
+    D 768, 12 heads, its 1024 learned positions) with seeded random weights, and GPT-2's own
+    vocabulary files, so that `load_pretrained("gpt2")` and `load_tokenizer("gpt2")` resolve offline.
+    The source folder goes under `work` (keep it away from where code runs: a directory named gpt2
+    there would be loaded instead of the hub id)."""
+    import torch
+
+    from logitlab.io import hf
+    from logitlab.model import Transformer, get_preset
+
+    torch.manual_seed(0)
+    source = work / "gpt2"
+    hf.save_pretrained(Transformer(get_preset("gpt2")), source)
+    shutil.copyfile(vocab_json, source / "vocab.json")
+    shutil.copyfile(merges_txt, source / "merges.txt")
+    return add_snapshot(cache, "gpt2", source)
