@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import codecs
 import operator
+import unicodedata
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -52,8 +53,8 @@ from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage
     special_regex,
     uncovered_error,
 )
-from logitlab.tokenizer.reference import bpe, bpe_plain, encode_pieces, merge_table, utf8
-from logitlab.tokenizer.special import place_specials
+from logitlab.tokenizer.reference import bpe, bpe_plain, consistent_for_tiktoken, encode_pieces, merge_table, utf8
+from logitlab.tokenizer.special import place_specials, split_at_specials
 from logitlab.tokenizer.special import prefix_overlap as _prefix_overlap
 
 if TYPE_CHECKING:
@@ -69,13 +70,19 @@ class Tokenizer(ChatMethods):
     are neither bytes nor merge results, or else appended after the last id) or a dict str -> id.
     pattern: "gpt2" (default), "cl100k" or a regex whose whole matches cover any text and are
     never empty (checked here; ValueError with an example of what it drops otherwise).
+    normalization: None, or the Unicode normal form ("NFC", ...) that the text between special
+    tokens is put in before it is split, as a tokenizer.json's normalizer does (Qwen's: NFC).
     """
 
     kind = "byte_level"  # SentencePieceTokenizer (sentencepiece.py) has the same interface
     bos_id = None  # nothing goes before a text (encode's add_bos adds nothing here)
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                 special_tokens: Iterable[str] | dict[str, int] | None = None, pattern: str = "gpt2"):
+                 special_tokens: Iterable[str] | dict[str, int] | None = None, pattern: str = "gpt2",
+                 normalization: str | None = None):
+        if normalization not in (None, "NFC", "NFD", "NFKC", "NFKD"):  # unicodedata's forms
+            raise ValueError(f"normalization must be NFC, NFD, NFKC, NFKD or None, got {normalization!r}")
+        self.normalization = normalization
         self.pattern = resolve_pattern(pattern)
         self.pattern_name = pattern_name(self.pattern)
         self._split = pretokenizer(self.pattern)
@@ -134,17 +141,7 @@ class Tokenizer(ChatMethods):
 
     def _consistent_for_tiktoken(self) -> bool:
         """True when merging by rank of the concatenation (tiktoken) equals replaying merges."""
-        last = -1
-        seen: set[bytes] = set()
-        for a, b in self.merges:
-            ab = a + b
-            i = self._encoder[ab]
-            if ab in seen or i <= last or self._encoder[a] >= i or self._encoder[b] >= i:
-                return False  # duplicate result, ids out of merge order, or a part made later
-            seen.add(ab)
-            last = i
-        # Every token's own bytes must replay to that single token.
-        return all(self._bpe(tok) == [i] for tok, i in self._encoder.items() if len(tok) > 1)
+        return consistent_for_tiktoken(self._encoder, self.merges, self._bpe)
 
     def _fast(self):
         if self._tiktoken is None:
@@ -236,6 +233,14 @@ class Tokenizer(ChatMethods):
         if not isinstance(text, str):
             raise ValueError(f"encode expects str, got {type(text).__name__}")
         allowed = self._allowed(allowed_special)
+        if self.normalization is None:
+            return self._encode(text, allowed, fast)
+        out, norm = [], self.normalization  # special tokens are found in the text as given; the rest is normalized
+        for piece, special in self._split_special(text, allowed):
+            out += [special] if special is not None else self._encode(unicodedata.normalize(norm, piece), set(), fast)
+        return out
+
+    def _encode(self, text: str, allowed: set[str], fast: bool | None) -> list[int]:
         use_fast = fast is not False and self.fast_path_ok
         if use_fast and not allowed:
             out = self._fast().encode_ordinary(text)  # no special-token scan: tiktoken's fastest entry
@@ -270,6 +275,8 @@ class Tokenizer(ChatMethods):
 
     def encode_ordinary(self, text: str, fast: bool | None = None) -> list[int]:
         """Encode untrusted text: special-token strings are ordinary text."""
+        if self.normalization is not None and isinstance(text, str):
+            text = unicodedata.normalize(self.normalization, text)
         if fast is None and self._ordinary is not None:  # tiktoken's core, once the checks below passed:
             try:                                         # they cost more than a short text's encoding
                 return self._ordinary(text)
@@ -285,15 +292,7 @@ class Tokenizer(ChatMethods):
 
     def _split_special(self, text: str, allowed: set[str]) -> Iterator[tuple[str, int | None]]:
         rx = self._special_re if allowed == set(self._special) else special_regex(allowed)
-        start = 0
-        if rx is not None:
-            for m in rx.finditer(text):
-                if m.start() > start:
-                    yield text[start:m.start()], None
-                yield "", self._special[m.group()]
-                start = m.end()
-        if start < len(text):
-            yield text[start:], None
+        return split_at_specials(text, rx, self._special)
 
     def encode_iterable(self, iterable: Iterable[str], allowed_special="all", fast: bool | None = None,
                         chunk_chars: int = 1 << 16) -> Iterator[int]:

@@ -147,6 +147,8 @@ def fingerprint(tok) -> str:
         "merges": [[a.hex(), b.hex()] for a, b in tok.merges],
         "special_tokens": sorted(tok.special_tokens.items()),
     }
+    if getattr(tok, "normalization", None):  # only when set, so that older files keep their fingerprints
+        canon["normalization"] = tok.normalization
     return hashlib.sha256(json.dumps(canon, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
@@ -170,6 +172,8 @@ def save_logitlab(tok, path) -> None:
         "merges": [[a.hex(), b.hex()] for a, b in tok.merges],
         "fingerprint": tok.fingerprint(),
     }
+    if tok.normalization is not None:
+        data["normalization"] = tok.normalization
     if getattr(tok, "chat_template", None) is not None:
         data["chat_template"] = tok.chat_template  # not in the fingerprint: it changes no id
     listing = path.with_suffix(".vocab")
@@ -227,7 +231,7 @@ def load_logitlab(cls, path, data: dict | None = None):
     specials = _field(data, "special_tokens", dict, path)
     pattern = _field(data, "pattern", str, path)
     try:
-        tok = cls(vocab, merges, special_tokens=specials, pattern=pattern)
+        tok = cls(vocab, merges, special_tokens=specials, pattern=pattern, normalization=data.get("normalization"))
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     expected = data.get("fingerprint")
@@ -273,7 +277,7 @@ def _from_printable_vocab(raw, where) -> tuple[dict[int, bytes], dict[str, int]]
     return vocab, undecodable
 
 
-def _build(cls, vocab, merges, where, specials, pattern="gpt2"):
+def _build(cls, vocab, merges, where, specials, pattern="gpt2", normalization=None):
     """Entries that are neither single bytes nor merge results become special tokens."""
     ordinary = {bytes([b]) for b in range(256)} | {a + b for a, b in merges}
     known = set()
@@ -290,7 +294,7 @@ def _build(cls, vocab, merges, where, specials, pattern="gpt2"):
             specials[t.decode("utf-8", errors="replace")] = i
             del vocab[i]
     try:
-        return cls(vocab, merges, special_tokens=specials, pattern=pattern)
+        return cls(vocab, merges, special_tokens=specials, pattern=pattern, normalization=normalization)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 
@@ -319,7 +323,7 @@ def save_hf(tok, path) -> None:
         "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": True}
                          for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])],
-        "normalizer": None,
+        "normalizer": {"type": tok.normalization} if tok.normalization else None,
         "pre_tokenizer": _pre_tokenizer(tok),
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
@@ -356,9 +360,11 @@ def load_hf(cls, path, data: dict | None = None):
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not BPE")
     pattern = _hf_pattern(data.get("pre_tokenizer"), path)
-    if data.get("normalizer") is not None:
-        raise ValueError(f"{path}: normalizer {json.dumps(data['normalizer'])[:120]} is not supported "
-                         f"(logitlab encodes text as given)")
+    normalizer = data.get("normalizer")  # a Unicode normal form (Qwen's NFC), or none
+    if normalizer is not None and (not isinstance(normalizer, dict) or
+                                   normalizer.get("type") not in ("NFC", "NFD", "NFKC", "NFKD")):
+        raise ValueError(f"{path}: normalizer {json.dumps(normalizer)[:120]} is not supported (a byte-level "
+                         f"tokenizer takes none, or one Unicode normal form: NFC, NFD, NFKC or NFKD)")
     vocab, specials = _from_printable_vocab(_field(model, "vocab", dict, path), path)
     merges = []
     for n, m in enumerate(_field(model, "merges", list, path)):
@@ -369,7 +375,7 @@ def load_hf(cls, path, data: dict | None = None):
     for added in data.get("added_tokens") or []:
         specials[added["content"]] = added["id"]
         vocab.pop(added["id"], None)
-    tok = _build(cls, vocab, merges, str(path), specials, pattern)
+    tok = _build(cls, vocab, merges, str(path), specials, pattern, normalizer and normalizer["type"])
     from logitlab.tokenizer.chat import find_hf_chat_template  # the tokenizer_config.json beside it
 
     tok.chat_template, source = find_hf_chat_template(Path(path).parent)
