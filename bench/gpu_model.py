@@ -113,8 +113,9 @@ def _peak_gib(device: torch.device) -> float | None:
 # --------------------------------------------------------------------------------------------
 
 def train_case(config, B: int, T: int, spec: dict, attention: str = "sdpa") -> dict:
-    """Compiled bf16 training steps of a freshly built model on random ids: the first step (the
-    compile), one more, then timed steps until 10 (2 on CPU) or the part's share runs low."""
+    """Compiled training steps of a freshly built model on random ids, under the trainer's autocast
+    (bf16 on a GPU, none on a CPU): the first step (the compile), one more, then timed steps until
+    10 (1 on a CPU) or until the part's share runs low."""
     from logitlab.model.accounting import count_parameters, flops_per_token
     from logitlab.model.transformer import Transformer
     from logitlab.train import runtime
