@@ -196,6 +196,18 @@ def test_partial_rotary_turns_only_the_first_dimensions():
         _config(partial_rotary_factor=0.0)
 
 
+def test_partial_rotary_traces_as_one_graph():
+    """torch.compile(fullgraph=True) of a partial rotation (`train --compile` of a Qwen3.5 model):
+    the pass-through part is cast without a call dynamo cannot put in a graph (torch.result_type)."""
+    from logitlab.model.rope import RotaryEmbedding, apply_rope
+
+    rope = RotaryEmbedding(4, 16, 10000.0)
+    x = torch.randn(1, 6, 2, 16)
+    cos, sin = rope(torch.arange(6)[None])
+    compiled = torch.compile(apply_rope, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, cos, sin), apply_rope(x, cos, sin), rtol=0, atol=0)
+
+
 def test_config_checks_name_the_field():
     with pytest.raises(ValueError, match="layer_types has 3 entries but n_layers is 4"):
         _config(layer_types=("full_attention",) * 2 + ("linear_attention",))
