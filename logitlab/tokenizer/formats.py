@@ -323,7 +323,12 @@ def load_gpt2(cls, vocab_json, merges_txt):
 
 # ------------------------------------------------------------------------------ HF tokenizer.json
 def save_hf(tok, path) -> None:
-    """Hugging Face `tokenizer.json` for byte-level BPE (ids unchanged, specials as added tokens)."""
+    """Hugging Face `tokenizer.json` for byte-level BPE (ids unchanged, specials as added tokens).
+    A special token among the ordinary ids (SmolLM2's <|endoftext|> is 0) is in the BPE vocabulary
+    too, as `tokenizers`' trainer writes it: an added token missing from it gets the next free id."""
+    vocab = {to_printable(t): i for i, t in sorted(tok._decoder.items())}
+    last = max(tok._decoder, default=-1)
+    vocab |= {s: i for s, i in tok.special_tokens.items() if i < last and s not in vocab}
     data = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
@@ -335,7 +340,7 @@ def save_hf(tok, path) -> None:
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {to_printable(t): i for i, t in sorted(tok._decoder.items())},
+                  "vocab": dict(sorted(vocab.items(), key=lambda kv: kv[1])),
                   "merges": [[to_printable(a), to_printable(b)] for a, b in tok.merges]},
     }
     write_file(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n", HF)
