@@ -63,6 +63,7 @@ from logitlab.tokenizer.reference import bpe, bpe_plain, consistent_for_tiktoken
 from logitlab.tokenizer.special import place_specials, split_at_specials
 from logitlab.tokenizer.special import prefix_overlap as _prefix_overlap
 
+
 class Tokenizer(ChatMethods, FileMethods):
     """Byte-level BPE tokenizer: `Tokenizer(vocab, merges, special_tokens=None, pattern="gpt2")`.
 

@@ -72,7 +72,8 @@ def checked_bos(processor, specials: dict[str, int], where) -> str | None:
         entry = (step.get("special_tokens") or {}).get(bos) if isinstance(step, dict) else None
         ids = entry.get("ids") if isinstance(entry, dict) else None
         if ids is not None and ids != [specials[bos]]:
-            raise ValueError(f"{where}: the post_processor gives {bos!r} the ids {ids}, but it is token {specials[bos]}")
+            raise ValueError(f"{where}: the post_processor gives {bos!r} the ids {ids}, but it is token "
+                             f"{specials[bos]}")
     return bos
 
 
