@@ -234,7 +234,7 @@ class Tokenizer(ChatMethods, FileMethods):
         allowed = self._allowed(allowed_special)
         bos = [self.bos_id] if add_bos and self.bos_id is not None else []
         if self.normalization is None:
-            return bos + self._encode(text, allowed, fast)
+            return bos + self._encode(text, allowed, fast) if bos else self._encode(text, allowed, fast)
         out, norm = bos, self.normalization  # special tokens are found in the text as given; the rest is normalized
         for piece, special in self._split_special(text, allowed):
             out += [special] if special is not None else self._encode(unicodedata.normalize(norm, piece), set(), fast)
