@@ -17,7 +17,7 @@ or two before it, and the processors that add such tokens (`RobertaProcessing`, 
 The `pair` template is not read (logitlab encodes one text at a time).
 
 Byte-level pre-tokenizers. `ByteLevel` (use_regex: GPT-2's pattern) is pattern "gpt2";
-`Sequence[Split(Regex, Isolated), ByteLevel(use_regex=false)]` (Llama 3, Qwen, Mistral-NeMo's
+`Sequence[Split(Regex, Isolated), ByteLevel(use_regex=false)]` (Llama 3, Qwen, Mistral's
 Tekken) is that regex; `Sequence[Digits(individual_digits=true), ByteLevel]` (StarCoder, SmolLM) is
 "gpt2_digits" (patterns.py). Any other shape is refused by name.
 """
