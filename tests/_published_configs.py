@@ -130,8 +130,8 @@ PUBLISHED = [
               layers=("linear_attention", "full_attention")),
     Published("meta-llama/Llama-3.2-1B", LLAMA32_1B, "config.json of meta-llama/Llama-3.2-1B(-Instruct) as "
               "quoted in public model-block benchmarks and configs (commit 4e20de36 of the Instruct)", BYTE_LEVEL,
-              tokenizer_note="its post-processor's <|begin_of_text|> is not added: logitlab encodes the text as "
-              "given (inspect --bos puts a BOS first)"),
+              tokenizer_note="its post-processor's <|begin_of_text|> is the tokenizer's BOS token: "
+              "encode(text, add_bos=True) puts it first (tests/test_tokenizer_bos.py)"),
     Published("mistralai/Mistral-7B-v0.1", MISTRAL_7B, f"huggingface.co/mistralai/Mistral-7B-v0.1/resolve/main/"
               f"config.json, {_QUOTED}", SENTENCEPIECE),
     Published("TinyLlama/TinyLlama-1.1B-Chat-v1.0", TINYLLAMA, "config.json at revision fe8a4ea1 as pinned by a "
@@ -139,8 +139,8 @@ PUBLISHED = [
     Published("HuggingFaceTB/SmolLM2-135M", SMOLLM2_135M, "config.json as printed by transformers after "
               "from_pretrained and quoted in several reimplementations (max_position_embeddings 8192, "
               "rope_theta 100000)", BYTE_LEVEL + " (Digits pre-tokenizer)", fast=True,
-              tokenizer_note="refused: its pre-tokenizer splits digits before ByteLevel, and its vocabulary lacks "
-              "some of the 256 byte tokens (a restricted initial alphabet)"),
+              tokenizer_note="pattern gpt2_digits (Digits before ByteLevel); its vocabulary lacks 21 of the 256 "
+              "byte tokens, which are dropped from the text as tokenizers drops them (tests/test_tokenizer_digits.py)"),
     Published("Qwen/Qwen2.5-0.5B", QWEN25_05B, f"huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json, {_QUOTED}",
               BYTE_LEVEL_NFC),
     Published("Qwen/Qwen3-30B-A3B", QWEN3_30B_A3B, "its config.json's architecture fields as quoted in public "

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     train.add_argument("--special-token", nargs="*", action="extend", default=None, metavar="S",
                        help="special tokens, several after one flag or the flag repeated (default: <|endoftext|>; "
                        "give the flag alone for none)")
-    train.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k or a regex")
+    train.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, gpt2_digits or a regex")
     train.add_argument("--workers", type=int, default=None, help="pre-tokenization processes (default: all cores)")
     train.add_argument("--out", required=True, help="tokenizer file to write (logitlab JSON + .vocab listing)")
     train.add_argument("--export-hf", metavar="FILE", help="also write a Hugging Face tokenizer.json")

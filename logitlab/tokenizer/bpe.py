@@ -251,7 +251,7 @@ class BPEConfig:
 
     vocab_size: int = field(metadata={"help": "ids in the vocabulary: 256 bytes + merges + special tokens"})
     special_tokens: tuple[str, ...] = field(default=(), metadata={"help": "never split, never merged; ids last"})
-    pattern: str = field(default="gpt2", metadata={"help": "pre-tokenization: gpt2, cl100k or a regex"})
+    pattern: str = field(default="gpt2", metadata={"help": "pre-tokenization: gpt2, cl100k, gpt2_digits or a regex"})
     workers: int | None = field(default=None, metadata={"help": "pre-tokenization processes (None: all cores)"})
     glob: str = field(default="**/*", metadata={"help": "files taken from directories"})
 

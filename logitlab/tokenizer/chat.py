@@ -141,8 +141,9 @@ def _compiled(template: str, limits):
 def template_variables(tok) -> dict[str, str]:
     """The special tokens a template reads, as written to tokenizer_config.json (so transformers
     passes the same ones). A SentencePiece-style tokenizer names them itself (its `roles`: <s>,
-    </s>, ...); for a byte-level one bos_token is the end of text and eos_token the end of a turn
-    (<|im_end|> when the tokenizer has it, else the end of text)."""
+    </s>, ...); for a byte-level one bos_token is its BOS token (Llama 3's <|begin_of_text|>) or
+    else the end of text, and eos_token the end of a turn (<|im_end|> when the tokenizer has it,
+    else the end of text)."""
     if getattr(tok, "kind", None) == "sentencepiece":
         return dict(tok.roles)
     specials, found = tok.special_tokens, {}
@@ -150,6 +151,8 @@ def template_variables(tok) -> dict[str, str]:
         found = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT}
     if IM_END in specials:
         found["eos_token"] = IM_END
+    if getattr(tok, "bos_token", None) is not None:
+        found["bos_token"] = tok.bos_token
     return found
 
 
@@ -298,12 +301,12 @@ def end_of_turn_id(tok) -> int | None:
 def hf_tokenizer_config(tok, model_max_length: int) -> dict:
     """tokenizer_config.json for transformers' AutoTokenizer: the chat template (ChatML when the
     tokenizer has none and holds ChatML's markers), the special tokens and the end of turn as eos.
-    A SentencePiece-style tokenizer.json keeps its post-processor (the <s> it adds), so no
-    add_bos_token is written for it: transformers would rebuild the post-processor from it."""
+    A tokenizer.json with a BOS token keeps its post-processor (the <s> or <|begin_of_text|> it
+    adds), so no add_bos_token is written for it: transformers would rebuild the post-processor."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False}
     sentencepiece = getattr(tok, "kind", None) == "sentencepiece"
-    if not sentencepiece:
+    if not sentencepiece and getattr(tok, "bos_token", None) is None:
         config["add_bos_token"] = False
     specials = tok.special_tokens
     config.update(template_variables(tok))

@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 from logitlab.tokenizer.formats import HF, LISTING, LOGITLAB, _field, _read_json, check_target, write_file
+from logitlab.tokenizer.hf_steps import bos_of, template_processing
 from logitlab.tokenizer.sp_bpe import SPACE, byte_of_piece
 from logitlab.tokenizer.sp_pipeline import (
     LLAMA_DECODER,
@@ -74,32 +75,6 @@ def _added_tokens(entries, where) -> list[AddedToken]:
     return out
 
 
-def _bos_of(processor, where) -> str | None:
-    """The token a TemplateProcessing post-processor puts before the text (None: none)."""
-    if processor is None:
-        return None
-    if isinstance(processor, dict) and processor.get("type") == "Sequence":
-        inner = processor.get("processors") or []
-        if len(inner) != 1:
-            raise ValueError(f"{where}: unsupported post_processor {json.dumps(processor)[:160]}")
-        processor = inner[0]
-    if not isinstance(processor, dict) or processor.get("type") != "TemplateProcessing":
-        raise ValueError(f"{where}: unsupported post_processor {json.dumps(processor)[:160]} (expected "
-                         f"TemplateProcessing)")
-    single, specials = processor.get("single") or [], processor.get("special_tokens") or {}
-    names = [item.get("SpecialToken", {}).get("id") for item in single if isinstance(item, dict)]
-    if (len(single) not in (1, 2) or not isinstance(single[-1], dict) or "Sequence" not in single[-1]
-            or (len(single) == 2 and names[0] is None)):
-        raise ValueError(f"{where}: post_processor template {json.dumps(single)[:160]} is not supported: "
-                         f"logitlab's encode(add_bos=True) puts at most one token before the text and none after")
-    if len(single) == 1:
-        return None
-    tokens = (specials.get(names[0]) or {}).get("tokens") or [names[0]]
-    if len(tokens) != 1:
-        raise ValueError(f"{where}: post_processor special token {names[0]!r} stands for {len(tokens)} tokens")
-    return tokens[0]
-
-
 def config_from_json(data: dict, where) -> SentencePieceConfig:
     """The steps of a parsed tokenizer.json."""
     model = _field(data, "model", dict, where)
@@ -109,7 +84,7 @@ def config_from_json(data: dict, where) -> SentencePieceConfig:
             pre_tokenizer=pre_tokenizer_from_json(data.get("pre_tokenizer"), where),
             byte_fallback=bool(model.get("byte_fallback", False)), unk_token=model.get("unk_token"),
             fuse_unk=bool(model.get("fuse_unk", False)), ignore_merges=bool(model.get("ignore_merges", False)),
-            decoder=decoder_from_json(data.get("decoder"), where), bos_token=_bos_of(data.get("post_processor"), where))
+            decoder=decoder_from_json(data.get("decoder"), where), bos_token=bos_of(data.get("post_processor"), where))
     except ValueError as exc:
         text = str(exc)
         raise ValueError(text if text.startswith(str(where)) else f"{where}: {text}") from None
@@ -234,13 +209,7 @@ def _replace(config: SentencePieceConfig, **changes) -> SentencePieceConfig:
 # ------------------------------------------------------------------------------ writing tokenizer.json
 def hf_json(tok) -> dict:
     config = tok.config
-    bos = config.bos_token
-    post = None if bos is None else {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}}}
+    post = template_processing(config.bos_token, tok.bos_id)
     steps = config_to_json(config)
     return {
         "version": "1.0", "truncation": None, "padding": None,

@@ -48,7 +48,8 @@ def add_special_tokens(tok, tokens: Iterable[str]):
         new = tok.with_added_tokens(added)
     else:
         new = type(tok)(dict(tok._decoder), tok.merges, special_tokens=specials,
-                        pattern=tok.pattern_name or tok.pattern, normalization=tok.normalization)
+                        pattern=tok.pattern_name or tok.pattern, normalization=tok.normalization,
+                        bos_token=tok.bos_token, drop_missing_bytes=bool(tok.missing_bytes))
     new.chat_template = getattr(tok, "chat_template", None)
     new.chat_template_origin = getattr(tok, "chat_template_origin", None)
     return new, added
