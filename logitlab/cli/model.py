@@ -94,8 +94,10 @@ def resolve_config(target: str, revision: str | None = None):
         try:
             path = hub.resolve_model(target, revision, files=["config.json"]).directory
         except ValueError as exc:
-            raise ValueError(f"{target!r} is neither a preset ({', '.join(families.PRESETS)}), a config file or "
-                             f"model directory, nor a hub model: {exc}") from None
+            if "/" in target:                                   # ORG/NAME: a hub id, not a preset's name
+                raise
+            raise ValueError(f"{target!r} is neither a preset (logitlab.model.PRESETS), a config file or model "
+                             f"directory, nor a hub model: {exc}") from None
     if path.is_dir() and not (path / "config.json").is_file():
         path = checkpoint.resolve_model_dir(path)   # a run directory: its latest checkpoint
     if path.is_dir():
