@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("columns", [60, 80, 120])
 def test_params_numbers_are_never_cut(columns):
     env = dict(os.environ, COLUMNS=str(columns))

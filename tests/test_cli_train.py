@@ -147,6 +147,7 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process(tmp_path):
     """`torchrun -m logitlab train` with 2 CPU ranks (gloo, FSDP2) gives the loss sequence of one
     process with the same global batch."""

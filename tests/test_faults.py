@@ -333,6 +333,7 @@ def test_a_second_writer_is_refused_and_a_killed_writers_lock_is_taken_over(corp
     assert result.stopped == "done" and not (out / files.LOCK_FILE).exists()
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_and_pruning_leaves_only_complete_checkpoints(corpus, tmp_path):
     out = tmp_path / "run"
     seen_deleting = False
@@ -480,6 +481,7 @@ def test_resume_refuses_conflicting_flags_and_names_them(run, tmp_path, capsys):
     assert ck.read_state(ck.latest_checkpoint(copy))["step"] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_run_stopped_by_a_signal_saves_and_exits_128_plus_the_signal(tmp_path, sig, code):
     (tmp_path / "docs").mkdir()

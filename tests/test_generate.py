@@ -262,6 +262,7 @@ def test_stream_yields_the_same_ids_and_fills_the_result(model):
     assert r.decode_tokens_per_second > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isolate", [True, False], ids=["isolated", "guarded"])
 def test_compiled_decode_step_is_one_graph_with_the_same_tokens(model, monkeypatch, isolate):
     """aot_eager traces exactly what inductor compiles (fullgraph: a graph break would raise),
@@ -330,6 +331,7 @@ def _count_step_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_compiled_greedy_and_trusted_steps_follow_new_batch_sizes_and_dtypes(model, monkeypatch):
     """generate with a compiled step skips dynamo's guards from the third decode step on. Each call
     starts guarded, so a new batch size, padding, a one-token prompt (dynamo specialises a
@@ -427,6 +429,7 @@ def test_compiled_step_traces_module_floats_as_constants(model):
     assert attempts(CompiledStep) == 1
 
 
+@pytest.mark.slow
 def test_decode_autotune_pins_the_template_for_bf16_and_times_on_request(model):
     """autotune None: the C++ GEMM template untimed ("template") for a frozen bf16 step; True /
     "timed": every candidate timed; False: aten's products; the choice filter acts only while a

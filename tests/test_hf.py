@@ -230,6 +230,7 @@ def big_hf_dir(tmp_path_factory):
 
 @pytest.mark.skipif(not __import__("os").access("/proc/self/clear_refs", __import__("os").W_OK),
                     reason="needs Linux /proc/self/clear_refs to reset the peak resident memory")
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, bound", [("none", 1.2), ("bf16", 0.75)])
 def test_load_streams_tensor_by_tensor(big_hf_dir, dtype, bound):
     """The peak resident memory of loading, in a fresh process, stays near the loaded model's own

@@ -95,6 +95,7 @@ def _close(a: list[float], b: list[float], tol: float = TOL) -> None:
     assert max(diffs) <= tol, f"max difference {max(diffs):.3g} > {tol}: {a} vs {b}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process_with_twice_the_batch(runs, mode):
     ref = runs["none"]
