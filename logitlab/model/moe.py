@@ -16,7 +16,8 @@ three forms that compute the same values (tests/test_moe.py checks them against 
 else "grouped". Dropless by default; with `capacity_factor` each expert takes at most
 C = ceil(capacity_factor * N * K / E) assignments per call, in token order, and drops the rest (the
 token keeps its residual), the same in all three forms. Which layers are MoE is config.mlp_kinds
-(layers.py builds the block); the losses that train the router live in moe_losses.py.
+(layers.py builds the block); the losses that train the router, and the update of sigmoid_topk's
+correction bias, live in train/moe.py.
 
 Shapes: N tokens (B * T), D d_model, E experts, K experts per token, F one expert's width
 (config.moe_d_ff), Fs the shared expert's.
