@@ -6,7 +6,8 @@ else branches on the typed features of ModelConfig. It owns:
 - PRESETS / get_preset(name): the published shapes of GPT-2, Llama 3 and Qwen3 checkpoints, plus
   small shapes meant for CPU training;
 - config_from_hf(dict) / config_to_hf(ModelConfig): Hugging Face config.json <-> ModelConfig,
-  in hf_config.py and importable from here; the Hugging Face architecture is chosen from typed
+  in hf_config.py (dense families) and hf_config_moe.py (the MoE families, and the entry points
+  for all), importable from here; the Hugging Face architecture is chosen from typed
   features (see `hf_architecture`);
 - the state-dict key maps (key_layout, hf_key_to_logitlab, clean_hf_state, hf_tensors_to_logitlab,
   state_dict_from_hf / state_dict_to_hf) live in keymap.py and are importable from here too.
@@ -17,13 +18,14 @@ File reading/writing lives in logitlab.io.hf; this module never touches the disk
 from __future__ import annotations
 
 from logitlab.model.config import ModelConfig, RopeScaling
-from logitlab.model.hf_config import (  # noqa: F401  (importable from here as before)
+from logitlab.model.hf_config_moe import (  # noqa: F401  (importable from here as before; every family)
     SUPPORTED_ARCHITECTURES,
     config_from_hf,
     config_to_hf,
 )
 from logitlab.model.keymap import (  # noqa: F401  (the key maps, importable from here as before)
     clean_hf_state,
+    expert_layout_of,
     hf_architecture,
     hf_key_to_logitlab,
     hf_tensors_to_logitlab,
