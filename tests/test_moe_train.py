@@ -183,3 +183,25 @@ def test_resume_continues_bit_for_bit_with_the_correction_bias(tmp_path):
                                model.blocks[0].mlp.router.correction_bias, rtol=0, atol=0)
     torch.testing.assert_close(resumed.blocks[1].mlp.experts.down_proj, model.blocks[1].mlp.experts.down_proj,
                                rtol=0, atol=0)
+
+
+def test_train_command_trains_moe_tiny_and_says_what_it_routes(tmp_path, capsys):
+    import json
+
+    from logitlab import cli
+    from logitlab.cli.progress import routing
+
+    (tmp_path / "code.txt").write_text("".join(f"def f_{i}(x):\n    return x * {i}\n\n" for i in range(200)))
+    args = ["train", "--preset", "moe-tiny", "--data", str(tmp_path / "code.txt"), "--tokenizer-vocab", "300",
+            "--context-length", "32", "--n-layers", "2", "--batch-size", "4", "--steps", "2", "--warmup-steps", "1",
+            "--eval-every", "2", "--eval-tokens", "128", "--val-fraction", "0.2", "--workers", "1",
+            "--progress", "false", "--device", "cpu", "--router-z-loss-coef", "0.001", "--out-dir", str(tmp_path / "run")]
+    assert cli.main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "8 experts, 2 per token:" in out and "M active (balancing loss x 0.01, z-loss x 0.001)" in out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert last["step"] == 2 and len(last["expert_share"]) == 2 and len(last["expert_share"][0]) == 8
+    line = routing(last)
+    assert line.startswith("; balancing loss ") and "router entropy" in line and "busiest expert" in line
+    assert routing({"loss": 1.0}) == ""
