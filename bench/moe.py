@@ -93,7 +93,7 @@ def bench_block(quick: bool, repeats: int) -> list[dict]:
         for pass_, make in (("forward", _forward), ("training step", _train_step)):
             for impl, block in theirs.items():
                 r = alternate(make(ours, x), make(block, x), repeats=repeats)
-                rows.append(dict(part="block", shape=f"{name}, {N} tokens", pass_=pass_, peer=f"transformers {impl}",
+                rows.append(dict(part="block", shape=f"{name}, {N} tokens", pass_=pass_, against=f"transformers {impl}",
                                  **r))
     return rows
 
@@ -134,7 +134,7 @@ def bench_model(quick: bool, repeats: int, tmp) -> list[dict]:
     for pass_, mine, peer in (("forward", _forward(ours, ids), their_forward), ("training step", our_train, their_train)):
         r = alternate(mine, peer, repeats=repeats)
         rows.append(dict(part="model", shape="Qwen3-MoE, 4 layers, D 256, 16 experts top-2, 4 x 256 tokens",
-                         pass_=pass_, peer=f"transformers {theirs.config._experts_implementation}", **r))
+                         pass_=pass_, against=f"transformers {theirs.config._experts_implementation}", **r))
     return rows
 
 
@@ -160,14 +160,14 @@ def bench_decode(quick: bool, repeats: int) -> list[dict]:
     r = alternate(decode(moe), decode(dense), repeats=repeats)
     moe_tps, dense_tps = n / min(r["ours"]), n / min(r["peer"])
     return [dict(part="decode", shape=f"D 256, 4 layers; MoE 8 x 256 top-2 vs dense F 512, {n} tokens",
-                 pass_="decode", peer="dense, equal active", moe_tokens_per_s=moe_tps, dense_tokens_per_s=dense_tps,
+                 pass_="decode", against="dense, equal active", moe_tokens_per_s=moe_tps, dense_tokens_per_s=dense_tps,
                  active=[matmul_params(moe_cfg), matmul_params(dense_cfg)],
                  total=[count_parameters(moe_cfg).total, count_parameters(dense_cfg).total], **r)]
 
 
 def render(result: dict) -> str:
     m = result["machine"]
-    rows = [[r["part"], r["shape"], r["pass_"], r["peer"], f"{r['ratio']:.2f}x",
+    rows = [[r["part"], r["shape"], r["pass_"], r["against"], f"{r['ratio']:.2f}x",
              f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"] for r in result["rows"]]
     text = [f"`{result['command']}` on {m['cpu']} ({m['nproc']} cores, {m['torch_threads']} threads, load "
             f"{m.get('load_avg_1m')} when it started: a shared machine), torch {m['torch']}, transformers "
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         if "decode" in parts:
             rows += bench_decode(args.quick, args.repeats)
     for r in rows:
-        print(f"{r['part']:6} {r['shape'][:40]:40} {r['pass_']:13} vs {r['peer']:23} {r['ratio']:.2f}x "
+        print(f"{r['part']:6} {r['shape'][:40]:40} {r['pass_']:13} vs {r['against']:23} {r['ratio']:.2f}x "
               f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})")
     result = dict(command=" ".join(["python3 -m bench.moe", *sys.argv[1:]]), machine=machine_info(), clock=clock,
                   rows=copy.deepcopy(rows))

@@ -51,8 +51,15 @@ VARIANTS = [
 ]
 
 
+@pytest.mark.parametrize("grouped_mm", [True, False])
 @pytest.mark.parametrize("changes", VARIANTS)
-def test_three_forms_agree_in_values_and_gradients(changes):
+def test_three_forms_agree_in_values_and_gradients(changes, grouped_mm, monkeypatch):
+    """The grouped form both ways: torch's grouped product and one product per group."""
+    import logitlab.model.moe as moe_module
+
+    if not grouped_mm:
+        monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda rows: False)
+    assert moe_module._grouped_mm_fits(torch.zeros(2, 32)) == grouped_mm or not hasattr(torch.nn.functional, "grouped_mm")
     moe = _moe(**changes)
     x = torch.randn(13, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -8,7 +8,8 @@ three forms that compute the same values (tests/test_moe.py checks them against 
 
 - "loop": for each expert, the tokens routed to it, through it, added back: the reference, read by eye;
 - "grouped": the (token, expert) assignments sorted by expert, the tokens gathered in that order,
-  one product per expert over its contiguous rows, the outputs scattered back (training, prefill);
+  one product per expert over its contiguous rows (torch's grouped matrix product where it runs,
+  one call for all experts), the outputs scattered back (training, prefill);
 - "gather": each token multiplies the weights of its own K experts, gathered (a handful of tokens
   when decoding: no sort, no host sync, the same shapes every step, so it compiles).
 
@@ -174,11 +175,19 @@ class Experts(nn.Module):
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on x (n, D) -> (n, D)."""
-        b1 = self.gate_up_bias[e] if self.gate_up_bias is not None else None
-        b2 = self.down_bias[e] if self.down_bias is not None else None
-        return F.linear(self.act(F.linear(x, self.gate_up_proj[e], b1)), self.down_proj[e], b2)
+    def per_expert(self) -> list[tuple]:
+        """(gate_up, gate_up_bias, down, down_bias) of each expert, views made by one unbind per
+        tensor: its backward stacks the experts' gradients once, where indexing the stacked
+        parameter expert by expert would add a zero-filled gradient of all E experts for each."""
+        E = self.n_experts
+        parts = [t.unbind(0) if t is not None else (None,) * E
+                 for t in (self.gate_up_proj, self.gate_up_bias, self.down_proj, self.down_bias)]
+        return list(zip(*parts))
+
+    def expert(self, e: int, x: torch.Tensor, weights: list[tuple] | None = None) -> torch.Tensor:
+        """Expert e on x (n, D) -> (n, D); weights: per_expert(), when the caller runs several."""
+        w1, b1, w2, b2 = (weights or self.per_expert())[e]
+        return F.linear(self.act(F.linear(x, w1, b1)), w2, b2)
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,31 +199,59 @@ def experts_loop(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
     added to those tokens' outputs."""
     out = torch.zeros_like(x)
     routed = experts if keep is None else experts.masked_fill(~keep, -1)   # dropped: no expert
+    per_expert = ex.per_expert()
     for e in range(ex.n_experts):
         token, slot = torch.nonzero(routed == e, as_tuple=True)
         if token.numel():
-            y = ex.expert(e, x[token]) * weights[token, slot, None].to(x.dtype)
+            y = ex.expert(e, x[token], per_expert) * weights[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
     return out
 
 
 def experts_grouped(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
     """Sorted dispatch: the N*K assignments ordered by expert (token order kept within one), the
-    tokens gathered in that order, one product per expert over its rows, scattered back."""
+    tokens gathered in that order, one product per expert over its rows (group_products),
+    weighted and added back to their tokens."""
     N, K = experts.shape
     E = ex.n_experts
     flat = experts.reshape(-1)                                             # (N*K,)
     if keep is not None:
         flat = flat.masked_fill(~keep.reshape(-1), E)                      # dropped: a last group
     order = torch.argsort(flat, stable=True)                               # (N*K,) by expert
-    counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()            # rows per expert
-    token = order // K                                                     # (N*K,) its token
-    used = sum(counts)
-    rows = x[token[:used]]                                                 # (used, D) grouped by expert
-    ys = [ex.expert(e, chunk) for e, chunk in enumerate(rows.split(counts)) if counts[e]]
-    y = torch.cat(ys) if ys else rows                                      # (used, D)
-    y = y * weights.reshape(-1)[order[:used], None].to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token[:used], y)
+    counts = torch.bincount(flat, minlength=E + 1)[:E]                     # (E,) rows per expert
+    used = order[:int(counts.sum())]                                       # the kept assignments
+    token = used // K                                                      # (n,) their tokens
+    y = group_products(ex, x[token], counts, flat[used])                   # (n, D)
+    y = y * weights.reshape(-1)[used, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def _grouped_mm_fits(rows: torch.Tensor) -> bool:
+    """Whether torch's grouped matrix product takes these rows: a CPU (float32 or bfloat16, not
+    float32 under torch.compile, whose kernel is bf16-only) or CUDA bfloat16 tensor whose rows are
+    a multiple of 16 bytes."""
+    if not hasattr(F, "grouped_mm") or rows.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if rows.dtype == torch.float32 and (rows.device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    return rows.device.type in ("cpu", "cuda") and (rows.shape[-1] * rows.element_size()) % 16 == 0
+
+
+def group_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """rows (n, D) grouped by expert, counts[e] of them for expert e in turn (ids[i]: row i's
+    expert) -> each row through its expert, (n, D): torch's grouped matrix product (one call per
+    projection for all groups) where it takes the rows, else one product per non-empty group."""
+    Fe = ex.down_proj.shape[-1]
+    if _grouped_mm_fits(rows) and (Fe * rows.element_size()) % 16 == 0 and rows.shape[0]:
+        offs = counts.cumsum(0).to(torch.int32)                            # (E,) end of each group
+        h = F.grouped_mm(rows, ex.gate_up_proj.transpose(1, 2), offs=offs)              # (n, 2F)
+        if ex.gate_up_bias is not None:
+            h = h + ex.gate_up_bias[ids]
+        y = F.grouped_mm(ex.act(h), ex.down_proj.transpose(1, 2), offs=offs)            # (n, D)
+        return y + ex.down_bias[ids] if ex.down_bias is not None else y
+    per_expert, sizes = ex.per_expert(), counts.tolist()
+    ys = [ex.expert(e, chunk, per_expert) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
+    return torch.cat(ys) if ys else rows
 
 
 def experts_gather(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
