@@ -10,7 +10,9 @@ Parts:
   model   a small Qwen3-MoE model (Qwen3MoeForCausalLM) loaded into logitlab: forward and training
           step, against transformers' default;
   decode  greedy decode tokens/s of a small MoE against the dense model whose MLP has the width of
-          the K experts a token uses (equal active parameters), logitlab's generate for both.
+          the K experts a token uses (equal active parameters), logitlab's generate for both; and
+          the MoE's default (grouped) form against its gather form, which "auto" takes only under
+          torch.compile.
 
 Each pair is timed alternately (bench.common.alternate) and reported as ratios: > 1 means logitlab
 (or, in decode, the MoE) is faster. On a shared, loaded machine timings are noisy; --cpu-time with
@@ -30,9 +32,11 @@ import torch
 from bench.common import alternate, machine_info, markdown_table, publish, use_cpu_time
 
 TITLE = "Mixture of experts against transformers"
-# (name, D, E, K, F, tokens): a Mixtral-like layer (few wide experts) and a fine-grained one (many narrow)
-BLOCK_SHAPES = [("8 experts of 512, top-2", 256, 8, 2, 512, 1024),
-                ("64 experts of 64, top-8", 256, 64, 8, 64, 1024)]
+# (name, D, E, K, F, tokens): a small layer, a Mixtral-like one (few wide experts) and a fine-grained
+# one (many narrow experts, as Qwen3-MoE)
+BLOCK_SHAPES = [("D 128, 16 experts of 128, top-2", 128, 16, 2, 128, 256),
+                ("D 256, 8 experts of 512, top-2", 256, 8, 2, 512, 1024),
+                ("D 256, 64 experts of 64, top-8", 256, 64, 8, 64, 1024)]
 
 
 def _their_block(D, E, K, F, implementation):
@@ -86,7 +90,7 @@ def bench_block(quick: bool, repeats: int) -> list[dict]:
     rows = []
     for name, D, E, K, F, N in BLOCK_SHAPES[:1] if quick else BLOCK_SHAPES:
         ours, theirs = _blocks(D, E, K, F)
-        x = torch.randn(N // 256, 256, D, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(max(N // 256, 1), min(N, 256), D, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             want = theirs["eager"](x)
             assert torch.allclose(ours(x), want, atol=1e-5), "the two blocks disagree"
@@ -139,30 +143,42 @@ def bench_model(quick: bool, repeats: int, tmp) -> list[dict]:
 
 
 def bench_decode(quick: bool, repeats: int) -> list[dict]:
-    """tokens/s of greedy decoding: an MoE (E experts of width F, K per token) against the dense
-    model whose MLP is K * F wide, so a token multiplies the same number of weights."""
+    """tokens/s of greedy decoding: an MoE (8 experts of width F, 2 per token) against the dense
+    model whose MLP is 2 * F wide, so a token multiplies the same number of weights; at D = F = 256
+    and, unless quick, at D = F = 1024."""
+    rows = []
+    for D in (256,) if quick else (256, 1024):
+        rows += _decode_pair(D, 32 if quick else 64, repeats)
+    return rows
+
+
+def _decode_pair(D: int, n: int, repeats: int) -> list[dict]:
     from logitlab.generate import SampleConfig, generate
     from logitlab.model import ModelConfig, Transformer
     from logitlab.model.accounting import count_parameters, matmul_params
+    from logitlab.model.moe import set_moe_impl
 
-    base = dict(vocab_size=4096, context_length=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
+    base = dict(vocab_size=4096, context_length=512, d_model=D, n_layers=4, n_heads=D // 64, n_kv_heads=2,
                 norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)
-    moe_cfg = ModelConfig(**base, d_ff=256, n_experts=8, n_experts_per_token=2)
-    dense_cfg = ModelConfig(**base, d_ff=512)
+    moe_cfg = ModelConfig(**base, d_ff=D, n_experts=8, n_experts_per_token=2)
+    dense_cfg = ModelConfig(**base, d_ff=2 * D)
     torch.manual_seed(0)
     moe, dense = Transformer(moe_cfg).eval(), Transformer(dense_cfg).eval()
-    prompt, n = list(range(1, 33)), 32 if quick else 64
-    sample = SampleConfig(max_new_tokens=n, temperature=0)
+    prompt, sample = list(range(1, 33)), SampleConfig(max_new_tokens=n, temperature=0)
 
     def decode(model):
         return lambda: generate(model, prompt, sample)
 
     r = alternate(decode(moe), decode(dense), repeats=repeats)
-    moe_tps, dense_tps = n / min(r["ours"]), n / min(r["peer"])
-    return [dict(part="decode", shape=f"D 256, 4 layers; MoE 8 x 256 top-2 vs dense F 512, {n} tokens",
-                 pass_="decode", against="dense, equal active", moe_tokens_per_s=moe_tps, dense_tokens_per_s=dense_tps,
+    shape = f"D {D}, 4 layers; MoE 8 x {D} top-2 vs dense F {2 * D}, {n} tokens"
+    rows = [dict(part="decode", shape=shape, pass_="decode", against="dense, equal active",
+                 moe_tokens_per_s=n / min(r["ours"]), dense_tokens_per_s=n / min(r["peer"]),
                  active=[matmul_params(moe_cfg), matmul_params(dense_cfg)],
                  total=[count_parameters(moe_cfg).total, count_parameters(dense_cfg).total], **r)]
+    gathered = copy.deepcopy(moe)                    # the decode form "auto" takes under torch.compile
+    set_moe_impl(gathered, "gather")
+    r = alternate(decode(moe), decode(gathered), repeats=repeats)
+    return rows + [dict(part="decode form", shape=shape, pass_="decode", against="the gather form", **r)]
 
 
 def render(result: dict) -> str:

@@ -79,9 +79,12 @@ def test_three_forms_agree_in_values_and_gradients(changes, grouped_mm, monkeypa
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_auto_form_gathers_for_a_few_tokens_and_groups_otherwise():
+def test_auto_form_groups_and_gathers_a_few_tokens_under_compile(monkeypatch):
     moe = _moe()
+    assert moe.form(3) == "grouped" and moe.form(100) == "grouped"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert moe.form(3) == "gather" and moe.form(4) == "grouped"          # N * K <= E = 6
+    monkeypatch.undo()
     moe.impl = "loop"
     assert moe.form(1) == "loop"
     moe.impl = "sorted"
@@ -309,3 +312,23 @@ def test_config_round_trips_through_its_dict():
     again = ModelConfig.from_dict(c.to_dict())
     assert again == c and again.mlp_types == ("dense", "moe")
     assert dataclasses.replace(c, n_layers=2).moe_d_ff == 16
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_is_one_graph_through_the_gather_form():
+    """fullgraph: the grouped form's host-side counts would break the graph; a decode step of one
+    token per row takes the gather form under torch.compile, with the same tokens as eager."""
+    from logitlab.generate import SampleConfig, generate
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels.decode import compiled_decode_step
+
+    torch.manual_seed(0)
+    model = Transformer(_config(vocab_size=64, n_experts=8)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    cfg = SampleConfig(max_new_tokens=8, temperature=0)
+    want = generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], cfg).tokens
+    step = compiled_decode_step(model, "aot_eager", step=decode_step)
+    assert generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], cfg, step=step).tokens == want
+    assert len(set(want[0])) > 1

@@ -13,8 +13,9 @@ three forms that compute the same values (tests/test_moe.py checks them against 
 - "gather": each token multiplies the weights of its own K experts, gathered (a handful of tokens
   when decoding: no sort, no host sync, the same shapes every step, so it compiles).
 
-`MoE.impl` ("auto" by default) chooses: "gather" when the assignments are at most E (N * K <= E),
-else "grouped". Dropless by default; with `capacity_factor` each expert takes at most
+`MoE.impl` ("auto" by default) chooses "grouped", and "gather" for a handful of tokens (N * K <= E)
+under torch.compile, which cannot trace the grouped form's host-side counts without a graph break
+(eager on a CPU the grouped form decodes faster: bench/moe.py, docs/benchmarks.md). Dropless by default; with `capacity_factor` each expert takes at most
 C = ceil(capacity_factor * N * K / E) assignments per call, in token order, and drops the rest (the
 token keeps its residual), the same in all three forms. Which layers are MoE is config.mlp_kinds
 (layers.py builds the block); the losses that train the router, and the update of sigmoid_topk's
@@ -313,12 +314,14 @@ class MoE(nn.Module):
         return out.view(B, T, D)
 
     def form(self, n_tokens: int) -> str:
-        """The form `impl` names; "auto": gather when N * K <= E (decoding a few tokens), else grouped."""
+        """The form `impl` names; "auto": grouped, or gather for a few tokens (N * K <= E) while
+        torch.compile traces (static shapes, no host sync: the compiled decode step)."""
         if self.impl not in MOE_IMPLS:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {self.impl!r}")
         if self.impl != "auto":
             return self.impl
-        return "gather" if n_tokens * self.config.n_experts_per_token <= self.config.n_experts else "grouped"
+        few = n_tokens * self.config.n_experts_per_token <= self.config.n_experts
+        return "gather" if few and torch.compiler.is_compiling() else "grouped"
 
 
 def set_moe_impl(model: nn.Module, impl: str) -> None:
