@@ -188,7 +188,8 @@ def render(result: dict) -> str:
     text = [f"`{result['command']}` on {m['cpu']} ({m['nproc']} cores, {m['torch_threads']} threads, load "
             f"{m.get('load_avg_1m')} when it started: a shared machine), torch {m['torch']}, transformers "
             f"{m['transformers']}, {result['clock']}. Ratios are the peer's time over logitlab's (decode: the "
-            "dense model's time over the MoE's), median of alternating pairs, with min-max:", "",
+            "dense model's time over the MoE's; decode form: the gather form's time over the grouped form's, "
+            "the default), median of alternating pairs, with min-max:", "",
             markdown_table(["part", "shape", "pass", "against", "ratio", "range"], rows)]
     for r in result["rows"]:
         if r["part"] == "decode":

@@ -332,3 +332,10 @@ def test_compiled_decode_step_is_one_graph_through_the_gather_form():
     step = compiled_decode_step(model, "aot_eager", step=decode_step)
     assert generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], cfg, step=step).tokens == want
     assert len(set(want[0])) > 1
+
+
+def test_tensor_parallel_refuses_experts_by_name():
+    from logitlab.parallel.tensor import check_tensor_parallel
+
+    with pytest.raises(ValueError, match="does not split mixture-of-experts layers \\(n_experts=6\\)"):
+        check_tensor_parallel(_config(vocab_size=64), 2)
