@@ -1,7 +1,7 @@
 """Subcommand `inspect` (registered by main.py): score a text token by token and show what the
 model computes at one position (inspect.core), attention patterns with induction and previous-token
-scores (inspect.patterns), attention sinks and the Gated DeltaNet state (inspect.mixers), as tables
-and text grids or, with --json, one JSON object."""
+scores (inspect.patterns), attention sinks and the Gated DeltaNet state (inspect.mixers), a mixture
+of experts' routing (inspect.experts), as tables and text grids or, with --json, one JSON object."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def register(subparsers) -> None:
                    "by key columns, with each head's induction and previous-token scores")
     i.add_argument("--linear", action="store_true", help="Gated DeltaNet layers: decay exp(g), beta and the "
                    "state norm per head over the text (mean over heads per position)")
+    i.add_argument("--experts", action="store_true", help="mixture of experts: per MoE layer, the experts each "
+                   "token goes to with their weights, and each expert's load over the text")
     i.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token (<s>) first, or byte-level "
                    "BPE's end-of-text token, so the first token of TEXT is scored too (GPT-2 style)")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -130,6 +132,10 @@ def _inspect(args) -> int:
         report["linear"] = linear_trace(m.model, ids)
         if not report["linear"]:
             raise ValueError("--linear: this model has no Gated DeltaNet (linear_attention) layer")
+    if args.experts:
+        from logitlab.inspect.experts import expert_routing
+
+        report["experts"] = expert_routing(m.model, ids)
     if args.neighbours is not None:
         token = _token_id(tok, args.neighbours)
         nearest = ins.embedding_neighbours(m.model, token, args.rows, label)  # checks the id
@@ -191,6 +197,8 @@ def _print_inspect(report: dict, token_bytes) -> None:
         _print_patterns(out, report["patterns"], report["ids"], token_bytes)
     if "linear" in report:
         _print_linear(out, report["linear"], report["ids"], token_bytes)
+    if "experts" in report:
+        _print_experts(out, report["experts"], report["ids"], token_bytes)
     if "neighbours" in report:
         nb = report["neighbours"]
         name = quote_token(token_bytes(nb["id"]))
@@ -226,6 +234,23 @@ def _print_linear(out, traces, ids, token_bytes) -> None:
                     ["pos", "token", "decay exp(g)", "beta", "||S||"], rows, right=(0, 2, 3, 4))
     out.print("decay near 1 keeps the state, near 0 forgets it; beta is how far the state moves towards "
               "the new value for each key", markup=False, highlight=False)
+
+
+def _print_experts(out, routing, ids, token_bytes) -> None:
+    from logitlab.cli.common import print_table
+
+    for r in routing:
+        rows = [[str(t), _cell(token_bytes, ids[t]), "  ".join(f"{e}: {w:.2f}" for e, w in zip(es, ws)),
+                 f"{h:.2f}"] for t, (es, ws, h) in enumerate(zip(r.experts, r.weights, r.entropy))]
+        print_table(out, f"MoE layer {r.layer}: each token's experts, heaviest first (expert: weight)",
+                    ["pos", "token", "experts", "router entropy"], rows, right=(0, 3))
+        E, n = len(r.load), sum(r.load)
+        load = ", ".join(f"{e}: {c}" for e, c in enumerate(r.load))
+        dropped = f"; {r.dropped:.1%} of them over capacity, dropped" if r.dropped else ""
+        out.print(f"layer {r.layer} load over the text ({n} assignments, {n / E:.1f} per expert if balanced): "
+                  f"{load}{dropped}", markup=False, highlight=False)
+    out.print("the router's entropy is ln E when it cannot tell experts apart, 0 when it is sure; a token's "
+              "output is the weighted sum of its experts' outputs", markup=False, highlight=False)
 
 
 SHADES = ".:-=+*#%@"   # a weight in [k/9, (k+1)/9) shows as SHADES[k]; exactly 0 (a masked key) as a space

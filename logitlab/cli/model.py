@@ -126,6 +126,7 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
     """Everything `logitlab params` shows, as one JSON-ready dict."""
     from logitlab.model import accounting as acc
     from logitlab.model import planner
+    from logitlab.model.accounting_moe import moe_summary
 
     exact = acc.count_parameters(config)
     formula = acc.formula_count(config)
@@ -138,6 +139,7 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
             "flops_per_token": acc.flops_per_token(config, plan.context),
             "weight_bytes": acc.weight_bytes(exact.total),
             "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
+            "moe": moe_summary(config, exact, acc.matmul_params(config)),
             "fits_instead": advice.as_dict() if advice is not None else None,
             "weights_in_training": planner.weights_note(dtype, exact.total),
             "matmul_rate_source": "given" if tflops else "measured",
@@ -187,7 +189,8 @@ def _params(args) -> int:
         return 0
     e, f, c = r["exact"], r["formula"], config
     title = (f"{args.target}: D {c.d_model}, L {c.n_layers}, H {c.n_heads}, Hkv {c.n_kv_heads}, "
-             f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, {'tied' if c.tie_embeddings else 'untied'}")
+             f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, {'tied' if c.tie_embeddings else 'untied'}"
+             + (f", {c.n_experts} experts of F {c.moe_d_ff}, {c.n_experts_per_token} per token" if c.is_moe else ""))
     L = c.n_layers
     rows = [["embeddings", "", _n(e["embeddings"]), "", _n(c.vocab_size * c.d_model)]]
     if e["positions"]:
@@ -200,8 +203,8 @@ def _params(args) -> int:
                      _n(e["linear_attention"]), _n(f["linear_per_layer"]),
                      _n(f["linear_per_layer"] * e["n_linear_layers"])])
         rows += [[f"  {name}", _n(n), _n(n * e["n_linear_layers"]), "", ""] for name, n in e["linear_items"].items()]
-    rows += [["MLP", _n(e["mlp_per_layer"]), _n(e["mlp"]), _n(f["mlp_per_layer"]), _n(f["mlp_per_layer"] * L)],
-             ["norms", _n(e["norms_per_layer"]), _n(e["norms"]), "", ""],
+    rows += _mlp_rows(e, f, c, r["moe"])
+    rows += [["norms", _n(e["norms_per_layer"]), _n(e["norms"]), "", ""],
              ["LM head", "", _n(e["lm_head"]) + (" (tied)" if e["tied"] else ""), "",
               _n(0 if c.tie_embeddings else c.vocab_size * c.d_model)],
              ["total", _n(e["per_layer"]), _n(e["total"]), _n(f["per_layer"]), _n(f["total"])]]
@@ -209,6 +212,8 @@ def _params(args) -> int:
                 rows, right=(1, 2, 3, 4))
     diff = ", ".join(f"{k} {_n(v)}" for k, v in r["difference"].items()) or "nothing"
     out.print(f"exact - formula = {_n(e['total'] - f['total'])}: {diff}")
+    if r["moe"]:
+        _print_moe(out, r["moe"])
     print_table(out, "the classic estimate 12·D²·L beside this model's formula",
                 ["part", "classic", "rule", "this model", "why they differ"],
                 [[row["part"], _n(row["classic"]), row["classic_rule"], _n(row["formula"]), row["why"]]
@@ -231,6 +236,40 @@ def _params(args) -> int:
     if args.world_size:
         _print_ranks(out, config, args)
     return 0
+
+
+def _mlp_rows(e: dict, f: dict, c, moe: dict | None) -> list[list[str]]:
+    """The MLP rows of params' table: one for a dense model; for an MoE, the dense and MoE layers'
+    formulas, the exact count of all of them, and the routed experts within it."""
+    L = c.n_layers
+    if moe is None:
+        return [["MLP", _n(e["mlp_per_layer"]), _n(e["mlp"]), _n(f["mlp_per_layer"]), _n(f["mlp_per_layer"] * L)]]
+    n_moe, rows = moe["n_moe_layers"], []
+    if n_moe < L:
+        rows.append([f"MLP ({L - n_moe} dense layers)", "", "", _n(f["mlp_per_layer"]),
+                     _n(f["mlp_per_layer"] * (L - n_moe))])
+    shared = " + a shared expert" if moe["shared_expert_d_ff"] else ""
+    rows += [[f"MoE ({n_moe} layers: router + {moe['n_experts']} experts{shared})", "", "",
+              _n(moe["layer_formula"]), _n(moe["layer_formula"] * n_moe)],
+             ["MLP, all layers", _n(e["mlp_per_layer"]), _n(e["mlp"]), "", ""],
+             [f"  routed experts ({_n(moe['per_expert'])} each)", "", _n(moe["routed_experts"]), "", ""]]
+    return rows
+
+
+def _print_moe(out, moe: dict) -> None:
+    """Total against active parameters (accounting_moe.moe_summary)."""
+    K, E = moe["experts_per_token"], moe["n_experts"]
+    out.print(f"mixture of experts: a token uses {K} of the {E} experts in each of {moe['n_moe_layers']} MoE layers, "
+              f"so {_n(moe['inactive'])} parameters are idle for it", markup=False, highlight=False)
+    out.print(f"total {_n(moe['total'])} ({_short(moe['total'])}), active per token {_n(moe['active'])} "
+              f"({_short(moe['active'])}, {moe['active_share']:.1%}); weights multiplied per token "
+              f"{_n(moe['active_matmul'])} ({_short(moe['active_matmul'])}: blocks and LM head, not the embedding "
+              "lookup; FLOPs count these, memory counts the total)", markup=False, highlight=False)
+
+
+def _short(n: int) -> str:
+    """A parameter count as people write it: 46.7B, 3.61B, 12.5M."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
 
 def _print_ranks(out, config, args) -> None:

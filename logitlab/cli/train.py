@@ -87,6 +87,18 @@ def _model_config(args, table: dict, tokenizer):
     return cfg
 
 
+def _experts_line(model) -> str:
+    """For a mixture of experts: its experts and the parameters a token uses."""
+    c = model.config
+    if not c.is_moe:
+        return ""
+    from logitlab.model.accounting import count_parameters
+
+    active = count_parameters(model).active
+    return (f"; {c.n_experts} experts, {c.n_experts_per_token} per token: {active / 1e6:.2f} M active "
+            f"(balancing loss x {c.router_aux_loss_coef:g}, z-loss x {c.router_z_loss_coef:g})")
+
+
 def _underived(cfg) -> dict:
     from logitlab.model.families import underived_fields
 
@@ -274,7 +286,8 @@ def _start(args, table: dict, train_cfg, con, hooks) -> int:
     model = Transformer(model_cfg)
     n = sum(p.numel() for p in model.parameters())
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
-              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
+              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}"
+              + _experts_line(model))
     train_cfg = _fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
     con.print(f"learning rate {train_cfg.lr:g}" + ("" if _given(args, table, "lr") else
               " (the default for a model of this size: 3e-3 under 50 M parameters, else 3e-4)"))

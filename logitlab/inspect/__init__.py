@@ -1,7 +1,7 @@
 """Seeing inside: per-token surprisal, next-token tables (the model's softmax beside what the
 sampler draws from), the logit lens and embedding neighbours (core.py); attention patterns with
 induction and previous-token scores (patterns.py); attention sinks and the Gated DeltaNet state
-(mixers.py).
+(mixers.py); a mixture of experts' routing (experts.py).
 
 The names are resolved on first use (PEP 562), so importing the package, or one
 module of it, imports nothing else of it."""
@@ -14,6 +14,7 @@ _EXPORTS = {
     "attention_patterns": "patterns",
     "best_head": "patterns",
     "embedding_neighbours": "core",
+    "expert_routing": "experts",
     "induction_scores": "patterns",
     "lens_logits": "core",
     "linear_trace": "mixers",
@@ -24,8 +25,8 @@ _EXPORTS = {
     "token_surprisals": "core",
 }
 
-__all__ = ["attention_patterns", "best_head", "embedding_neighbours", "induction_scores", "lens_logits",
-           "linear_trace", "logit_lens", "next_token_table", "previous_token_scores", "sink_shares",
+__all__ = ["attention_patterns", "best_head", "embedding_neighbours", "expert_routing", "induction_scores",
+           "lens_logits", "linear_trace", "logit_lens", "next_token_table", "previous_token_scores", "sink_shares",
            "token_surprisals"]
 
 

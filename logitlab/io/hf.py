@@ -166,9 +166,10 @@ def _name_first(keys: list[str]) -> str:
 def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> None:
     """Refuse a checkpoint whose tensor names or shapes disagree with `config`, naming the key.
     Only names and shapes are read: meta tensors stand in for a checkpoint not yet loaded."""
-    with torch.device("meta"):
-        expected = families.state_dict_to_hf(Transformer(config).state_dict(), config)
     got = families.clean_hf_state(hf_state, config)
+    with torch.device("meta"):   # an MoE's experts: stored one per expert or stacked, as this checkpoint has them
+        expected = families.state_dict_to_hf(Transformer(config).state_dict(), config,
+                                             expert_layout=families.expert_layout_of(got))
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
     if missing:

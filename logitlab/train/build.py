@@ -63,6 +63,7 @@ class Run:
     tokens_offset: int = 0             # tokens_seen - step * tokens_per_step (non-zero after an extension)
     fault_watch: object = None         # keep_freed_memory "auto": the allocator.FaultWatch deciding it
     route_record: dict | None = None   # the CPU bf16 routes installed (cpu_bf16.Installed.record), until recorded
+    routing: object = None             # an MoE model: train.moe.RoutingLog (router losses and loads per step)
 
     @property
     def has_val(self) -> bool:
@@ -184,6 +185,11 @@ def build_optimizer(run: Run) -> None:
     run.optimizer = build_adamw(run.model, config.lr, config.weight_decay, (config.beta1, config.beta2),
                                 config.eps, config.decay_embeddings)
     run.compute_loss = loss_fn(run.wrapped, config.compile, fullgraph=par.wrap is None)
+    if run.model.config.is_moe:  # + the router's losses; their parts logged (train.moe)
+        from logitlab.train.moe import RouterLoss, RoutingLog
+
+        run.compute_loss = RouterLoss(run.wrapped, run.model.config, config.compile)
+        run.routing = RoutingLog(config.router_bias_update_rate)
 
 
 def restore_optimizer(run: Run, loaded: dict | None) -> None:

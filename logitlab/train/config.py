@@ -94,6 +94,9 @@ class TrainConfig:
                                           "the step count (at most --steps when given), warmup and cosine inside "
                                           "it; the run stops (evaluates, saves) after the step that passes it")
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+    router_bias_update_rate: float = _f(
+        0.0, "MoE with router=sigmoid_topk: after each step move each expert's selection bias by this toward "
+        "balance (auxiliary-loss-free balancing, DeepSeek-V3 used 0.001; train.moe.update_correction_bias)")
 
     def __post_init__(self) -> None:
         if self.parallel not in PARALLEL_CHOICES:
@@ -163,6 +166,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.router_bias_update_rate < 0:
+            raise ValueError(f"router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
                              f">= 0 and eps ({self.eps}) > 0")

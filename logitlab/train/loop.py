@@ -172,6 +172,8 @@ def train_step(run: Run) -> tuple[float, float, float]:
         x, y = run.sampler.next()
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         loss = _micro_step(run, x, y, micro == config.grad_accum - 1)
+        if run.routing is not None:
+            run.routing.add(run.compute_loss.last)
         if loss is not None:   # None: a pipeline rank without the last stage
             loss_sum, has_loss = loss_sum + float(loss), True
     step_loss = loss_sum / config.grad_accum if has_loss else None
@@ -303,6 +305,8 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         step, dt, tps = run.step, time.perf_counter() - t0, run.tokens_per_step
         record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.tokens_seen,
                   "tokens_per_s": tps / dt, "mfu": fpt * tps / dt / peak, "time_s": dt}
+        if run.routing is not None:       # an MoE: the router's losses and loads (train.moe)
+            record.update(run.routing.step(run.model))
         measured = run.route_record is not None   # this process's bf16 routes, on its first step's record
         if measured:
             record.update(run.route_record)
