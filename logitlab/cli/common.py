@@ -125,7 +125,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
         group.add_argument(flag_name(field.name, prefix), **kwargs)
 
 
-class _ExamplesFormatter(argparse.HelpFormatter):
+class ExamplesFormatter(argparse.HelpFormatter):
     """argparse's formatter, but an epilog of examples keeps its lines (one command per line, never
     re-wrapped: each is meant to be copied) while the description still wraps to the terminal."""
 
@@ -139,7 +139,7 @@ def add_examples(parser: argparse.ArgumentParser, *commands: str) -> None:
     """An "examples:" epilog for `parser`'s --help, one command per line (after `logitlab `)."""
     lines = "\n".join(f"  logitlab {c}" for c in commands)
     parser.epilog = f"example{'s' if len(commands) > 1 else ''}:\n{lines}"
-    parser.formatter_class = _ExamplesFormatter
+    parser.formatter_class = ExamplesFormatter
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:

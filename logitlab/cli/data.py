@@ -241,7 +241,7 @@ def register(subparsers) -> None:
         description="Tokenize text files, directories, globs, .jsonl(.gz/.zst) or .parquet into train/val token "
         "files and manifest.json (the input of `logitlab train --data-dir`). Cleaning, dedup, mixture or shard "
         "flags write the sharded layout; --shard-index/--num-shards prepare one worker's part, and `prepare "
-        "merge` joins the parts.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "merge` joins the parts.", formatter_class=cli.ExamplesFormatter,
         epilog="examples:\n  logitlab prepare --data corpus/ notes.jsonl --tokenizer tok.json --out data/\n"
         "  logitlab prepare --data web=crawl/ code=src/ --filter --filter-code-sources code --dedup exact near "
         "--mix web=0.7,code=0.3 --tokenizer tok.json --out data/\n"

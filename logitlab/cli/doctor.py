@@ -8,11 +8,12 @@ is the one line every command prints when a feature's module is missing.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import platform
 import sys
+
+from logitlab.cli.common import ExamplesFormatter
 
 # extra -> (modules it brings, with their distribution names; what needs it)
 FEATURES: dict[str, tuple[dict[str, str], str]] = {
@@ -94,7 +95,7 @@ def register(subparsers) -> None:
         description="List logitlab's optional features (the package's extras), whether each works on this "
                     "install, the versions found, and the pip command that adds the missing ones.",
         epilog="example:\n  logitlab doctor\n  logitlab doctor --torch      # also torch's threads and GPU",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=ExamplesFormatter)
     p.add_argument("--torch", action="store_true", help="also import torch and show its threads and GPU "
                    "(slower: a second or more)")
     p.set_defaults(func=cmd_doctor)

@@ -343,10 +343,9 @@ _EXAMPLES = {
 
 
 def _subparser(subparsers, name: str, summary: str, description: str):
-    import argparse
 
     return subparsers.add_parser(name, help=summary, description=description, epilog=_EXAMPLES[name],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=cli.ExamplesFormatter)
 
 
 def _model_help_defaults() -> dict:
