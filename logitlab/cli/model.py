@@ -232,19 +232,19 @@ def _mlp_rows(e: dict, f: dict, c, moe: dict | None) -> list[list[str]]:
     if n_moe < L:
         rows.append([f"MLP ({L - n_moe} dense layers)", "", "", _n(f["mlp_per_layer"]),
                      _n(f["mlp_per_layer"] * (L - n_moe))])
-    shared = " + a shared expert" if moe["shared_expert_d_ff"] else ""
-    rows += [[f"MoE ({n_moe} layers: router + {moe['n_experts']} experts{shared})", "", "",
-              _n(moe["layer_formula"]), _n(moe["layer_formula"] * n_moe)],
+    rows += [[f"MoE ({n_moe} layers)", "", "", _n(moe["layer_formula"]), _n(moe["layer_formula"] * n_moe)],
              ["MLP, all layers", _n(e["mlp_per_layer"]), _n(e["mlp"]), "", ""],
-             [f"  routed experts ({_n(moe['per_expert'])} each)", "", _n(moe["routed_experts"]), "", ""]]
+             ["  experts", "", _n(moe["routed_experts"]), "", ""]]
     return rows
 
 
 def _print_moe(out, moe: dict) -> None:
     """Total against active parameters (accounting_moe.moe_summary)."""
     K, E = moe["experts_per_token"], moe["n_experts"]
-    out.print(f"mixture of experts: a token uses {K} of the {E} experts in each of {moe['n_moe_layers']} MoE layers, "
-              f"so {_n(moe['inactive'])} parameters are idle for it", markup=False, highlight=False)
+    shared = " and a shared expert" if moe["shared_expert_d_ff"] else ""
+    out.print(f"mixture of experts: each MoE layer is a router{shared} and {E} experts of "
+              f"{_n(moe['per_expert'])} parameters; a token uses {K} of them in each of {moe['n_moe_layers']} "
+              f"MoE layers, so {_n(moe['inactive'])} parameters are idle for it", markup=False, highlight=False)
     out.print(f"total {_n(moe['total'])} ({_short(moe['total'])}), active per token {_n(moe['active'])} "
               f"({_short(moe['active'])}, {moe['active_share']:.1%}); weights multiplied per token "
               f"{_n(moe['active_matmul'])} ({_short(moe['active_matmul'])}: blocks and LM head, not the embedding "

@@ -109,7 +109,8 @@ class ParamCount:
                     linear_attention_per_layer=self.linear_attention_per_layer,
                     n_linear_layers=self.n_linear_layers, linear_items=dict(self.linear_items),
                     mlp=self.mlp, norms=self.norms, final_norm=self.final_norm, lm_head=self.lm_head,
-                    biases=self.biases, n_layers=self.n_layers, tied=self.tied, total=self.total)
+                    biases=self.biases, n_layers=self.n_layers, tied=self.tied, total=self.total,
+                    active=self.active)
 
 
 def meta_model(config: ModelConfig):
