@@ -204,3 +204,55 @@ def test_auto_installs_the_packed_kernel_only_where_it_is_faster(monkeypatch):
     routes.MEASURED.clear()
     with pytest.raises(ValueError, match="route must be one of"):
         routes.install(int8, "fast")
+
+
+# --------------------------------------------------------------------------------------------
+# Saving and loading
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 32, head=False)])
+def test_a_quantized_model_saves_and_loads_as_safetensors(tmp_path, config):
+    import json
+
+    from safetensors import safe_open
+
+    from logitlab.io import model_dir
+
+    model = Transformer(ModelConfig(**{**LLAMA, "vocab_pad_multiple": 64})).to(torch.bfloat16).eval()
+    quantize_model(model, config)
+    model_dir.save_model(model, tmp_path / "q")
+    stored = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert stored["quantization"] == config.to_dict()
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("blocks.0.mlp.down_proj.qweight").dtype == (torch.int8 if config.method == "int8"
+                                                                         else torch.uint8)
+    assert "blocks.0.attn.qkv_proj.weight" not in keys and ("lm_head.qweight" in keys) == config.head
+    loaded = model_dir.load_model(tmp_path / "q").eval()
+    assert model_dir.quantization_of(loaded) == config
+    assert set(loaded.state_dict()) == set(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    ids = torch.randint(0, 250, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+        as_fp32 = model_dir.load_model(tmp_path / "q", dtype=torch.float32)   # scales stay bf16
+    assert as_fp32.blocks[0].mlp.down_proj.scales.dtype == torch.bfloat16
+    assert as_fp32.tok_emb.weight.dtype == torch.float32
+
+
+def test_a_quantized_model_is_not_exported_as_dense_and_a_bad_config_is_named(tmp_path):
+    import json
+
+    from logitlab.io import hf, model_dir
+
+    model = Transformer(ModelConfig(**LLAMA))
+    quantize_model(model, QuantConfig("int8"))
+    with pytest.raises(ValueError, match=r"quantized \(int8\).*export the model before quantizing"):
+        hf.save_pretrained(model, tmp_path / "hf")
+    model_dir.save_model(model, tmp_path / "q")
+    path = tmp_path / "q" / "config.json"
+    payload = json.loads(path.read_text())
+    path.write_text(json.dumps({**payload, "quantization": {"method": "int2"}}))
+    with pytest.raises(ValueError, match="config.json: \"quantization\": method must be one of"):
+        model_dir.load_model(tmp_path / "q")

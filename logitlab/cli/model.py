@@ -135,12 +135,25 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
             "classic_table": planner.classic_table(config),
             "flops_per_token": acc.flops_per_token(config, plan.context),
             "weight_bytes": acc.weight_bytes(exact.total),
+            "quantized_weight_bytes": quantized_sizes(config),
             "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
             "fits_instead": advice.as_dict() if advice is not None else None,
             "weights_in_training": planner.weights_note(dtype, exact.total),
             "matmul_rate_source": "given" if tflops else "measured",
             "rate_note": planner.rate_note(plan, measured_on_cpu=not tflops),
             "typical_mfu": planner.TYPICAL_MFU}
+
+
+def quantized_sizes(config) -> dict[str, int]:
+    """Bytes of the model's parameters with its linear layers quantized (quant.apply.weight_bytes:
+    the values, scales and zero points exactly; embeddings, norms and a tied head in bf16)."""
+    from logitlab.quant.apply import weight_bytes
+    from logitlab.quant.linear import QuantConfig
+
+    sizes = {"int8": weight_bytes(config, QuantConfig("int8"))}
+    for group in (128, 64, 32):
+        sizes[f"int4 g{group}"] = weight_bytes(config, QuantConfig("int4", group))
+    return sizes
 
 
 _PREFIXES = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
@@ -217,7 +230,10 @@ def _params(args) -> int:
               f"{si(fl['dense'], 'FLOP')} + attention 4·H·Dh per key read {si(fl['attention'], 'FLOP')}{state}), "
               f"training {si(fl['training'], 'FLOP')} (3x: forward + backward)")
     w = r["weight_bytes"]
-    out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])}")
+    out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])} (1 byte a parameter)")
+    quantized = ", ".join(f"{name} {_bytes(n)}" for name, n in r["quantized_weight_bytes"].items())
+    out.print(f"quantized (--quantize: linear layers int8 per row or int4 in groups of G, with their scales and "
+              f"zero points; the rest bf16): {quantized}", soft_wrap=True)
     kv = r["kv_cache"]
     out.print(f"KV cache ({args.dtype}): {_bytes(kv['per_token'])} per token, {_bytes(kv['total'])} "
               f"at {kv['tokens']:,} tokens")

@@ -145,3 +145,13 @@ def weight_bytes(model_config, quant: QuantConfig | None, dtype_bytes: int = 2) 
         else:
             total += N * K // 2 + 3 * N * (K // quant.group_size)   # 4-bit values, bf16 scale + uint8 zero
     return total
+
+
+def quantization_of(model: nn.Module) -> QuantConfig | None:
+    """The QuantConfig that quantize_model(model, ...) was called with, read from the layers
+    (None for a model that is not quantized): quantized_layout(fresh model, it) rebuilds them."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return None
+    head = model.config.tie_embeddings or isinstance(getattr(model, "lm_head", None), QuantLinear)
+    return QuantConfig(layers[0].method, getattr(layers[0], "group_size", QuantConfig.group_size), head)
