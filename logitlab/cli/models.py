@@ -18,7 +18,8 @@ import dataclasses
 import json
 
 MODEL_HELP = ("the model: a run directory (its latest checkpoint), a checkpoint or logitlab model directory, a "
-              "Hugging Face directory, or a hub id ORG/NAME[@REVISION] (fetched into the Hugging Face cache)")
+              "Hugging Face directory, a hub id ORG/NAME[@REVISION] (fetched into the Hugging Face cache), or a "
+              "GGUF file beside its tokenizer")
 LEGACY_NOTE = "note: {flag} DIR is now the positional MODEL (the old spelling works for one more release): {example}"
 
 
