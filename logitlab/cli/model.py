@@ -124,6 +124,7 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
     """Everything `logitlab params` shows, as one JSON-ready dict."""
     from logitlab.model import accounting as acc
     from logitlab.model import planner
+    from logitlab.quant import apply as quant
 
     exact = acc.count_parameters(config)
     formula = acc.formula_count(config)
@@ -135,25 +136,13 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
             "classic_table": planner.classic_table(config),
             "flops_per_token": acc.flops_per_token(config, plan.context),
             "weight_bytes": acc.weight_bytes(exact.total),
-            "quantized_weight_bytes": quantized_sizes(config),
+            "quantized_weight_bytes": quant.quantized_sizes(config),
             "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
             "fits_instead": advice.as_dict() if advice is not None else None,
             "weights_in_training": planner.weights_note(dtype, exact.total),
             "matmul_rate_source": "given" if tflops else "measured",
             "rate_note": planner.rate_note(plan, measured_on_cpu=not tflops),
             "typical_mfu": planner.TYPICAL_MFU}
-
-
-def quantized_sizes(config) -> dict[str, int]:
-    """Bytes of the model's parameters with its linear layers quantized (quant.apply.weight_bytes:
-    the values, scales and zero points exactly; embeddings, norms and a tied head in bf16)."""
-    from logitlab.quant.apply import weight_bytes
-    from logitlab.quant.linear import QuantConfig
-
-    sizes = {"int8": weight_bytes(config, QuantConfig("int8"))}
-    for group in (128, 64, 32):
-        sizes[f"int4 g{group}"] = weight_bytes(config, QuantConfig("int4", group))
-    return sizes
 
 
 _PREFIXES = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))

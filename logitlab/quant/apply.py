@@ -155,3 +155,12 @@ def quantization_of(model: nn.Module) -> QuantConfig | None:
         return None
     head = model.config.tie_embeddings or isinstance(getattr(model, "lm_head", None), QuantLinear)
     return QuantConfig(layers[0].method, getattr(layers[0], "group_size", QuantConfig.group_size), head)
+
+
+def quantized_sizes(model_config) -> dict[str, int]:
+    """{"int8": bytes, "int4 g128": ..., "int4 g64": ..., "int4 g32": ...}: weight_bytes of the
+    model quantized each way (the rest in bf16), as `logitlab params` shows them."""
+    sizes = {"int8": weight_bytes(model_config, QuantConfig("int8"))}
+    for group in (128, 64, 32):
+        sizes[f"int4 g{group}"] = weight_bytes(model_config, QuantConfig("int4", group))
+    return sizes
