@@ -69,13 +69,24 @@ def _random_config(rng) -> "acc.ModelConfig":
         qkv_bias=rng.choice([None, True, False]), qk_norm=rng.random() < 0.5,
         tie_embeddings=rng.random() < 0.5, vocab_pad_multiple=rng.choice([1, 8, 64]), layer_types=kinds,
         attn_gate=rng.choice(["none", "headwise", "elementwise"]), attn_sinks=rng.random() < 0.3,
-        norm_zero_centered=hybrid and rng.random() < 0.5, linear_conv_kernel=rng.randint(2, 5))
+        norm_zero_centered=hybrid and rng.random() < 0.5, linear_conv_kernel=rng.randint(2, 5),
+        **(_random_moe(rng, n_layers) if mlp == "swiglu" and rng.random() < 0.5 else {}))
+
+
+def _random_moe(rng, n_layers: int) -> dict:
+    """The mixture-of-experts fields that change the count: experts and their width, MoE or dense
+    layers, router and expert biases, a shared expert and its gate."""
+    E, shared = rng.randint(2, 6), rng.choice([0, 16])
+    return dict(n_experts=E, n_experts_per_token=rng.randint(1, E), moe_d_ff=rng.choice([None, 12]),
+                mlp_types=tuple(rng.choice(["moe", "dense"]) for _ in range(n_layers)),
+                router_bias=rng.random() < 0.5, expert_bias=rng.random() < 0.5, shared_expert_d_ff=shared,
+                shared_expert_gate=bool(shared) and rng.random() < 0.5)
 
 
 def test_arithmetic_count_equals_the_meta_build():
     """memory.parameter_count, from the config's numbers alone (what a loader checks before it
     builds anything), equals the exact count of the model built on the meta device, on every
-    preset and on random configs drawing every switch that changes a shape."""
+    preset and on random configs drawing every switch that changes a shape (experts included)."""
     import random
 
     from logitlab.model import memory

@@ -18,9 +18,9 @@ from logitlab.model import rope_scaling as rs
 from logitlab.model.hf_config import config_from_hf, config_to_hf
 from logitlab.model.positions import (
     ALiBi,
+    SinusoidalPositions,
     alibi_slopes,
     convert_rope_layout,
-    SinusoidalPositions,
     rope_layout_permutation,
     sinusoidal_table,
 )

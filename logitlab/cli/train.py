@@ -23,6 +23,7 @@ from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot
     plot_run,
 )
 from logitlab.cli.extend import EXTEND_MAY_CHANGE, extend_run, show_extension
+from logitlab.cli.launched import env_world_size, fit_resumed_mesh
 from logitlab.cli.progress import LiveProgress
 
 # --------------------------------------------------------------------------------------------
@@ -31,7 +32,10 @@ from logitlab.cli.progress import LiveProgress
 
 def exit_code(result) -> int:
     """0 for a finished run (or one stopped by its time limit); 128 + the signal's number for a
-    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell."""
+    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell;
+    1 for a rank that stopped because its launcher (torchrun's agent) died."""
+    if result.stopped == "launcher":
+        return 1
     return 128 + (result.signal or 2) if result.stopped == "signal" else 0
 
 
@@ -49,6 +53,9 @@ def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool
         con.print(f"[yellow]time limit reached at step {result.step} of {train_cfg.steps}[/yellow]")
     if result.stopped == "signal":
         con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
+    elif result.stopped == "launcher":
+        con.print(f"[yellow]the launcher (torchrun) died: stopped at step {result.step}; checkpoint "
+                  f"{result.checkpoint} (continue with --resume)[/yellow]")
     else:
         # no step ran (a resumed run that had already finished): no loss to show
         loss = f", loss {result.last_loss:.4f}" if result.last_loss is not None else ""
@@ -80,6 +87,18 @@ def _model_config(args, table: dict, tokenizer):
     return cfg
 
 
+def _experts_line(model) -> str:
+    """For a mixture of experts: its experts and the parameters a token uses."""
+    c = model.config
+    if not c.is_moe:
+        return ""
+    from logitlab.model.accounting import count_parameters
+
+    active = count_parameters(model).active
+    return (f"; {c.n_experts} experts, {c.n_experts_per_token} per token: {active / 1e6:.2f} M active "
+            f"(balancing loss x {c.router_aux_loss_coef:g}, z-loss x {c.router_z_loss_coef:g})")
+
+
 def _underived(cfg) -> dict:
     from logitlab.model.families import underived_fields
 
@@ -102,6 +121,8 @@ def cmd_train(args) -> int:
     else:
         table = cli.read_toml(args.config) if args.config else {}
     cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
+    if args.resume:
+        cfg = fit_resumed_mesh(args, cfg, env_world_size())
     # the layout's hooks (train.layouts.parallel_hooks): DDP / FSDP2, an N-D data-parallel mesh, or
     # tensor / pipeline parallel and ZeRO-1 (and any resume of a sharded checkpoint) with sharded checkpoints
     hooks = parallel_hooks(cfg, run_dir=args.resume, resume=bool(args.resume))
@@ -156,7 +177,7 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "sav
                      "attention_kernel",
                      # the layout: a checkpoint loads into any mesh (train.layouts.parallel_hooks)
                      "tp", "pp", "dp_shard", "dp_replicate", "parallel", "sequence_parallel",
-                     "activation_checkpointing", "pp_schedule")
+                     "activation_checkpointing", "pp_schedule", "virtual_stages", "dist_timeout")
 
 
 def _read_run(run_dir) -> dict:
@@ -265,7 +286,8 @@ def _start(args, table: dict, train_cfg, con, hooks) -> int:
     model = Transformer(model_cfg)
     n = sum(p.numel() for p in model.parameters())
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
-              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
+              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}"
+              + _experts_line(model))
     train_cfg = _fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
     con.print(f"learning rate {train_cfg.lr:g}" + ("" if _given(args, table, "lr") else
               " (the default for a model of this size: 3e-3 under 50 M parameters, else 3e-4)"))
@@ -313,7 +335,7 @@ def _fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
 # --------------------------------------------------------------------------------------------
 
 _EXAMPLES = {
-    "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out-dir runs/a\n"
+    "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out runs/a\n"
              "  logitlab train --data-dir data/ --preset tiny --d-model 256 --lr 1e-3\n"
              "  logitlab train --config run.toml --lr 3e-4\n  logitlab train --resume runs/a --steps 4000",
     "plot": "example:\n  logitlab plot runs/a            # writes runs/a/loss.png",
@@ -321,10 +343,9 @@ _EXAMPLES = {
 
 
 def _subparser(subparsers, name: str, summary: str, description: str):
-    import argparse
 
     return subparsers.add_parser(name, help=summary, description=description, epilog=_EXAMPLES[name],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=cli.ExamplesFormatter)
 
 
 def _model_help_defaults() -> dict:
@@ -338,8 +359,8 @@ def _model_help_defaults() -> dict:
 
 def register(subparsers) -> None:
     """Add train, plot and export to `subparsers` (prepare is cli/data.py's)."""
-    from logitlab.model.transformer import ModelConfig
-    from logitlab.train.loop import TrainConfig
+    from logitlab.model.config import ModelConfig
+    from logitlab.train.config import TrainConfig
 
     p = _subparser(subparsers, "train", "train a model (flags override --config FILE.toml)",
                    "Train a model: trains a tokenizer and prepares --data unless given --tokenizer / "
@@ -361,8 +382,10 @@ def register(subparsers) -> None:
                    "new length / old); weights and optimizer state carry over (default: none)")
     cli.add_progress_flag(p)
     _add_data_flags(p)
-    cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS)
-    cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(),
+    cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS, renamed={"out_dir": "--out"})
+    # attention is not a flag: `train` is next-token prediction, which needs causal attention (an
+    # encoder trains with the masked-LM objective in Python: docs/lessons/encoder-and-decoder.md)
+    cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(), skip=("attention",),
                          description="Defaults shown are the tiny preset's (the model without --preset or a "
                          "[model] table); another preset sets its own, and a flag overrides either.")
     p.set_defaults(func=cmd_train)

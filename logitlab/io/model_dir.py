@@ -78,6 +78,9 @@ def write_model_files(model, directory: str | os.PathLike, state: dict | None = 
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": MODEL_FORMAT})
     payload = {"format": MODEL_FORMAT, "model": model.config.to_dict()}
+    quantization = quantization_of(model)
+    if quantization is not None:           # the layers' int8 / int4 tensors are in the state dict
+        payload["quantization"] = quantization.to_dict()
     (directory / CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
 
 
@@ -126,6 +129,28 @@ def read_model_config(directory: str | os.PathLike):
         raise ValueError(f"{path}: {exc}") from exc
 
 
+def quantization_of(model):
+    """The QuantConfig a quantized model was quantized with (quant.apply), or None."""
+    from logitlab.quant.apply import quantization_of as of
+
+    return of(model)
+
+
+def read_quantization(directory: str | os.PathLike):
+    """The QuantConfig of a logitlab model directory whose weights are quantized (config.json's
+    "quantization"), or None; a malformed one is a ValueError naming the file."""
+    path = Path(directory) / CONFIG_FILE
+    data = read_json_object(path, "config file").get("quantization")
+    if data is None:
+        return None
+    from logitlab.quant.linear import QuantConfig
+
+    try:
+        return QuantConfig.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: \"quantization\": {exc}") from exc
+
+
 def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, max_memory=None):
     """Load a logitlab model directory written by save_model. Before anything is built, the
     config's layer count is checked against the blocks the weights hold and the weights' memory in
@@ -135,29 +160,15 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
     time and cast to `dtype` (a large one in slices of rows) / moved to `device` as they arrive, so
     the peak is the final model plus one tensor in flight. A directory written before q/k/v and
     gate/up became one projection each is read whole and upgraded first (upgrade_legacy_state).
-    A floating tensor that holds NaN or inf is refused, naming its key."""
-    import torch
-
-    from logitlab.model import memory
-    from logitlab.model.transformer import Transformer
-
+    A floating tensor that holds NaN or inf is refused, naming its key. A quantized directory
+    (read_quantization) is built with its quantized layers, whose tensors keep their stored dtypes."""
     directory = Path(directory)
     config = read_model_config(directory)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
     header = read_header(path)
-    check_layers({int(m.group(1)) for m in map(_BLOCK.match, header) if m}, config.n_layers, "n_layers",
-                 directory / CONFIG_FILE, path)
-    target = dtype or max((d for _, d in header.values() if d.is_floating_point), key=lambda d: d.itemsize,
-                          default=torch.float32)
-    memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."),
-                      source=str(directory / CONFIG_FILE), max_memory=max_memory, device=device)
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = model.state_dict()
-    if config.tie_embeddings:
-        expected.pop("lm_head.weight", None)
+    model, expected, kept = _build_checked(directory, config, header, dtype, device, max_memory)
     state = {}
     with open_safetensors(path) as f:
         shapes, legacy = {key: shape for key, (shape, _) in header.items()}, None
@@ -166,8 +177,9 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
             shapes = {key: tuple(t.shape) for key, t in legacy.items()}
         _check_keys(path, directory, expected, shapes)
         for key in expected:  # each tensor cast as it arrives: only the final model is kept
-            tensor = (cast_read(path, key, legacy.pop(key), True, dtype) if legacy is not None
-                      else read_tensor(f, path, key, *header[key], finite=True, dtype=dtype))
+            cast = dtype if key not in kept else None    # quantized tensors keep their stored dtypes
+            tensor = (cast_read(path, key, legacy.pop(key), True, cast) if legacy is not None
+                      else read_tensor(f, path, key, *header[key], finite=True, dtype=cast))
             state[key] = tensor.to(device=device)
             del tensor
     model.load_state_dict(state, strict=False, assign=True)
@@ -178,6 +190,44 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
 
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.")
+
+
+def _build_checked(directory: Path, config, header: dict, dtype, device, max_memory):
+    """The model of `directory` built on the meta device once the checks that need no model have
+    passed (the layer count against the header's blocks, the memory estimate) -> (model, its
+    expected state dict without a tied head's copy, the keys of quantized tensors). A quantized
+    model's memory is counted from its layers' own tensors (int8 / int4 values, bf16 scales), not
+    from the dense weights the config's numbers describe."""
+    import torch
+
+    from logitlab.model import memory
+    from logitlab.model.transformer import Transformer
+
+    path = directory / WEIGHTS_FILE
+    check_layers({int(m.group(1)) for m in map(_BLOCK.match, header) if m}, config.n_layers, "n_layers",
+                 directory / CONFIG_FILE, path)
+    target = dtype or max((d for _, d in header.values() if d.is_floating_point), key=lambda d: d.itemsize,
+                          default=torch.float32)
+    fits = dict(dtype=str(target).removeprefix("torch."), source=str(directory / CONFIG_FILE),
+                max_memory=max_memory, device=device)
+    quantization = read_quantization(directory)
+    if quantization is None:
+        memory.check_fits(config, target.itemsize, **fits)
+    with torch.device("meta"):
+        model = Transformer(config)
+    kept = set()
+    if quantization is not None:
+        from logitlab.quant.apply import quantized_layout
+
+        kept = {f"{name}.{leaf}" for name in quantized_layout(model, quantization) for leaf in ("qweight", "scales")}
+    expected = model.state_dict()
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    if quantization is not None:
+        need = sum(t.numel() * (target.itemsize if t.is_floating_point() and key not in kept else t.element_size())
+                   for key, t in expected.items())
+        memory.check_fits(config, target.itemsize, need=need, **fits)
+    return model, expected, kept
 
 
 def _check_keys(path: Path, directory: Path, expected: dict, shapes: dict) -> None:

@@ -54,6 +54,17 @@ def mlp_parameters(config: ModelConfig) -> int:
     return c.d_model * up + c.d_ff * c.d_model + ((up + c.d_model) if c.bias else 0)
 
 
+def moe_parameters(config: ModelConfig) -> int:
+    """One mixture-of-experts MLP: the router (E x D, its bias), E experts of width Fe stacked
+    (gate_up E x 2Fe x D, down E x D x Fe, their biases), a shared SwiGLU of width Fs and its gate."""
+    c = config
+    D, E, Fe, Fs = c.d_model, c.n_experts, c.moe_d_ff, c.shared_expert_d_ff
+    router = E * D + (E if c.router_bias else 0)
+    experts = E * 3 * D * Fe + (E * (2 * Fe + D) if c.expert_bias else 0)
+    shared = (3 * D * Fs + ((2 * Fs + D) if c.bias else 0)) if Fs else 0
+    return router + experts + shared + (D if c.shared_expert_gate else 0)
+
+
 def parameter_terms(config: ModelConfig) -> dict[str, int]:
     """Parameters by the field that drives them, from the numbers alone (no module is built):
     "vocab_size" the embedding table and an untied LM head (V_padded x D each), "context_length"
@@ -62,9 +73,10 @@ def parameter_terms(config: ModelConfig) -> dict[str, int]:
     c = config
     kinds = c.layer_kinds
     n_linear = kinds.count("linear_attention")
-    block = 2 * _norm(c, c.d_model) + mlp_parameters(c)
-    layers = (c.n_layers * block + (c.n_layers - n_linear) * attention_layer_parameters(c)
-              + n_linear * linear_layer_parameters(c))
+    n_moe = c.mlp_kinds.count("moe")
+    layers = (c.n_layers * 2 * _norm(c, c.d_model) + (c.n_layers - n_moe) * mlp_parameters(c)
+              + (n_moe * moe_parameters(c) if n_moe else 0)
+              + (c.n_layers - n_linear) * attention_layer_parameters(c) + n_linear * linear_layer_parameters(c))
     return {"vocab_size": c.padded_vocab_size * c.d_model * (1 if c.tie_embeddings else 2),
             "context_length": c.context_length * c.d_model if c.positions == "learned" else 0,
             "n_layers": layers, "final_norm": _norm(c, c.d_model)}
@@ -152,29 +164,33 @@ def format_bytes(n: float) -> str:
 # --------------------------------------------------------------------------------------------
 
 def check_fits(config: ModelConfig, itemsize: int, *, dtype: str, source: str = "config.json",
-               names: dict[str, str] | None = None, max_memory=None, device="cpu") -> int:
+               names: dict[str, str] | None = None, max_memory=None, device="cpu", need: int | None = None) -> int:
     """The weights' bytes in `dtype` (`itemsize` bytes a value), when they fit in `max_memory`
     (parse_size; default: available_memory(device); no check when that is unknown). Otherwise a
     ValueError naming `source`, the field that drives the size with its value (`names` maps
     ModelConfig fields to the file's own keys, e.g. n_layers -> num_hidden_layers), the estimate,
-    the memory there is, and what would fit (the model in bf16)."""
+    the memory there is, and what would fit (the model in bf16). `need`: the bytes when the caller
+    counts them better than the config's numbers do (a quantized model's int8 / int4 layers); the
+    terms of the message are then scaled to it."""
     budget = parse_size(max_memory) if max_memory is not None else available_memory(device)
     terms = parameter_terms(config)
-    need = sum(terms.values()) * itemsize
+    estimated = need is None
+    need = sum(terms.values()) * itemsize if estimated else need
     if budget is None or need <= budget:
         return need
     where = "allowed by max_memory" if max_memory is not None else "available on this machine"
     fit = ""
-    if itemsize > 2:
+    if itemsize > 2 and estimated:
         half = sum(terms.values()) * 2
         fit = f"; in bf16 it would take {format_bytes(half)}" + (
             " (load with dtype='bf16', --dtype bf16)" if half <= budget else ", which does not fit either")
+    per_value = need / max(1, sum(terms.values()))         # bytes a parameter, on average
     raise ValueError(f"{source}: the model's weights need about {format_bytes(need)} in {dtype}, but "
-                     f"{format_bytes(budget)} is {where}: {_driver(config, terms, itemsize, names or {})}{fit}. "
+                     f"{format_bytes(budget)} is {where}: {_driver(config, terms, per_value, names or {})}{fit}. "
                      "To load it anyway, give max_memory (--max-memory SIZE, e.g. 64GB)")
 
 
-def _driver(config: ModelConfig, terms: dict[str, int], itemsize: int, names: dict[str, str]) -> str:
+def _driver(config: ModelConfig, terms: dict[str, int], itemsize: float, names: dict[str, str]) -> str:
     """The largest term in words, with the fields (as the file names them) and values behind it."""
     def field(name: str) -> str:
         return f"{names.get(name, name)} = {getattr(config, name)}"
@@ -188,5 +204,6 @@ def _driver(config: ModelConfig, terms: dict[str, int], itemsize: int, names: di
         return (f"{field('context_length')} x {field('d_model')} makes the learned position table "
                 f"{size(terms['context_length'])}")
     per_layer = math.ceil(terms["n_layers"] / c.n_layers)
+    widths = f"{field('n_experts')}, {field('moe_d_ff')}" if c.is_moe else field("d_ff")
     return (f"{field('n_layers')} layers of {size(per_layer)} each ({field('d_model')}, "
-            f"{field('d_ff')}, {field('n_heads')})")
+            f"{widths}, {field('n_heads')})")
