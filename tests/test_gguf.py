@@ -123,3 +123,32 @@ def test_generate_reads_a_gguf_file_beside_its_tokenizer(tmp_path, capsys):
 
     greedy = SampleConfig(temperature=0, max_new_tokens=4)
     assert out["ids"] == generate(want.eval(), out["prompt_ids"], greedy).tokens[0]
+
+
+def test_a_gguf_file_larger_than_max_memory_is_refused_before_a_tensor_is_read(tmp_path, capsys, monkeypatch):
+    """The dense weights' memory (dequantized: float32 unless a dtype is asked for) is estimated from
+    the metadata and refused above max_memory, naming the file, before any tensor is dequantized."""
+    import re
+
+    from logitlab.model import memory
+    from logitlab.quant import gguf as gguf_files
+
+    model = _model("llama")
+    path = save_gguf(model, tmp_path / "m.gguf", "Q8_0")
+    need = memory.parameter_count(model.config) * 4
+    assert load_gguf(path, max_memory=need) is not None
+    read = gguf_files._tensors
+
+    def unread(*args):
+        raise AssertionError("a tensor was read before the memory check")
+
+    monkeypatch.setattr(gguf_files, "_tensors", unread)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: the model's weights need about "
+                                         rf"{memory.format_bytes(need)} in float32, but .* is allowed by max_memory"):
+        load_gguf(path, max_memory=need - 1)
+    monkeypatch.setattr(gguf_files, "_tensors", read)
+    assert next(load_gguf(path, dtype=torch.bfloat16, max_memory=need - 1).parameters()).dtype == torch.bfloat16
+    from logitlab.cli.main import main
+
+    assert main(["generate", str(path), "hi", "--max-memory", "1KB"]) == 2
+    assert "is allowed by max_memory" in capsys.readouterr().err

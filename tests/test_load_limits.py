@@ -259,3 +259,80 @@ def test_an_adapter_tensor_of_the_wrong_shape_or_name_is_named(tmp_path):
     assert load_peft_adapter(model, d) == ["blocks.0.attn.qkv_proj", "blocks.0.mlp.down_proj",
                                            "blocks.1.attn.qkv_proj", "blocks.1.mlp.down_proj"]
     assert json.loads((d / "adapter_config.json").read_text())["r"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Every way in: quantized directories, MoE configs, and each command's MODEL --max-memory
+# ---------------------------------------------------------------------------------------------
+
+def test_a_quantized_directory_is_counted_by_its_own_bytes_and_still_checked(tmp_path):
+    """The estimate of a quantized directory is its int8 values and bf16 scales (quant.apply's
+    weight_bytes), not the dense weights the config's numbers describe; NaN in a quantized
+    layer's scales and a truncated file are still named."""
+    from logitlab.quant.apply import quantize_model, weight_bytes
+    from logitlab.quant.linear import QuantConfig
+
+    model = tiny().to(torch.bfloat16).eval()
+    quantize_model(model, QuantConfig("int8"))
+    ck.save_model(model, tmp_path / "q")
+    dense, own = memory.parameter_count(model.config) * 2, weight_bytes(model.config, QuantConfig("int8"))
+    assert own < dense
+    loaded = ck.load_model(tmp_path / "q", max_memory=(own + dense) // 2).eval()   # the dense estimate would not fit
+    ids = torch.randint(0, 257, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    with pytest.raises(ValueError) as info:
+        ck.load_model(tmp_path / "q", max_memory=own - 1)
+    assert f"need about {memory.format_bytes(own)} in bfloat16, but" in str(info.value)
+    assert "is allowed by max_memory: n_layers = 2 layers of" in str(info.value)
+    path, key = tmp_path / "q" / ck.WEIGHTS_FILE, "blocks.1.mlp.down_proj.scales"
+    state = load_file(str(path))
+    state[key][3] = float("nan")
+    save_file(state, str(path), metadata={"format": ck.MODEL_FORMAT})
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: tensor {key} holds 1 NaN / inf values"):
+        ck.load_model(tmp_path / "q")
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: not a valid safetensors file"):
+        ck.load_model(tmp_path / "q")
+
+
+def test_an_moe_config_is_bounded_and_its_estimate_names_the_experts():
+    from logitlab.model.families import config_to_hf, get_preset
+    from logitlab.model.hf_config_moe import config_from_hf, hf_field_names
+
+    for preset, experts, width in (("qwen3-30b-a3b", "num_experts = 128", "moe_intermediate_size = 768"),
+                                   ("mixtral-8x7b", "num_local_experts = 8", "intermediate_size = 14336")):
+        raw = config_to_hf(get_preset(preset), dtype="bfloat16")
+        config = config_from_hf(raw)
+        assert memory.parameter_count(config) == memory.parameter_count(get_preset(preset))
+        with pytest.raises(ValueError) as info:
+            memory.check_fits(config, 2, dtype="bfloat16", names=hf_field_names(raw), max_memory="1GB")
+        assert f"num_hidden_layers = {config.n_layers} layers of" in str(info.value), info.value
+        assert f"(hidden_size = {config.d_model}, {experts}, {width}, num_attention_heads" in str(info.value)
+        key = "num_experts" if "num_experts =" in experts else "num_local_experts"
+        with pytest.raises(ValueError, match=rf"config.json: {key} = 1000000000 is beyond logitlab's bound of "
+                                             rf"{SIZE_LIMITS['n_experts']}"):
+            config_from_hf({**raw, key: 10**9})
+    assert {"num_experts", "num_local_experts", "moe_intermediate_size"} <= set(HF_SIZES)
+
+
+LOADING_COMMANDS = {   # every command that loads weights, with what it needs besides MODEL
+    "generate": ("hi",), "chat": (), "inspect": ("hi",), "convert": ("--out", "{tmp}/out"),
+    "eval bpb": ("--data", "{tmp}/t.txt"), "eval mc": (), "eval long": ("--data", "{tmp}/t.txt"), "serve": (),
+    "sft": ("--data", "{tmp}/c.jsonl", "--out", "{tmp}/sft"),
+}
+
+
+def test_every_command_that_loads_weights_takes_max_memory(tmp_path, capsys, monkeypatch):
+    """MODEL --max-memory SIZE on each command reaches the loader (a refusal naming max_memory);
+    params reads a config alone and has no such flag."""
+    d = model_dir(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("some text\n")
+    (tmp_path / "c.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    for command, extra in LOADING_COMMANDS.items():
+        argv = [*command.split(), str(d), *(a.format(tmp=tmp_path) for a in extra), "--max-memory", "1KB"]
+        line = cli_error(capsys, monkeypatch, *argv)
+        assert "1.00 KB is allowed by max_memory" in line, (command, line)
+    with pytest.raises(SystemExit):
+        main(["params", str(d), "--max-memory", "1KB"])
+    assert "unrecognized arguments: --max-memory" in capsys.readouterr().err
