@@ -316,11 +316,12 @@ def test_an_moe_config_is_bounded_and_its_estimate_names_the_experts():
     assert {"num_experts", "num_local_experts", "moe_intermediate_size"} <= set(HF_SIZES)
 
 
-LOADING_COMMANDS = {   # every command that loads weights, with what it needs besides MODEL
-    "generate": ("hi",), "chat": (), "inspect": ("hi",), "convert": ("--out", "{tmp}/out"),
-    "eval bpb": ("--data", "{tmp}/t.txt"), "eval mc": (), "eval long": ("--data", "{tmp}/t.txt"), "serve": (),
-    "sft": ("--data", "{tmp}/c.jsonl", "--out", "{tmp}/sft"),
-}
+LOADING_COMMANDS = [   # every command that loads weights, with what it needs besides MODEL
+    ("generate", "hi"), ("chat",), ("inspect", "hi"), ("convert", "--out", "{tmp}/out"),
+    ("convert", "--out", "{tmp}/q", "--quantize", "int8"), ("convert", "--out", "{tmp}/m.gguf", "--gguf", "Q8_0"),
+    ("eval bpb", "--data", "{tmp}/t.txt"), ("eval mc",), ("eval long", "--data", "{tmp}/t.txt"), ("serve",),
+    ("sft", "--data", "{tmp}/c.jsonl", "--out", "{tmp}/sft"),
+]
 
 
 def test_every_command_that_loads_weights_takes_max_memory(tmp_path, capsys, monkeypatch):
@@ -329,10 +330,10 @@ def test_every_command_that_loads_weights_takes_max_memory(tmp_path, capsys, mon
     d = model_dir(tmp_path / "m")
     (tmp_path / "t.txt").write_text("some text\n")
     (tmp_path / "c.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
-    for command, extra in LOADING_COMMANDS.items():
+    for command, *extra in LOADING_COMMANDS:
         argv = [*command.split(), str(d), *(a.format(tmp=tmp_path) for a in extra), "--max-memory", "1KB"]
         line = cli_error(capsys, monkeypatch, *argv)
-        assert "1.00 KB is allowed by max_memory" in line, (command, line)
+        assert "1.00 KB is allowed by max_memory" in line, (argv, line)
     with pytest.raises(SystemExit):
         main(["params", str(d), "--max-memory", "1KB"])
     assert "unrecognized arguments: --max-memory" in capsys.readouterr().err
