@@ -337,3 +337,27 @@ def test_every_command_that_loads_weights_takes_max_memory(tmp_path, capsys, mon
     with pytest.raises(SystemExit):
         main(["params", str(d), "--max-memory", "1KB"])
     assert "unrecognized arguments: --max-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_an_expert_count_no_tensor_backs_is_named_before_a_name_is_made(tmp_path, layout):
+    """num_local_experts = 16000 over a file of 8 experts took 8 s to build 192,000 expected names
+    and then named a missing tensor; now the count is compared with the experts the file holds
+    (per expert: experts.{j}.*; fused: the first dimension of experts.gate_up_proj) and named."""
+    from logitlab.model.families import get_preset, state_dict_to_hf
+    from logitlab.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(get_preset("moe-tiny")).eval()
+    d = hf.save_pretrained(model, tmp_path / "moe")
+    if layout == "fused":
+        save_file(state_dict_to_hf(model.state_dict(), model.config, expert_layout="fused"), str(d / hf.SAFETENSORS))
+    ids = torch.randint(0, 200, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(hf.load_pretrained(d)(ids), model(ids))
+    for experts, held in ((16000, "experts 0..7 only (8 experts)"), (4, "experts 0..7 (8 experts)")):
+        edit_json(d / "config.json", lambda p: p.update(num_local_experts=experts))
+        with pytest.raises(ValueError) as info:
+            hf.load_pretrained(d)
+        assert str(info.value) == (f"{d / 'config.json'}: num_local_experts = {experts}, but "
+                                   f"{d / hf.SAFETENSORS} holds {held}")

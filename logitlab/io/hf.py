@@ -195,9 +195,12 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
 
 def _load_hf(directory: Path, dtype, device, max_memory) -> Transformer:
     """A Hugging Face directory, checked in the order that costs least: the config's types and
-    bounds, its layer count against the file headers, the memory estimate; then built and read."""
+    bounds, its layer (and expert) count against the file headers, the memory estimate; then built
+    and read."""
+    from logitlab.model.config import SIZE_LIMITS
     from logitlab.model.hf_config_moe import hf_field_names
     from logitlab.model.keymap import hf_layer_indices
+    from logitlab.model.keymap_moe import hf_expert_indices
 
     path = directory / "config.json"
     raw = read_hf_config(directory)
@@ -205,6 +208,9 @@ def _load_hf(directory: Path, dtype, device, max_memory) -> Transformer:
     weights = WeightFiles(directory)
     names = hf_field_names(raw)
     check_layers(hf_layer_indices(weights.shapes), config.n_layers, names["n_layers"], path, weights.describe())
+    if config.is_moe:     # before one name per expert and layer is made (check_hf_state)
+        held = hf_expert_indices(weights.shapes, SIZE_LIMITS["n_experts"] + 1)
+        check_layers(held, config.n_experts, names["n_experts"], path, weights.describe(), kind="experts")
     target = dtype or weights.stored_dtype()
     memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."), source=str(path),
                       names=names, max_memory=max_memory, device=device)

@@ -36,6 +36,21 @@ def expert_layout_of(names) -> str:
     return "per_expert" if any(_PER_EXPERT.search(n.rpartition(".")[0]) for n in names) else "fused"
 
 
+def hf_expert_indices(shapes: dict, limit: int) -> set[int]:
+    """The expert indices j a checkpoint's tensors hold, from names and shapes alone (name -> shape):
+    experts.{j}.* per expert, or 0 .. E - 1 for the first dimension E of a fused experts.gate_up_proj /
+    down_proj (at most `limit` of them). A loader compares them with the config's count first, so that
+    a count no tensor backs is refused before one name per expert and layer is made."""
+    found = set()
+    for name, shape in shapes.items():
+        per_expert = _PER_EXPERT.search(name.rpartition(".")[0])
+        if per_expert:
+            found.add(int(per_expert.group(2)))
+        elif re.search(r"\.experts\.(gate_up_proj|down_proj)$", name) and shape:
+            found.update(range(min(shape[0], limit)))
+    return found
+
+
 def moe_architecture(c, bad) -> str:
     """The Hugging Face class that runs the MoE config `c` exactly, from its typed features:
     gpt-oss (sinks), Qwen3.5-MoE (Qwen3.5's features), Qwen3-MoE (QK-norm) or Mixtral.
