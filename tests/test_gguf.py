@@ -152,3 +152,12 @@ def test_a_gguf_file_larger_than_max_memory_is_refused_before_a_tensor_is_read(t
 
     assert main(["generate", str(path), "hi", "--max-memory", "1KB"]) == 2
     assert "is allowed by max_memory" in capsys.readouterr().err
+
+
+def test_a_block_count_no_tensor_backs_is_named(tmp_path, monkeypatch):
+    write = gguf.GGUFWriter.add_block_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", lambda self, n: write(self, 9000))
+    path = save_gguf(_model("llama"), tmp_path / "m.gguf", "F16")
+    with pytest.raises(ValueError) as info:
+        load_gguf(path)
+    assert str(info.value) == f"{path}: llama.block_count = 9000, but the file holds layers 0..1 only (2 layers)"

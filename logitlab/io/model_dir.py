@@ -26,6 +26,7 @@ from logitlab.io.tensors import (  # noqa: F401  (importable from here, as befor
     read_tensor,
     require_finite,
 )
+from logitlab.model.keymap import check_layers  # noqa: F401  (importable from here)
 
 MODEL_FORMAT = "logitlab"
 CONFIG_FILE = "config.json"
@@ -244,23 +245,6 @@ def _check_keys(path: Path, directory: Path, expected: dict, shapes: dict) -> No
     for key, tensor in expected.items():
         if shapes[key] != tuple(tensor.shape):
             raise ValueError(f"{path}: {key} has shape {shapes[key]}, config expects {tuple(tensor.shape)}")
-
-
-def check_layers(indices: set[int], n_layers: int, field: str, config_path, weights, kind: str = "layers") -> None:
-    """ValueError naming the config's layer-count field and its value when the block indices the
-    weights hold (`indices`) are not exactly 0 .. n_layers - 1: a count no tensor backs is refused
-    before a model of that depth is built. kind="experts": the same for an MoE's expert count."""
-    if indices == set(range(n_layers)):
-        return
-    held = sorted(indices)
-    if not held:
-        what = f"no {kind} at all"
-    elif held == list(range(len(held))):
-        what = f"{kind} 0..{len(held) - 1}{' only' if len(held) < n_layers else ''} ({len(held)} {kind})"
-    else:
-        shown = ", ".join(map(str, held[:5])) + (f", ... ({len(held)} in all)" if len(held) > 5 else "")
-        what = f"the {kind} {shown}, which are not 0..{n_layers - 1}"
-    raise ValueError(f"{config_path}: {field} = {n_layers}, but {weights} holds {what}")
 
 
 def upgrade_legacy_state(state: dict) -> dict:

@@ -165,6 +165,23 @@ def hf_layer_indices(names) -> set[int]:
     return {int(m.group(1)) for m in map(_HF_LAYER.match, names) if m}
 
 
+def check_layers(indices: set[int], n_layers: int, field: str, config_path, weights, kind: str = "layers") -> None:
+    """ValueError naming the config's layer-count field and its value when the block indices the
+    weights hold (`indices`) are not exactly 0 .. n_layers - 1: a count no tensor backs is refused
+    before a model of that depth is built. kind="experts": the same for an MoE's expert count."""
+    if indices == set(range(n_layers)):
+        return
+    held = sorted(indices)
+    if not held:
+        what = f"no {kind} at all"
+    elif held == list(range(len(held))):
+        what = f"{kind} 0..{len(held) - 1}{' only' if len(held) < n_layers else ''} ({len(held)} {kind})"
+    else:
+        shown = ", ".join(map(str, held[:5])) + (f", ... ({len(held)} in all)" if len(held) > 5 else "")
+        what = f"the {kind} {shown}, which are not 0..{n_layers - 1}"
+    raise ValueError(f"{config_path}: {field} = {n_layers}, but {weights} holds {what}")
+
+
 def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
     """The learned tensors of a Hugging Face checkpoint under their full names: buffers with no
     learned state dropped, a missing "transformer." / "model." prefix restored, and a tied

@@ -169,10 +169,11 @@ def _tensors(reader, arch: str, config: ModelConfig, dtype):
 def load_gguf(path: str | os.PathLike, dtype=None, device: str | torch.device = "cpu", max_memory=None):
     """A Transformer (eval mode) with the weights of a GGUF file, dequantized and cast to `dtype`
     (default float32). An architecture, tensor or setting logitlab cannot run is a ValueError
-    naming the file. The dense weights' memory is estimated from the metadata before any tensor is
-    read, and refused above `max_memory` (default: what the machine has available; memory.check_fits)."""
+    naming the file. Before any tensor is read, the block count is checked against the blocks the
+    file holds and the dense weights' memory, estimated from the metadata, is refused above
+    `max_memory` (default: what the machine has available; memory.check_fits)."""
     from logitlab.model import memory
-    from logitlab.model.keymap import clean_hf_state, hf_tensors_to_logitlab
+    from logitlab.model.keymap import check_layers, clean_hf_state, hf_tensors_to_logitlab
     from logitlab.model.transformer import Transformer
 
     gguf = _gguf()
@@ -182,6 +183,8 @@ def load_gguf(path: str | os.PathLike, dtype=None, device: str | torch.device = 
     except (ValueError, OSError) as exc:
         raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
     arch, config = config_from_gguf(reader, str(path))
+    held = {int(m.group(1)) for m in (re.match(r"blk\.(\d+)\.", t.name) for t in reader.tensors) if m}
+    check_layers(held, config.n_layers, f"{arch}.block_count", path, "the file")
     target = dtype or torch.float32
     memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."), source=str(path),
                       max_memory=max_memory, device=device)
