@@ -361,3 +361,34 @@ def test_an_expert_count_no_tensor_backs_is_named_before_a_name_is_made(tmp_path
             hf.load_pretrained(d)
         assert str(info.value) == (f"{d / 'config.json'}: num_local_experts = {experts}, but "
                                    f"{d / hf.SAFETENSORS} holds {held}")
+
+
+def test_a_hub_model_that_cannot_load_is_refused_before_its_weights_download(tmp_path, monkeypatch):
+    """A hub id's config.json comes first and is checked (bounds, memory in the dtype asked for or
+    the one it declares); its weights are fetched only when it passes."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from _hub import add_snapshot, use_cache
+
+    from logitlab.io.loading import load_model_and_tokenizer
+
+    cache = tmp_path / "cache"
+    use_cache(monkeypatch, cache)
+    add_snapshot(cache, "org/small", hf_dir(tmp_path / "small"))
+    big = hf_dir(tmp_path / "big")
+    edit_json(big / "config.json", lambda p: p.update(vocab_size=2**24, hidden_size=2**14, torch_dtype="bfloat16"))
+    add_snapshot(cache, "org/big", big)
+    asked, fetch = [], huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: asked.append(k.get("allow_patterns")) or fetch(*a, **k))
+    with pytest.raises(ValueError) as info:
+        hf.load_pretrained("org/big")
+    assert "config.json: the model's weights need about " in str(info.value) and " in bfloat16, but" in str(info.value)
+    assert "vocab_size = 16777216 x hidden_size = 16384" in str(info.value)
+    assert asked == [["config.json"]]                                   # no weights were fetched
+    asked.clear()
+    with pytest.raises(ValueError, match="1.00 KB is allowed by max_memory"):
+        load_model_and_tokenizer("org/small", max_memory="1KB")
+    assert asked == [["config.json"]]
+    asked.clear()
+    loaded = load_model_and_tokenizer("org/small", dtype="bf16")
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16 and len(asked) == 2 and asked[0] == ["config.json"]

@@ -56,6 +56,27 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
     return model_dir.read_json_object(path, "config file")
 
 
+def resolve_checked(spec, revision: str | None = None, dtype=None, device="cpu", max_memory=None):
+    """hub.resolve_model, but for a hub id its config.json is fetched first and checked (its sizes
+    bounded, its weights' memory estimated against max_memory) before any weight is downloaded:
+    a model that cannot load is refused without fetching gigabytes. The estimate's dtype is
+    `dtype`, else the one config.json declares (torch_dtype / dtype), else bf16 (two bytes: no
+    floating checkpoint read here stores less). A local path is returned as it is."""
+    if Path(spec).exists() or not hub.looks_like_hub_id(str(spec)):
+        return hub.resolve_model(spec, revision)
+    shape = hub.resolve_model(spec, revision, files=["config.json"]).directory
+    if not model_dir.is_logitlab_dir(shape):
+        raw, path = read_hf_config(shape), shape / "config.json"
+        config = families.config_from_hf(raw, source=str(path))
+        declared = raw.get("torch_dtype") or raw.get("dtype")
+        target = parse_dtype(dtype) or (_DTYPES.get(declared) if isinstance(declared, str) else None) or torch.bfloat16
+        from logitlab.model.hf_config_moe import hf_field_names
+
+        memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."), source=str(path),
+                          names=hf_field_names(raw), max_memory=max_memory, device=device)
+    return hub.resolve_model(spec, revision)
+
+
 def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face directory, whichever of the four layouts it uses (CPU; a
     .bin's may be memory-mapped). Loading a model streams instead (load_pretrained)."""
@@ -178,7 +199,7 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     that holds NaN or inf is refused as it is read, naming its file and key. verify=True runs
     `verify_against_transformers` on the directory and raises ValueError when any hidden state or
     the logits differ beyond TOLERANCE."""
-    directory = hub.resolve_model(directory, revision).directory
+    directory = resolve_checked(directory, revision, dtype, device, max_memory).directory
     dtype = parse_dtype(dtype)
     if model_dir.is_logitlab_dir(directory):
         model = model_dir.load_model(directory, device=device, dtype=dtype, max_memory=max_memory)

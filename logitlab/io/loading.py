@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from logitlab.io import checkpoint, generation_config, hf, hub
+from logitlab.io import checkpoint, generation_config, hf
 
 
 @dataclasses.dataclass
@@ -48,11 +48,11 @@ def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = Non
     """Any model (see the module docstring) with its tokenizer, in eval mode, cast to `dtype`
     (None keeps the stored dtype). A model whose weights need more than `max_memory` ("8GB",
     "512MiB" or bytes; default: what the machine has available) is refused before it is built,
-    naming the field that drives the size. A model without a tokenizer is a FileNotFoundError
-    naming it."""
+    naming the field that drives the size (a hub id's before its weights are downloaded). A model
+    without a tokenizer is a FileNotFoundError naming it."""
     if str(spec).endswith(".gguf"):
         return load_gguf_and_tokenizer(spec, dtype, device, max_memory)
-    resolved = hub.resolve_model(spec, revision)
+    resolved = hf.resolve_checked(spec, revision, dtype, device, max_memory)   # a hub id: its config first
     d = resolved.directory
     dtype = hf.parse_dtype(dtype)
     eos: list = []
