@@ -95,12 +95,14 @@ class PagedEngine(Engine):
     # --- one step ------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admit, decode, prefill (see the module docstring) -> whether any row produced a token."""
+        """Admit, decode, prefill (see the module docstring) -> whether it did anything (a token or
+        a prompt chunk)."""
         self._admit()
         self._drop_finished()
         if not self._rows:
             return False
         with torch.inference_mode():
+            chunks = self.stats["prefill_chunks"]
             produced = self._decode_rows() + self._prefill_rows()
         self._drop_finished()
         self._gauges()
@@ -108,7 +110,7 @@ class PagedEngine(Engine):
         c["steps"] += 1
         c["max_rows"] = max(c["max_rows"], produced)
         c["shared_steps"] += produced > 1
-        return produced > 0
+        return produced > 0 or c["prefill_chunks"] > chunks
 
     def _admit(self) -> None:
         with self._lock:
