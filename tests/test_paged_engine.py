@@ -158,3 +158,25 @@ def test_cancelled_requests_free_their_blocks_and_errors_fail_every_row(model):
     assert a.done == DoneEvent("cancelled") and e.running == 1 and e.stats["cancelled"] == 1
     e._fail_all("boom")
     assert b.done == DoneEvent("error", "boom") and e.running == 0 and e.cache.blocks.in_use == 0
+
+
+def test_cli_serve_chooses_the_engine_and_names_bad_flags(tmp_path, capsys):
+    pytest.importorskip("starlette")
+    from logitlab.cli.main import build_parser, main
+    from logitlab.cli.serve import build_app
+    from logitlab.io import checkpoint
+    from logitlab.serve.engine import Engine
+    from logitlab.tokenizer.core import Tokenizer
+
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|endoftext|>"])
+    d = tmp_path / "m"
+    checkpoint.save_model(_model(vocab_size=tok.vocab_size), d)
+    tok.save(d / checkpoint.TOKENIZER_FILE)
+    args = ["serve", str(d), "--port", "0"]
+    paged = build_app(build_parser().parse_args(args + ["--block-size", "8", "--cache-blocks", "50"])).state.served.engine
+    assert isinstance(paged, PagedEngine) and paged.stats["blocks_total"] == 50 and paged.stats["block_size"] == 8
+    old = build_app(build_parser().parse_args(args + ["--engine", "contiguous"])).state.served.engine
+    assert type(old) is Engine
+    assert main(args + ["--chunk-tokens", "0"]) == 2 and "--chunk-tokens must be >= 1" in capsys.readouterr().err
+    assert main(args + ["--engine", "paged", "--draft", "ngram"]) == 2
+    assert "--draft needs --engine contiguous" in capsys.readouterr().err
