@@ -206,8 +206,9 @@ class PagedView:
         p = pos.clamp(min=0)
         slot = tables.gather(1, (p // bs).clamp(max=n_table - 1)) * bs + p % bs           # (B, S)
         self.slot = torch.where(self.attn_mask, slot, 0)                                  # padding reads slot 0
-        self.new_real = self.attn_mask[:, L:]                                             # (B, T)
-        self.new_slot = self.slot[:, L:][self.new_real]                                   # (n_new,)
+        real = self.attn_mask[:, L:].reshape(-1)                                           # (B*T,)
+        self.new_slot = self.slot[:, L:].reshape(-1)[real]                                # (n_new,) pool slots
+        self.new_rows = None if bool(real.all()) else real.nonzero()[:, 0]                # (n_new,) of B*T, or all
         self._states: dict[int, _StateRows] = {}
 
     # --- the protocol the model calls ----------------------------------------------------------
@@ -217,10 +218,15 @@ class PagedView:
         (B, Hkv, S, Dh), cached positions right-aligned before slot L, then the new ones."""
         if self.cache.gather == "reference":
             return self._reference(layer, k_new, v_new)
+        B, Hkv, T, Dh = k_new.shape
         out = []
         for pool, new in ((self.cache.k[layer], k_new), (self.cache.v[layer], v_new)):
-            pool.index_copy_(0, self.new_slot, new.transpose(1, 2)[self.new_real].to(pool.dtype))  # (n_new, Hkv, Dh)
-            out.append(pool[self.slot].transpose(1, 2))                                   # (B, Hkv, S, Dh)
+            new = new.transpose(1, 2).reshape(B * T, Hkv, Dh)                            # (B*T, Hkv, Dh)
+            if self.new_rows is not None:
+                new = new.index_select(0, self.new_rows)                                  # (n_new, Hkv, Dh)
+            pool.index_copy_(0, self.new_slot, new.to(pool.dtype))
+            flat = pool.index_select(0, self.slot.view(-1))                               # (B*S, Hkv, Dh)
+            out.append(flat.view(B, -1, Hkv, Dh).transpose(1, 2))                         # (B, Hkv, S, Dh)
         return out[0], out[1]
 
     def _reference(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):

@@ -1,0 +1,180 @@
+"""`python3 -m bench.serve_paged [--quick] [--no-doc]`: the paged engine against the contiguous one.
+
+Both engines (logitlab.serve.paged_engine.PagedEngine and logitlab.serve.engine.Engine) serve the
+same random model in one process, driven step by step (no HTTP: what is timed is the engine). Each
+load is a closed loop of C clients (1, 8, 32): every client sends a request as soon as its last one
+ended, each request a shared system prompt and a user part of mixed length, greedy, a mixed number
+of new tokens. The two engines take turns per load (old, new, then new, old, ...). Reported: tokens
+generated per second of wall time, p50 / p99 time to first token (sent -> first token) and
+inter-token latency (gap between a request's consecutive tokens), the engines' counters (rebuilds,
+tokens recomputed, prefix hits), how many requests' tokens differ between the two engines, and the
+ratios new / old. Then the time to first token of a request whose 1,000-token prefix is cached
+against the same request with prefix caching off, alternating, median of the pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.common import command_line, machine_info, markdown_table, publish
+from logitlab.generate import SampleConfig
+from logitlab.model import ModelConfig, Transformer
+from logitlab.serve.engine import Engine, TokenEvent
+from logitlab.serve.paged_engine import PagedEngine
+
+ENGINES = ("contiguous", "paged")
+SYSTEM = 256            # ids of the system prompt every request starts with
+
+
+def _model(quick: bool) -> Transformer:
+    torch.manual_seed(0)
+    size = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2) if quick else \
+        dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2)
+    cfg = ModelConfig(vocab_size=257, context_length=1280, norm="rmsnorm", mlp="swiglu", positions="rope",
+                      bias=False, **size)
+    return Transformer(cfg).eval()
+
+
+def _engine(kind: str, model, max_batch: int, prefix_caching: bool = True):
+    if kind == "contiguous":
+        return Engine(model, max_batch=max_batch)
+    return PagedEngine(model, max_batch=max_batch, prefix_caching=prefix_caching)
+
+
+def _workload(n: int, system: int, seed: int) -> list[tuple[list[int], int]]:
+    """n requests: (system prompt + a user part of 4..96 ids, 8..40 new tokens)."""
+    rng = random.Random(seed)
+    head = [rng.randrange(1, 256) for _ in range(system)]
+    return [(head + [rng.randrange(1, 256) for _ in range(rng.randint(4, 96))], rng.randint(8, 40))
+            for _ in range(n)]
+
+
+def _load(engine, requests: list, clients: int) -> dict:
+    """Run `requests` through `engine` by `clients` closed-loop clients -> timings and tokens."""
+    todo, out, t0 = list(enumerate(requests)), {}, time.perf_counter()
+
+    def send():
+        i, (prompt, n) = todo.pop(0)
+        rec = out[i] = dict(sent=time.perf_counter(), times=[], tokens=[])
+
+        def emit(event):
+            if isinstance(event, TokenEvent):
+                rec["times"].append(time.perf_counter())
+                rec["tokens"].append(event.token)
+            elif todo:
+                send()
+        engine.submit(prompt, SampleConfig(max_new_tokens=n, temperature=0), emit)
+
+    for _ in range(min(clients, len(todo))):
+        send()
+    with torch.inference_mode():
+        while engine.step() or engine.running or engine.waiting:
+            pass
+    wall = time.perf_counter() - t0
+    ttft = sorted(r["times"][0] - r["sent"] for r in out.values())
+    itl = sorted(b - a for r in out.values() for a, b in zip(r["times"], r["times"][1:]))
+    tokens = sum(len(r["tokens"]) for r in out.values())
+    q = lambda xs, p: xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]  # noqa: E731
+    stats = dict(engine.stats)
+    return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, ttft_p50_ms=1e3 * statistics.median(ttft),
+                ttft_p99_ms=1e3 * q(ttft, 0.99), itl_p50_ms=1e3 * statistics.median(itl), itl_p99_ms=1e3 * q(itl, 0.99),
+                rebuilds=stats.get("rebuilds", 0), tokens_recomputed=stats.get("tokens_recomputed", 0),
+                prefix_hit_tokens=stats.get("prefix_hit_tokens", 0),
+                outputs=[out[i]["tokens"] for i in range(len(requests))])
+
+
+def _loads(model, quick: bool) -> list[dict]:
+    rows = []
+    for turn, clients in enumerate((1, 8, 32)):
+        requests = _workload(clients * (4 if clients == 1 else 3) * (1 if quick else 2), system=SYSTEM, seed=clients)
+        order = ENGINES if turn % 2 == 0 else ENGINES[::-1]
+        res = {kind: _load(_engine(kind, model, max(clients, 1)), requests, clients) for kind in order}
+        differ = sum(a != b for a, b in zip(res["paged"].pop("outputs"), res["contiguous"].pop("outputs")))
+        rows.append(dict(clients=clients, requests=len(requests), differ=differ, **res))
+    return rows
+
+
+def _ttft(engine, prompt: list[int]) -> float:
+    first = []
+    engine.submit(prompt, SampleConfig(max_new_tokens=1, temperature=0),
+                  lambda e: first.append(time.perf_counter()) if isinstance(e, TokenEvent) else None)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        while engine.step() or engine.running:
+            pass
+    return first[0] - start
+
+
+def _prefix(model, repeats: int) -> dict:
+    """TTFT of prefix (1,000 ids) + a new 16-id suffix: cached prefix against prefix caching off."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, 256) for _ in range(1000)]
+    suffix = lambda: [rng.randrange(1, 256) for _ in range(16)]  # noqa: E731
+    warm, cold = _engine("paged", model, 4), _engine("paged", model, 4, prefix_caching=False)
+    old = _engine("contiguous", model, 4)
+    _ttft(warm, prefix + suffix())                                 # fills the cache with the prefix
+    pairs = []
+    for _ in range(repeats):
+        p = prefix + suffix()
+        pairs.append((_ttft(warm, p), _ttft(cold, p), _ttft(old, p)))
+    ratios = sorted(c / w for w, c, _ in pairs)
+    return dict(cached_ms=1e3 * statistics.median(w for w, _, _ in pairs),
+                uncached_ms=1e3 * statistics.median(c for _, c, _ in pairs),
+                contiguous_ms=1e3 * statistics.median(o for _, _, o in pairs),
+                ratio=statistics.median(ratios), ratio_min=ratios[0], ratio_max=ratios[-1], repeats=repeats)
+
+
+def run(quick: bool) -> dict:
+    model = _model(quick)
+    return dict(machine=machine_info(), command=command_line(),
+                model=dict(d_model=model.config.d_model, n_layers=model.config.n_layers), loads=_loads(model, quick),
+                prefix=_prefix(model, 3 if quick else 5))
+
+
+def render(r: dict) -> str:
+    rows = []
+    for load in r["loads"]:
+        old, new = load["contiguous"], load["paged"]
+        for name, s in (("contiguous", old), ("paged", new)):
+            rows.append([str(load["clients"]), name, f"{s['tokens_per_s']:.0f}", f"{s['ttft_p50_ms']:.0f}",
+                         f"{s['ttft_p99_ms']:.0f}", f"{s['itl_p50_ms']:.1f}", f"{s['itl_p99_ms']:.1f}",
+                         str(s["rebuilds"]), str(s["tokens_recomputed"]), str(s["prefix_hit_tokens"])])
+        rows.append([str(load["clients"]), "**paged / contiguous**", f"**{new['tokens_per_s'] / old['tokens_per_s']:.2f}x**",
+                     f"{new['ttft_p50_ms'] / old['ttft_p50_ms']:.2f}x", f"{new['ttft_p99_ms'] / old['ttft_p99_ms']:.2f}x",
+                     f"{new['itl_p50_ms'] / old['itl_p50_ms']:.2f}x", f"{new['itl_p99_ms'] / old['itl_p99_ms']:.2f}x",
+                     "", "", ""])
+    p, m = r["prefix"], r["model"]
+    differ = sum(load["differ"] for load in r["loads"])
+    return (f"`{r['command']}`: a random model (d_model {m['d_model']}, {m['n_layers']} layers, context 1280) on "
+            f"{r['machine']['nproc']} cores of a shared, loaded machine (other jobs running: absolute times swing, "
+            f"the ratios within one run are the result). Closed-loop clients, each request a {SYSTEM}-id shared system "
+            "prompt and a 4..96-id user part, greedy, 8..40 new tokens; the engines take turns per load. "
+            f"{differ} request(s) got other tokens from the two engines.\n\n"
+            + markdown_table(["clients", "engine", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                              "ITL p99 ms", "rebuilds", "tokens recomputed", "prefix hit tokens"], rows)
+            + f"\n\nTime to first token of a request whose 1,000-id prefix is cached: {p['cached_ms']:.0f} ms, against "
+              f"{p['uncached_ms']:.0f} ms with prefix caching off ({p['ratio']:.1f}x, min {p['ratio_min']:.1f}x, max "
+              f"{p['ratio_max']:.1f}x over {p['repeats']} pairs) and {p['contiguous_ms']:.0f} ms for the contiguous "
+              "engine.")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.serve_paged")
+    p.add_argument("--quick", action="store_true", help="a smaller model and fewer requests")
+    p.add_argument("--no-doc", action="store_true", help="do not rewrite the section of docs/benchmarks.md")
+    args = p.parse_args(argv)
+    result = run(args.quick)
+    print(render(result))
+    publish("serve_paged", "Serving: paged against contiguous", result, render, quick=args.quick,
+            doc=not args.no_doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
