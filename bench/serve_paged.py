@@ -29,7 +29,7 @@ from logitlab.serve.engine import Engine, TokenEvent
 from logitlab.serve.paged_engine import PagedEngine
 
 ENGINES = ("contiguous", "paged")
-SYSTEM = 256            # ids of the system prompt every request starts with
+SYSTEMS = (64, 256)     # ids of the system prompt every request starts with: a short and a long one
 
 
 def _model(quick: bool) -> Transformer:
@@ -91,13 +91,35 @@ def _load(engine, requests: list, clients: int) -> dict:
 
 def _loads(model, quick: bool) -> list[dict]:
     rows = []
-    for turn, clients in enumerate((1, 8, 32)):
-        requests = _workload(clients * (4 if clients == 1 else 3) * (1 if quick else 2), system=SYSTEM, seed=clients)
-        order = ENGINES if turn % 2 == 0 else ENGINES[::-1]
-        res = {kind: _load(_engine(kind, model, max(clients, 1)), requests, clients) for kind in order}
-        differ = sum(a != b for a, b in zip(res["paged"].pop("outputs"), res["contiguous"].pop("outputs")))
-        rows.append(dict(clients=clients, requests=len(requests), differ=differ, **res))
+    for system in SYSTEMS:
+        for turn, clients in enumerate((1, 8, 32)):
+            requests = _workload(clients * (4 if clients == 1 else 3) * (1 if quick else 2), system, seed=clients)
+            order = ENGINES if turn % 2 == 0 else ENGINES[::-1]
+            res = {kind: _load(_engine(kind, model, clients), requests, clients) for kind in order}
+            differ = sum(a != b for a, b in zip(res["paged"].pop("outputs"), res["contiguous"].pop("outputs")))
+            rows.append(dict(system=system, clients=clients, requests=len(requests), differ=differ, **res))
     return rows
+
+
+def _gathers(model, rows: int, steps: int) -> dict:
+    """Decode steps of `rows` rows with the index gather against the reference loop, alternating."""
+    engines = {g: PagedEngine(model, max_batch=rows, gather=g) for g in ("index", "reference")}
+    for e in engines.values():
+        for i, (prompt, _) in enumerate(_workload(rows, SYSTEMS[0], seed=5)):
+            e.submit(prompt, SampleConfig(max_new_tokens=10 * steps, temperature=0), lambda ev: None)
+        with torch.inference_mode():
+            while e.waiting or any(row.reading for row in e._rows):
+                e.step()
+    times = {g: [] for g in engines}
+    with torch.inference_mode():
+        for _ in range(steps):
+            for g, e in engines.items():
+                t = time.perf_counter()
+                e.step()
+                times[g].append(time.perf_counter() - t)
+    ratios = sorted(r / i for i, r in zip(times["index"], times["reference"]))
+    return dict(rows=rows, index_ms=1e3 * statistics.median(times["index"]),
+                reference_ms=1e3 * statistics.median(times["reference"]), ratio=statistics.median(ratios))
 
 
 def _ttft(engine, prompt: list[int]) -> float:
@@ -134,34 +156,38 @@ def run(quick: bool) -> dict:
     model = _model(quick)
     return dict(machine=machine_info(), command=command_line(),
                 model=dict(d_model=model.config.d_model, n_layers=model.config.n_layers), loads=_loads(model, quick),
-                prefix=_prefix(model, 3 if quick else 5))
+                prefix=_prefix(model, 3 if quick else 5), gathers=_gathers(model, 16, 10 if quick else 30))
 
 
 def render(r: dict) -> str:
     rows = []
     for load in r["loads"]:
         old, new = load["contiguous"], load["paged"]
+        head = [str(load["system"]), str(load["clients"])]
         for name, s in (("contiguous", old), ("paged", new)):
-            rows.append([str(load["clients"]), name, f"{s['tokens_per_s']:.0f}", f"{s['ttft_p50_ms']:.0f}",
-                         f"{s['ttft_p99_ms']:.0f}", f"{s['itl_p50_ms']:.1f}", f"{s['itl_p99_ms']:.1f}",
-                         str(s["rebuilds"]), str(s["tokens_recomputed"]), str(s["prefix_hit_tokens"])])
-        rows.append([str(load["clients"]), "**paged / contiguous**", f"**{new['tokens_per_s'] / old['tokens_per_s']:.2f}x**",
-                     f"{new['ttft_p50_ms'] / old['ttft_p50_ms']:.2f}x", f"{new['ttft_p99_ms'] / old['ttft_p99_ms']:.2f}x",
-                     f"{new['itl_p50_ms'] / old['itl_p50_ms']:.2f}x", f"{new['itl_p99_ms'] / old['itl_p99_ms']:.2f}x",
-                     "", "", ""])
-    p, m = r["prefix"], r["model"]
+            rows.append(head + [name, f"{s['tokens_per_s']:.0f}", f"{s['ttft_p50_ms']:.0f}", f"{s['ttft_p99_ms']:.0f}",
+                                f"{s['itl_p50_ms']:.1f}", f"{s['itl_p99_ms']:.1f}", str(s["rebuilds"]),
+                                str(s["tokens_recomputed"]), str(s["prefix_hit_tokens"])])
+        ratio = lambda key: f"{new[key] / old[key]:.2f}x"  # noqa: E731
+        rows.append(head + ["**paged / contiguous**", f"**{ratio('tokens_per_s')}**", ratio("ttft_p50_ms"),
+                            ratio("ttft_p99_ms"), ratio("itl_p50_ms"), ratio("itl_p99_ms"), "", "", ""])
+    p, m, g = r["prefix"], r["model"], r["gathers"]
     differ = sum(load["differ"] for load in r["loads"])
     return (f"`{r['command']}`: a random model (d_model {m['d_model']}, {m['n_layers']} layers, context 1280) on "
             f"{r['machine']['nproc']} cores of a shared, loaded machine (other jobs running: absolute times swing, "
-            f"the ratios within one run are the result). Closed-loop clients, each request a {SYSTEM}-id shared system "
-            "prompt and a 4..96-id user part, greedy, 8..40 new tokens; the engines take turns per load. "
-            f"{differ} request(s) got other tokens from the two engines.\n\n"
-            + markdown_table(["clients", "engine", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                              "ITL p99 ms", "rebuilds", "tokens recomputed", "prefix hit tokens"], rows)
+            "the ratios within one run are the result). Closed-loop clients (each sends its next request when its "
+            "last one ends), each request a shared system prompt (64 or 256 ids) and a 4..96-id user part, greedy, "
+            "8..40 new tokens; the engines take turns per load, both with max_batch = clients, the paged one with "
+            f"its defaults (blocks of 16, 128 prompt ids a step). {differ} request(s) got other tokens from the two "
+            "engines.\n\n"
+            + markdown_table(["system ids", "clients", "engine", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+                              "ITL p50 ms", "ITL p99 ms", "rebuilds", "tokens recomputed", "prefix hit tokens"], rows)
             + f"\n\nTime to first token of a request whose 1,000-id prefix is cached: {p['cached_ms']:.0f} ms, against "
               f"{p['uncached_ms']:.0f} ms with prefix caching off ({p['ratio']:.1f}x, min {p['ratio_min']:.1f}x, max "
               f"{p['ratio_max']:.1f}x over {p['repeats']} pairs) and {p['contiguous_ms']:.0f} ms for the contiguous "
-              "engine.")
+              f"engine.\n\nA decode step of {g['rows']} rows: {g['index_ms']:.1f} ms with the index gather, "
+              f"{g['reference_ms']:.1f} ms with the reference loop ({g['ratio']:.1f}x, median of alternating pairs); "
+              "the index gather is the default.")
 
 
 def main(argv: list[str]) -> int:

@@ -129,7 +129,8 @@ def test_hybrid_and_moe_models_match_generating_alone(kind):
 
 
 def test_the_pool_budget_queues_requests_and_bad_settings_are_named(model):
-    e = PagedEngine(model, block_size=4, cache_blocks=8)
+    small = _model(context_length=28)
+    e = PagedEngine(small, block_size=4, cache_blocks=8)               # 7 blocks hold the context, + 1
     outs = [Collect() for _ in range(3)]
     for i, out in enumerate(outs):
         e.submit([i + 1] * 10, SampleConfig(max_new_tokens=10, temperature=0), out)   # 5 + 1 blocks each
@@ -137,10 +138,10 @@ def test_the_pool_budget_queues_requests_and_bad_settings_are_named(model):
     assert e.running == 1 and e.waiting == 2
     _drain(e)
     for i, out in enumerate(outs):
-        assert out.tokens == _alone(model, [i + 1] * 10, SampleConfig(max_new_tokens=10, temperature=0))
+        assert out.tokens == _alone(small, [i + 1] * 10, SampleConfig(max_new_tokens=10, temperature=0))
     assert e.stats["evictions"] > 0 and e.stats["blocks_total"] == 8       # older cached blocks made room
-    with pytest.raises(ValueError, match="needs 25 cache blocks"):
-        e.submit([1] * 80, SampleConfig(max_new_tokens=16, temperature=0), Collect())
+    with pytest.raises(ValueError, match=r"cache_blocks \(7\) must hold one request of the whole context: at least 8"):
+        PagedEngine(small, block_size=4, cache_blocks=7)
     with pytest.raises(ValueError, match="block_size"):
         PagedEngine(model, block_size=0)
     with pytest.raises(ValueError, match="chunk_tokens"):

@@ -50,8 +50,8 @@ class _Row:
 class PagedEngine(Engine):
     """Batches requests to one model over a PagedCache (see the module docstring).
 
-    block_size positions per block; cache_blocks blocks in the pool (the memory budget; default
-    room for max_batch full contexts); chunk_tokens prompt positions prefilled per step;
+    block_size positions per block; cache_blocks blocks in the pool (the memory budget, at least one
+    whole context; default room for max_batch whole contexts); chunk_tokens prompt positions prefilled per step;
     prefix_caching shares full prompt blocks (forced off for Gated DeltaNet models); gather
     "index" or "reference" (model/paged.py)."""
 
@@ -63,7 +63,11 @@ class PagedEngine(Engine):
                             ("cache_blocks", 1 if cache_blocks is None else cache_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        n_blocks = cache_blocks or max_batch * -(-self.context // block_size)
+        full = -(-self.context // block_size) + 1          # one whole context, and a block to copy on write
+        if cache_blocks is not None and cache_blocks < full:
+            raise ValueError(f"cache_blocks ({cache_blocks}) must hold one request of the whole context: at least "
+                             f"{full} blocks of {block_size} positions")
+        n_blocks = cache_blocks or max_batch * full
         self.cache = PagedCache(model, n_blocks, block_size, max_seqs=max_batch,
                                 prefix_caching=prefix_caching, gather=gather)
         self.chunk_tokens = chunk_tokens
@@ -78,15 +82,6 @@ class PagedEngine(Engine):
         self.stats.update(blocks_in_use=blocks.in_use, blocks_cached=len(blocks.lru), blocks_total=blocks.n_blocks,
                           block_size=blocks.block_size, prefix_hits=blocks.hits, evictions=blocks.evictions,
                           cow_copies=self.cache.copies)
-
-    def submit(self, prompt, config, emit, top_logprobs: int = 0) -> Request:
-        """As Engine.submit; also ValueError when the prompt and its budget need more blocks than
-        the whole pool holds."""
-        need = self.cache.blocks_for(min(len(prompt) + config.max_new_tokens, self.context)) + 1
-        if need > self.cache.blocks.n_blocks:
-            raise ValueError(f"the request needs {need} cache blocks of {self.cache.block_size} positions; "
-                             f"the pool has {self.cache.blocks.n_blocks} (raise cache_blocks)")
-        return super().submit(prompt, config, emit, top_logprobs)
 
     @property
     def running(self) -> int:
