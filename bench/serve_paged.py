@@ -174,7 +174,7 @@ def render(r: dict) -> str:
     p, m, g = r["prefix"], r["model"], r["gathers"]
     differ = sum(load["differ"] for load in r["loads"])
     return (f"`{r['command']}`: a random model (d_model {m['d_model']}, {m['n_layers']} layers, context 1280) on "
-            f"{r['machine']['nproc']} cores of a shared, loaded machine (other jobs running: absolute times swing, "
+            f"{r['machine']['nproc']} cores ({r['machine']['torch_threads']} torch thread) of a shared, loaded machine (other jobs running: absolute times swing, "
             "the ratios within one run are the result). Closed-loop clients (each sends its next request when its "
             "last one ends), each request a shared system prompt (64 or 256 ids) and a 4..96-id user part, greedy, "
             "8..40 new tokens; the engines take turns per load, both with max_batch = clients, the paged one with "
@@ -194,7 +194,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.serve_paged")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer requests")
     p.add_argument("--no-doc", action="store_true", help="do not rewrite the section of docs/benchmarks.md")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     result = run(args.quick)
     print(render(result))
     publish("serve_paged", "Serving: paged against contiguous", result, render, quick=args.quick,
