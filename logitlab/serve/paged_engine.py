@@ -110,14 +110,14 @@ class PagedEngine(Engine):
     def _admit(self) -> None:
         with self._lock:
             waiting = list(self._inbox)
-        admitted, room = [], self.max_batch - len(self._rows)
+        admitted = []
         busy = {h for row in self._rows if row.reading for h in row.hashes[len(row.seq.hashes):]}
         for r in waiting:
-            if len(admitted) >= room:
-                break
             if self._drop_cancelled(r):
                 admitted.append(r)
                 continue
+            if len(self._rows) >= self.max_batch:
+                break
             hashes = block_hashes(r.prompt, self.cache.block_size) if self.cache.prefix_caching else []
             cached = next((i for i, h in enumerate(hashes) if h not in self.cache.blocks.by_hash), len(hashes))
             if cached < len(hashes) and hashes[cached] in busy:
