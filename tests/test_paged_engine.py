@@ -111,12 +111,17 @@ def test_a_long_prompt_arrives_in_chunks_while_a_stream_keeps_producing(model):
     assert late.tokens == _alone(model, long_prompt, GREEDY)
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "moe"])
+KINDS = dict(
+    hybrid=dict(layer_types=("sliding_attention", "linear_attention", "full_attention"), sliding_window=5,
+                attn_sinks=True, n_layers=3),                    # state slots, chunks of equal length
+    window=dict(layer_types=("sliding_attention", "full_attention"), sliding_window=5, positions="alibi"),
+    moe=dict(n_experts=4, n_experts_per_token=2, mlp="swiglu", norm="rmsnorm", positions="rope"),
+)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_hybrid_and_moe_models_match_generating_alone(kind):
-    extra = dict(layer_types=("sliding_attention", "linear_attention", "full_attention"), sliding_window=5,
-                 attn_sinks=True, n_layers=3) if kind == "hybrid" else \
-        dict(n_experts=4, n_experts_per_token=2, mlp="swiglu", norm="rmsnorm", positions="rope")
-    model = _model(**extra)
+    model = _model(**KINDS[kind])
     e = PagedEngine(model, block_size=4, chunk_tokens=6)
     prompts = [list(range(1, 14)), [5, 6], list(range(20, 29))]
     outs = [Collect() for _ in prompts]
@@ -176,6 +181,9 @@ def test_cli_serve_chooses_the_engine_and_names_bad_flags(tmp_path, capsys):
     args = ["serve", str(d), "--port", "0"]
     paged = build_app(build_parser().parse_args(args + ["--block-size", "8", "--cache-blocks", "50"])).state.served.engine
     assert isinstance(paged, PagedEngine) and paged.stats["blocks_total"] == 50 and paged.stats["block_size"] == 8
+    assert paged.cache.prefix_caching
+    plain = build_app(build_parser().parse_args(args + ["--no-prefix-cache"])).state.served.engine
+    assert not plain.cache.prefix_caching
     old = build_app(build_parser().parse_args(args + ["--engine", "contiguous"])).state.served.engine
     assert type(old) is Engine
     assert main(args + ["--chunk-tokens", "0"]) == 2 and "--chunk-tokens must be >= 1" in capsys.readouterr().err

@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--cache-blocks", type=int, default=None,
                    help="KV blocks in the pool, the cache's memory budget (paged; default room for --max-batch full "
                    "contexts); unreferenced prefix blocks are evicted least recently used first")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not share prompt blocks between requests (paged): a client can then not tell from "
+                   "its time to first token whether another client sent the same prefix")
     p.add_argument("--chunk-tokens", type=int, default=128,
                    help="prompt positions prefilled per step between decode steps (paged; default 128)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -90,7 +93,7 @@ def _engine(args, m, draft):
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     return PagedEngine(m.model, block_size=args.block_size, cache_blocks=args.cache_blocks,
-                       chunk_tokens=args.chunk_tokens, **common)
+                       chunk_tokens=args.chunk_tokens, prefix_caching=not args.no_prefix_cache, **common)
 
 
 def api_key(args) -> str | None:
