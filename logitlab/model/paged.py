@@ -191,9 +191,7 @@ class PagedView:
         if cache.has_state and bool((counts != T).any()):
             raise ValueError("PagedView: with Gated DeltaNet layers every row must feed as many ids (no padding)")
         self.batch_size, self.length, self.T = B, L, T
-        self.ids = torch.zeros(B, T, dtype=torch.long, device=device)                    # (B, T)
-        for b, ids in enumerate(new_ids):
-            self.ids[b, :len(ids)] = torch.tensor(ids, device=device)
+        self.ids = torch.tensor([ids + [0] * (T - len(ids)) for ids in new_ids], device=device)   # (B, T)
         t = torch.arange(T, device=device)
         self.positions = (lengths[:, None] + t[None, :]).clamp(max=cache.context - 1)    # (B, T)
         self.last = counts - 1                                                           # (B,)
