@@ -90,7 +90,8 @@ class PagedCache:
         for i, kind in enumerate(self.layer_types):
             if kind == "linear_attention":
                 C = 2 * cfg.linear_n_k_heads * cfg.linear_k_head_dim + cfg.linear_n_v_heads * cfg.linear_v_head_dim
-                self.conv[i] = torch.zeros(max_seqs, C, cfg.linear_conv_kernel - 1, dtype=self.dtype, device=self.device)
+                self.conv[i] = torch.zeros(max_seqs, C, cfg.linear_conv_kernel - 1, dtype=self.dtype,
+                                           device=self.device)
                 self.recurrent[i] = torch.zeros(max_seqs, cfg.linear_n_v_heads, cfg.linear_k_head_dim,
                                                 cfg.linear_v_head_dim, dtype=torch.float32, device=self.device)
             else:
@@ -101,7 +102,8 @@ class PagedCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.conv, self.recurrent) for t in d.values())
+        tables = (self.k, self.v, self.conv, self.recurrent)
+        return sum(t.numel() * t.element_size() for d in tables for t in d.values())
 
     def blocks_for(self, n_positions: int) -> int:
         return -(-n_positions // self.block_size)
