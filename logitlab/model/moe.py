@@ -311,7 +311,7 @@ class MoE(nn.Module):
         keep = capacity_keep(experts, self.config.n_experts, expert_capacity(self.config, B * T))
         out = _FORMS[self.form(B * T)](self.experts, flat, weights, experts, keep)
         if self.shared is not None:
-            shared = self.shared(flat)                                     # (N, D)
+            shared = self.shared(x).reshape(B * T, D)                      # (N, D); its hooks see (B, T, Fs)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
