@@ -73,7 +73,8 @@ def test_the_residual_stream_is_the_embedding_plus_every_mixer_and_mlp_output(ar
         assert torch.equal(cache[f"blocks.{i}.resid_pre"], total if i == 0 else cache[f"blocks.{i - 1}.resid_post"])
         r = cache[f"blocks.{i}.resid_pre"]
         assert torch.equal(cache[f"blocks.{i}.resid_mid"], r + cache[f"blocks.{i}.attn_out"])
-        assert torch.equal(cache[f"blocks.{i}.resid_post"], cache[f"blocks.{i}.resid_mid"] + cache[f"blocks.{i}.mlp_out"])
+        mid = cache[f"blocks.{i}.resid_mid"]
+        assert torch.equal(cache[f"blocks.{i}.resid_post"], mid + cache[f"blocks.{i}.mlp_out"])
         total = total + cache[f"blocks.{i}.attn_out"] + cache[f"blocks.{i}.mlp_out"]
     torch.testing.assert_close(cache[f"blocks.{model.config.n_layers - 1}.resid_post"], total, rtol=0, atol=1e-5)
     assert torch.equal(cache["logits"], logits)
