@@ -1,7 +1,9 @@
 """Seeing inside: per-token surprisal, next-token tables (the model's softmax beside what the
 sampler draws from), the logit lens and embedding neighbours (core.py); attention patterns with
 induction and previous-token scores (patterns.py); attention sinks and the Gated DeltaNet state
-(mixers.py); a mixture of experts' routing (experts.py).
+(mixers.py); a mixture of experts' routing (experts.py); over the model's hook points: direct logit
+attribution (attribution.py), activation and attribution patching (patching.py), steering
+directions (steering.py), the tuned lens and early exit (lenses.py), linear probes (probes.py).
 
 The names are resolved on first use (PEP 562), so importing the package, or one
 module of it, imports nothing else of it."""
@@ -11,13 +13,18 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "activation_patching": "patching",
+    "activation_patching_reference": "patching",
     "attention_patterns": "patterns",
+    "attribution_patching": "patching",
     "best_head": "patterns",
+    "direct_logit_attribution": "attribution",
     "embedding_neighbours": "core",
     "expert_routing": "experts",
     "induction_scores": "patterns",
     "lens_logits": "core",
     "linear_trace": "mixers",
+    "logit_difference": "patching",
     "logit_lens": "core",
     "next_token_table": "core",
     "previous_token_scores": "patterns",
@@ -25,9 +32,10 @@ _EXPORTS = {
     "token_surprisals": "core",
 }
 
-__all__ = ["attention_patterns", "best_head", "embedding_neighbours", "expert_routing", "induction_scores",
-           "lens_logits", "linear_trace", "logit_lens", "next_token_table", "previous_token_scores", "sink_shares",
-           "token_surprisals"]
+__all__ = ["activation_patching", "activation_patching_reference", "attention_patterns", "attribution_patching",
+           "best_head", "direct_logit_attribution", "embedding_neighbours", "expert_routing", "induction_scores",
+           "lens_logits", "linear_trace", "logit_difference", "logit_lens", "next_token_table",
+           "previous_token_scores", "sink_shares", "token_surprisals"]
 
 
 def __getattr__(name: str):

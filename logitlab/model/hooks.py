@@ -96,8 +96,8 @@ def hook_points(model) -> list[HookPoint]:
 
     def key(p: HookPoint):
         parts = p.name.split(".")
-        if parts[0] != "blocks":
-            return (order[p.name], 0, 0)
+        if parts[0] != "blocks" or len(parts) < 3 or not parts[1].isdigit():
+            return (order.get(p.name, 2), 0, 0)                    # a module of another shape: before the head
         inner = block.get(parts[2], 1 if parts[2] in ("attn", "linear_attn") else 4)
         return (2, int(parts[1]), inner)
     return sorted(found, key=key)                                  # stable: a module's own order kept
