@@ -19,23 +19,37 @@ _EXPORTS = {
     "attribution_patching": "patching",
     "best_head": "patterns",
     "direct_logit_attribution": "attribution",
+    "early_exit": "lenses",
     "embedding_neighbours": "core",
     "expert_routing": "experts",
     "induction_scores": "patterns",
+    "lens_bits": "lenses",
     "lens_logits": "core",
+    "linear_probe": "probes",
     "linear_trace": "mixers",
+    "load_steering": "steering",
+    "load_tuned_lens": "lenses",
     "logit_difference": "patching",
     "logit_lens": "core",
     "next_token_table": "core",
     "previous_token_scores": "patterns",
+    "save_steering": "steering",
+    "save_tuned_lens": "lenses",
     "sink_shares": "mixers",
+    "steer": "steering",
+    "Steering": "steering",
+    "steering_direction": "steering",
     "token_surprisals": "core",
+    "train_tuned_lens": "lenses",
+    "TunedLens": "lenses",
 }
 
 __all__ = ["activation_patching", "activation_patching_reference", "attention_patterns", "attribution_patching",
-           "best_head", "direct_logit_attribution", "embedding_neighbours", "expert_routing", "induction_scores",
-           "lens_logits", "linear_trace", "logit_difference", "logit_lens", "next_token_table",
-           "previous_token_scores", "sink_shares", "token_surprisals"]
+           "best_head", "direct_logit_attribution", "early_exit", "embedding_neighbours", "expert_routing",
+           "induction_scores", "lens_bits", "lens_logits", "linear_probe", "linear_trace", "load_steering",
+           "load_tuned_lens", "logit_difference", "logit_lens", "next_token_table", "previous_token_scores",
+           "save_steering", "save_tuned_lens", "sink_shares", "steer", "Steering", "steering_direction",
+           "token_surprisals", "train_tuned_lens", "TunedLens"]
 
 
 def __getattr__(name: str):
