@@ -1,0 +1,82 @@
+"""The interpretability flags of the command line: inspect --hooks, --attribute, --patch (table, JSON
+and heatmap), --early-exit, --save-direction, and generate --steer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from logitlab.cli.main import main
+from logitlab.generate import SampleConfig, generate
+from logitlab.inspect.attribution import direct_logit_attribution
+from logitlab.inspect.patching import activation_patching, logit_difference
+from logitlab.inspect.steering import load_steering, steer
+from tests.test_cli_inference import _model_dir
+
+
+def _run(capsys, *argv, code=0) -> str:
+    assert main(list(argv)) == code, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_hooks_lists_every_point(tmp_path, capsys):
+    d, model = _model_dir(tmp_path)
+    points = json.loads(_run(capsys, "inspect", str(d), "--hooks", "--json"))
+    names = [p["name"] for p in points]
+    assert names[0] == "embed" and names[-1] == "logits" and "blocks.1.attn.pattern" in names
+    assert "blocks.0.mlp.up" in _run(capsys, "inspect", str(d), "--hooks")
+
+
+def test_attribute_and_early_exit_print_what_the_library_computes(tmp_path, capsys):
+    d, model = _model_dir(tmp_path)
+    out = json.loads(_run(capsys, "inspect", str(d), "abcab", "--attribute", "c-d", "--early-exit", "--json"))
+    want = direct_logit_attribution(model, list(b"abcab"), ord("c"), ord("d"))
+    assert out["attribution"]["parts"] == pytest.approx(want.parts, abs=1e-9)
+    assert len(out["early_exit"]["exit_layer"]) == 5
+    text = _run(capsys, "inspect", str(d), "abcab", "--attribute", "99")
+    assert "direct logit attribution of 'c' at position 4" in text and "blocks.1.mlp_out" in text
+    assert main(["inspect", str(d), "abcab", "--attribute", "ab-cd"]) == 2
+    assert "expected TOKEN or TOKEN-TOKEN" in capsys.readouterr().err
+
+
+def test_patch_prints_the_sweep_and_draws_the_heatmap(tmp_path, capsys):
+    d, model = _model_dir(tmp_path)
+    png = tmp_path / "patch.png"
+    out = json.loads(_run(capsys, "inspect", str(d), "--patch", "abcab", "abdab", "--metric", "c-d", "--plot",
+                          str(png), "--json"))
+    want = activation_patching(model, list(b"abcab"), list(b"abdab"), logit_difference(ord("c"), ord("d")))
+    assert torch.tensor(out["scores"]).double().sub(want.scores).abs().max() < 1e-6
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    heads = json.loads(_run(capsys, "inspect", str(d), "--patch", "abcab", "abdab", "--metric", "c-d",
+                            "--patch-kind", "heads", "--json"))
+    assert len(heads["scores"]) == 2 and len(heads["scores"][0]) == 4
+    assert "share of the logit difference restored" in _run(capsys, "inspect", str(d), "--patch", "abcab", "abdab",
+                                                             "--metric", "c-d")
+    assert main(["inspect", str(d), "--patch", "abcab", "abdab"]) == 2
+    assert "--patch needs --metric" in capsys.readouterr().err
+    assert main(["inspect", str(d), "--patch", "abc", "abdab", "--metric", "c-d"]) == 2
+    assert "same number of tokens" in capsys.readouterr().err
+
+
+def test_a_saved_direction_steers_generate(tmp_path, capsys):
+    d, model = _model_dir(tmp_path)
+    (tmp_path / "pos.txt").write_text("aaaa\naaab\n")
+    (tmp_path / "neg.txt").write_text("zzzz\nzzzy\n")
+    f = tmp_path / "dir.safetensors"
+    assert "wrote" in _run(capsys, "inspect", str(d), "--save-direction", str(f), "--positive",
+                           str(tmp_path / "pos.txt"), "--negative", str(tmp_path / "neg.txt"), "--layer", "0")
+    assert main(["inspect", str(d), "--save-direction", str(f), "--positive", str(tmp_path / "pos.txt"),
+                 "--negative", str(tmp_path / "neg.txt"), "--layer", "0"]) == 2     # never overwritten
+    assert "exists" in capsys.readouterr().err
+    assert main(["generate", str(d), "abc", "--max-new-tokens", "6", "--temperature", "0", "--steer", str(f),
+                 "--steer-scale", "8", "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert "steering: " in captured.err and "after block 0, scale 8" in captured.err
+    config = SampleConfig(temperature=0, max_new_tokens=6)
+    with steer(model, load_steering(f, scale=8.0)):
+        assert out["ids"] == generate(model, out["prompt_ids"], config).tokens[0]
+    assert main(["generate", str(d), "abc", "--steer", str(f), "--steer-layer", "7"]) == 2
+    assert "outside the model's blocks" in capsys.readouterr().err
