@@ -80,3 +80,23 @@ def test_a_saved_direction_steers_generate(tmp_path, capsys):
         assert out["ids"] == generate(model, out["prompt_ids"], config).tokens[0]
     assert main(["generate", str(d), "abc", "--steer", str(f), "--steer-layer", "7"]) == 2
     assert "outside the model's blocks" in capsys.readouterr().err
+
+
+def test_tuned_lens_trains_saves_reloads_and_plots(tmp_path, capsys):
+    from logitlab.inspect.lenses import lens_bits, load_tuned_lens
+
+    d, model = _model_dir(tmp_path)
+    data = tmp_path / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n" * 12)
+    lens, png = tmp_path / "lens.safetensors", tmp_path / "bits.png"
+    out = json.loads(_run(capsys, "inspect", str(d), "abcabc", "--tuned-lens", str(lens), "--lens-data", str(data),
+                          "--lens-steps", "3", "--plot", str(png), "--json"))
+    bits = out["lens_bits"]
+    assert bits["trained"] and len(bits["logit_lens"]) == 2 and png.read_bytes()[:4] == b"\x89PNG"
+    want = lens_bits(model, list(b"abcabc"), load_tuned_lens(lens, model))
+    assert bits["tuned_lens"] == pytest.approx(want.tuned_lens) and bits["logit_lens"] == pytest.approx(want.logit_lens)
+    again = json.loads(_run(capsys, "inspect", str(d), "abcabc", "--tuned-lens", str(lens), "--json"))["lens_bits"]
+    assert not again["trained"] and again["tuned_lens"] == pytest.approx(bits["tuned_lens"])
+    assert "tuned lens" in _run(capsys, "inspect", str(d), "abcabc", "--tuned-lens", str(lens))
+    assert main(["inspect", str(d), "abc", "--tuned-lens", str(tmp_path / "none.safetensors")]) == 2
+    assert "give --lens-data" in capsys.readouterr().err

@@ -29,7 +29,15 @@ def add_flags(i) -> None:
     i.add_argument("--patch-kind", choices=sorted(PATCH_KINDS), default="resid_pre", help="with --patch: what is "
                    "patched, per layer and position (resid_pre, attn_out, mlp_out) or per layer and head (heads: "
                    "attn.z at every position); default resid_pre")
-    i.add_argument("--plot", metavar="PNG", help="with --patch: draw the layer x position (or head) heatmap")
+    i.add_argument("--plot", metavar="PNG", help="with --patch: draw the layer x position (or head) heatmap; with "
+                   "--tuned-lens: the bits per layer of both lenses")
+    i.add_argument("--tuned-lens", metavar="FILE", help="bits of KL to the model's final distribution per layer, "
+                   "for the logit lens and the tuned lens in FILE (safetensors), over TEXT; a FILE that does not "
+                   "exist is trained first on --lens-data and written")
+    i.add_argument("--lens-data", metavar="TEXTFILE", help="with --tuned-lens: the text the translators are "
+                   "trained on (the model's own kind of text), cut into windows of the model's context")
+    i.add_argument("--lens-steps", type=int, default=200, metavar="N", help="with --tuned-lens: training steps "
+                   "(default 200)")
     i.add_argument("--early-exit", action="store_true", help="per position, the first layer whose logit-lens "
                    "top-1 is the model's own, and the share of positions that could stop at each layer")
     i.add_argument("--save-direction", metavar="FILE", help="write a steering direction (safetensors): the "
@@ -183,6 +191,60 @@ def extend_report(args, m, ids, report: dict) -> None:
         from logitlab.inspect.lenses import early_exit
 
         report["early_exit"] = early_exit(m.model, ids)
+    if args.tuned_lens:
+        report["lens_bits"] = _lens_bits(args, m, ids)
+
+
+def _lens_bits(args, m, ids) -> dict:
+    """--tuned-lens: the lens loaded (or trained on --lens-data and saved), the bits over TEXT."""
+    from pathlib import Path
+
+    import torch
+
+    from logitlab.inspect.lenses import lens_bits, load_tuned_lens, save_tuned_lens, train_tuned_lens
+
+    path = Path(args.tuned_lens)
+    trained = not path.exists()
+    if trained:
+        if not args.lens_data:
+            raise ValueError(f"--tuned-lens {path} does not exist: give --lens-data TEXTFILE to train it")
+        try:
+            data = m.tokenizer.encode(Path(args.lens_data).read_text(encoding="utf-8"), allowed_special="none")
+        except OSError as e:
+            raise ValueError(f"--lens-data {args.lens_data}: {e.strerror}") from None
+        T = min(m.model.config.context_length, 128)
+        if len(data) < T:
+            raise ValueError(f"--lens-data {args.lens_data} holds {len(data)} tokens; it needs at least {T}")
+        windows = torch.tensor([data[i:i + T] for i in range(0, len(data) - T + 1, T)])    # (N, T)
+        lens = train_tuned_lens(m.model, windows, steps=args.lens_steps)
+        save_tuned_lens(lens, path)
+    else:
+        lens = load_tuned_lens(path, m.model)
+    bits = lens_bits(m.model, ids, lens)
+    if args.plot:
+        _bits_plot(bits, args.plot)
+    return dict(file=str(path), trained=trained, logit_lens=bits.logit_lens, tuned_lens=bits.tuned_lens)
+
+
+def _bits_plot(bits, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from logitlab.io.files import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    layers = range(len(bits.logit_lens))
+    ax.plot(layers, bits.logit_lens, marker="o", label="logit lens")
+    ax.plot(layers, bits.tuned_lens, marker="o", label="tuned lens")
+    ax.set_xlabel("layer (0: the embeddings)")
+    ax.set_ylabel("KL to the final distribution (bits)")
+    ax.legend()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def print_report(out, report: dict, token_bytes) -> None:
@@ -202,6 +264,13 @@ def print_report(out, report: dict, token_bytes) -> None:
         if top:
             print_table(out, "the heads with the largest contributions", ["head", "contribution"],
                         [[n, f"{v:+.4f}"] for n, v in top], right=(1,))
+    b = report.get("lens_bits")
+    if b is not None:
+        pairs = zip(b["logit_lens"], b["tuned_lens"])
+        rows = [[str(layer), f"{a:.3f}", f"{t:.3f}"] for layer, (a, t) in enumerate(pairs)]
+        print_table(out, f"bits of KL to the final distribution, mean over the text (tuned lens {b['file']}"
+                    f"{', trained now' if b['trained'] else ''})", ["layer", "logit lens", "tuned lens"], rows,
+                    right=(0, 1, 2))
     e = report.get("early_exit")
     if e is not None:
         ids = report["ids"]
