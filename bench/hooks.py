@@ -111,7 +111,8 @@ def render(result: dict) -> str:
         lines += ["", "Against TransformerLens' bridge (> 1: logitlab faster):", "",
                   markdown_table(["what", "ratio", "range"], rows), "",
                   "Largest logit difference from transformers' GPT-2: logitlab "
-                  f"{peers['exact']['logitlab']:.1e}, TransformerLens {peers['exact']['TransformerLens']:.1e}."]
+                  f"{peers['exact']['logitlab']:.1e}, TransformerLens {peers['exact']['TransformerLens']:.1e} (its 4.x "
+                  "bridge runs transformers' own modules, so its logits are transformers')."]
     return "\n".join(lines)
 
 
