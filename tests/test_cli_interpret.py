@@ -100,3 +100,20 @@ def test_tuned_lens_trains_saves_reloads_and_plots(tmp_path, capsys):
     assert "tuned lens" in _run(capsys, "inspect", str(d), "abcabc", "--tuned-lens", str(lens))
     assert main(["inspect", str(d), "abc", "--tuned-lens", str(tmp_path / "none.safetensors")]) == 2
     assert "give --lens-data" in capsys.readouterr().err
+
+
+def test_probe_reads_a_labelled_file_and_reports_the_control(tmp_path, capsys):
+    from logitlab.inspect.probes import linear_probe
+
+    d, model = _model_dir(tmp_path)
+    rows = [{"text": f"x{c}", "label": int(c in "abcd")} for c in "abcdefghabcdefghabcdefgh"]
+    f = tmp_path / "labelled.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = json.loads(_run(capsys, "inspect", str(d), "--probe", "embed", "--labelled", str(f), "--json"))
+    want = linear_probe(model, [list(r["text"].encode()) for r in rows], [r["label"] for r in rows], "embed")
+    assert out["accuracy"] == pytest.approx(want.accuracy) and out["control"] == pytest.approx(want.control)
+    assert out["n_train"] + out["n_test"] == 24
+    assert "shuffled-label control" in _run(capsys, "inspect", str(d), "--probe", "embed", "--labelled", str(f))
+    f.write_text('{"text": "x", "label": "yes"}\n')
+    assert main(["inspect", str(d), "--probe", "embed", "--labelled", str(f)]) == 2
+    assert "line 1: expected" in capsys.readouterr().err

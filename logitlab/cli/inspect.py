@@ -113,7 +113,7 @@ def _inspect(args) -> int:
     if interpret.standalone(args):
         return interpret.run_standalone(args, m)
     if args.text is None:
-        raise ValueError("inspect needs TEXT (or one of --hooks, --patch, --save-direction)")
+        raise ValueError("inspect needs TEXT (or one of --hooks, --patch, --save-direction, --probe)")
     ids = tok.encode(unescape(args.text), allowed_special="none" if args.ordinary else "all")
     first = tok.bos_id if tok.bos_id is not None else tok.eot_id  # <s>, or byte-level BPE's <|endoftext|>
     if args.bos and first is None:

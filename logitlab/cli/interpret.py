@@ -38,6 +38,11 @@ def add_flags(i) -> None:
                    "trained on (the model's own kind of text), cut into windows of the model's context")
     i.add_argument("--lens-steps", type=int, default=200, metavar="N", help="with --tuned-lens: training steps "
                    "(default 200)")
+    i.add_argument("--probe", metavar="HOOK", help="fit a linear probe on the hook point HOOK (e.g. "
+                   "blocks.1.resid_post) for the --labelled prompts, beside its shuffled-label control; TEXT is "
+                   "not needed")
+    i.add_argument("--labelled", metavar="JSONL", help="with --probe: one {\"text\": ..., \"label\": int} a line; "
+                   "the label is read at the text's last token")
     i.add_argument("--early-exit", action="store_true", help="per position, the first layer whose logit-lens "
                    "top-1 is the model's own, and the share of positions that could stop at each layer")
     i.add_argument("--save-direction", metavar="FILE", help="write a steering direction (safetensors): the "
@@ -51,7 +56,7 @@ def add_flags(i) -> None:
 
 def standalone(args) -> bool:
     """Whether the command is one of the flags that need no TEXT."""
-    return bool(args.hooks or args.patch or args.save_direction)
+    return bool(args.hooks or args.patch or args.save_direction or args.probe)
 
 
 def token_pair(tokenizer, text: str, flag: str) -> tuple[int, int | None]:
@@ -87,7 +92,43 @@ def run_standalone(args, m) -> int:
         return 0
     if args.save_direction:
         return _save_direction(args, m)
+    if args.probe:
+        return _probe(args, m)
     return _patch(args, m)
+
+
+def _probe(args, m) -> int:
+    from pathlib import Path
+
+    from logitlab.inspect.probes import linear_probe
+
+    if not args.labelled:
+        raise ValueError("--probe needs --labelled JSONL (one {\"text\", \"label\"} a line)")
+    prompts, labels = [], []
+    try:
+        lines = Path(args.labelled).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"--labelled {args.labelled}: {e.strerror}") from None
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--labelled {args.labelled} line {n}: not JSON ({e.msg})") from None
+        if not (isinstance(row, dict) and isinstance(row.get("text"), str) and row["text"]
+                and isinstance(row.get("label"), int) and not isinstance(row["label"], bool) and row["label"] >= 0):
+            raise ValueError(f"--labelled {args.labelled} line {n}: expected {{\"text\": a non-empty string, "
+                             f"\"label\": an integer >= 0}}")
+        prompts.append(m.tokenizer.encode(row["text"], allowed_special="none"))
+        labels.append(row["label"])
+    r = linear_probe(m.model, prompts, labels, args.probe)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(r)))
+    else:
+        print(f"probe on {r.name}: test accuracy {r.accuracy:.3f}, shuffled-label control {r.control:.3f}, "
+              f"majority class {r.majority:.3f} ({r.n_train} positions fitted, {r.n_test} tested)")
+    return 0
 
 
 def _print_hooks(points) -> None:
