@@ -117,3 +117,26 @@ def test_probe_reads_a_labelled_file_and_reports_the_control(tmp_path, capsys):
     f.write_text('{"text": "x", "label": "yes"}\n')
     assert main(["inspect", str(d), "--probe", "embed", "--labelled", str(f)]) == 2
     assert "line 1: expected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["paged", "contiguous"])
+def test_serve_steers_every_request(tmp_path, capsys, engine):
+    from starlette.testclient import TestClient
+
+    from logitlab.cli.main import build_parser
+    from logitlab.cli.serve import build_app
+    from logitlab.inspect.steering import save_steering
+
+    d, model = _model_dir(tmp_path)
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    f = save_steering(tmp_path / "v.safetensors", v, 1)
+    app = build_app(build_parser().parse_args(["serve", str(d), "--port", "0", "--engine", engine, "--steer", str(f),
+                                               "--steer-scale", "6"]))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=dict(model="m", prompt="abc", max_tokens=6, temperature=0)).json()
+    config = SampleConfig(temperature=0, max_new_tokens=6)
+    with steer(model, load_steering(f, scale=6.0)):
+        steered = generate(model, list(b"abc"), config).tokens[0]
+    plain = generate(model, list(b"abc"), config).tokens[0]
+    assert steered != plain                                       # the direction changes the greedy output
+    assert r["choices"][0]["text"] == bytes(steered).decode("utf-8", errors="replace")

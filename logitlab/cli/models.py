@@ -165,19 +165,18 @@ def prepare_model(args, model, target: bool = True) -> list[str]:
 
 
 def steer_model(args, model) -> list[str]:
-    """--steer: the direction's hook set on `model` for the rest of the process (the command's
-    lifetime; the model is not used unsteered after it)."""
+    """--steer: the direction's hook set on `model` for as long as the model is used (the command,
+    or the server it builds)."""
     path = getattr(args, "steer", None)
     if path is None:
         return []
-    from logitlab.inspect.steering import load_steering, steer
+    from logitlab.inspect.steering import add_steering, load_steering
 
     if getattr(args, "compile", False):
         raise ValueError("--steer adds a hook to every forward, which --compile's traced decode step would not "
                          "see: give one of them")
     s = load_steering(path, args.steer_scale, args.steer_layer)
-    args.steering = steer(model, s)                                # held by args: a context left unreferenced
-    args.steering.__enter__()                                      # would close and take its hook away
+    add_steering(model, s)
     return [f"steering: {path} added after block {s.layer}, scale {s.scale:g} (norm "
             f"{float(s.direction.norm()) * abs(s.scale):.3f})"]
 

@@ -15,6 +15,7 @@ import importlib
 _EXPORTS = {
     "activation_patching": "patching",
     "activation_patching_reference": "patching",
+    "add_steering": "steering",
     "attention_patterns": "patterns",
     "attribution_patching": "patching",
     "best_head": "patterns",
@@ -44,12 +45,12 @@ _EXPORTS = {
     "TunedLens": "lenses",
 }
 
-__all__ = ["activation_patching", "activation_patching_reference", "attention_patterns", "attribution_patching",
-           "best_head", "direct_logit_attribution", "early_exit", "embedding_neighbours", "expert_routing",
-           "induction_scores", "lens_bits", "lens_logits", "linear_probe", "linear_trace", "load_steering",
-           "load_tuned_lens", "logit_difference", "logit_lens", "next_token_table", "previous_token_scores",
-           "save_steering", "save_tuned_lens", "sink_shares", "steer", "Steering", "steering_direction",
-           "token_surprisals", "train_tuned_lens", "TunedLens"]
+__all__ = ["activation_patching", "activation_patching_reference", "add_steering", "attention_patterns",
+           "attribution_patching", "best_head", "direct_logit_attribution", "early_exit", "embedding_neighbours",
+           "expert_routing", "induction_scores", "lens_bits", "lens_logits", "linear_probe", "linear_trace",
+           "load_steering", "load_tuned_lens", "logit_difference", "logit_lens", "next_token_table",
+           "previous_token_scores", "save_steering", "save_tuned_lens", "sink_shares", "steer", "Steering",
+           "steering_direction", "token_surprisals", "train_tuned_lens", "TunedLens"]
 
 
 def __getattr__(name: str):

@@ -21,11 +21,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from logitlab.model.hooks import hooks, run_with_cache
+from logitlab.model.hooks import add_hooks, run_with_cache
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,9 @@ def steering_direction(model, positive: Sequence[Sequence[int]], negative: Seque
     return mean_residual(model, positive, layer) - mean_residual(model, negative, layer)
 
 
-@contextmanager
-def steer(model, steering: Steering):
-    """`with steer(model, Steering(v, layer, scale)):` every forward inside adds scale * v to
-    blocks.{layer}.resid_post at every position; removed on the way out, error or not."""
+def add_steering(model, steering: Steering) -> Callable[[], None]:
+    """Add scale * v to blocks.{layer}.resid_post at every position of every forward from now on,
+    until the returned function is called (a served model's steering); prefer `with steer(...)`."""
     _check_layer(model, steering.layer)
     D = model.config.d_model
     if steering.direction.shape != (D,):
@@ -83,8 +82,18 @@ def steer(model, steering: Steering):
 
     def fn(h: torch.Tensor, name: str) -> torch.Tensor:
         return h + add.to(h.dtype)                                 # (B, T, D) + (D,)
-    with hooks(model, {f"blocks.{steering.layer}.resid_post": fn}):
+    return add_hooks(model, {f"blocks.{steering.layer}.resid_post": fn})
+
+
+@contextmanager
+def steer(model, steering: Steering):
+    """`with steer(model, Steering(v, layer, scale)):` every forward inside adds scale * v to
+    blocks.{layer}.resid_post at every position; removed on the way out, error or not."""
+    remove = add_steering(model, steering)
+    try:
         yield model
+    finally:
+        remove()
 
 
 def save_steering(path, direction: torch.Tensor, layer: int, *, overwrite: bool = False) -> Path:

@@ -127,12 +127,21 @@ def _local(point: HookPoint) -> str:
     return point.name[len(point.module) + 1:] if point.module else point.name
 
 
-@contextmanager
-def hooks(model, fns: Mapping[str, HookFn]):
-    """`with hooks(model, {name: fn, ...}):` the forward calls inside the block run `fn(activation,
-    name)` at each named point (names may be fnmatch patterns); every hook is removed on the way out,
-    error or not. Hooks nest: an inner block's run after the outer block's at the same point."""
+def add_hooks(model, fns: Mapping[str, HookFn]) -> Callable[[], None]:
+    """Set hooks (as hooks() does) until the returned function is called, which removes exactly
+    these; for a hook meant to last as long as the model is used (a served model's steering).
+    Prefer `with hooks(...)`, which cannot forget to remove them."""
     added = []
+
+    def remove() -> None:
+        for module, local, entry in reversed(added):
+            entries = module._taps[local]
+            del entries[next(i for i, e in enumerate(entries) if e is entry)]
+            if not entries:
+                del module._taps[local]
+            if not module._taps:
+                del module._taps                                   # the class's None again
+        added.clear()
     try:
         for pattern, fn in fns.items():
             if not callable(fn):
@@ -144,15 +153,22 @@ def hooks(model, fns: Mapping[str, HookFn]):
                 entry = (name, fn)
                 module._taps.setdefault(_local(point), []).append(entry)
                 added.append((module, _local(point), entry))
+    except BaseException:
+        remove()
+        raise
+    return remove
+
+
+@contextmanager
+def hooks(model, fns: Mapping[str, HookFn]):
+    """`with hooks(model, {name: fn, ...}):` the forward calls inside the block run `fn(activation,
+    name)` at each named point (names may be fnmatch patterns); every hook is removed on the way out,
+    error or not. Hooks nest: an inner block's run after the outer block's at the same point."""
+    remove = add_hooks(model, fns)
+    try:
         yield model
     finally:
-        for module, local, entry in reversed(added):
-            entries = module._taps[local]
-            del entries[next(i for i, e in enumerate(entries) if e is entry)]
-            if not entries:
-                del module._taps[local]
-            if not module._taps:
-                del module._taps                                   # the class's None again
+        remove()
 
 
 def run_with_cache(model, ids, names: Iterable[str] | None = None, *, grad: bool = False, **forward_kwargs):
