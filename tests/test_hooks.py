@@ -297,6 +297,7 @@ def test_a_cached_decode_step_names_the_new_positions():
     assert c["blocks.0.resid_post"].shape == (2, 1, 32)
 
 
+@pytest.mark.slow
 def test_compiled_graph_is_the_same_before_and_after_hooks():
     """The forward with no hook set traces to the same graph, with no break, before any hook was set
     and after a hooks() block was left."""

@@ -73,7 +73,7 @@ def _places(model, names, per: str) -> list[str]:
     points = resolve(model, [names] if isinstance(names, str) else names)
     want = "(B, T, H" if per == "head" else "(B, T,"
     for p in points.values():
-        if not (p.what.startswith(want) or (per == "head" and p.what.startswith("(B, T, Hkv"))):
+        if not p.what.startswith(want):                            # "(B, T, H" covers Hkv and Hv too
             raise ValueError(f"{p.name} is {p.what.split(')')[0]}): patching per {per} needs a hook point of "
                              f"shape {want}, ...)")
     return list(points)
