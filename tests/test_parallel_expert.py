@@ -1,0 +1,129 @@
+"""Expert parallelism on CPU with gloo: a tiny mixture of experts with its experts spread over
+an `ep` mesh dimension (all-to-all dispatch), alone and under FSDP2 / HSDP, must train like one
+process (losses, gradient norms, the balancing loss of the global batch), and its sharded
+checkpoints must resume on another expert-parallel degree and in one process.
+
+The single-process pieces (the plan's checks, the mesh, the dispatch's bookkeeping) run by
+default; every torchrun launch is marked slow (a 2-rank launch takes 20-40 s on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import _dist
+import _dist_ep as ep
+import pytest
+import torch
+
+from logitlab import parallel
+from logitlab.parallel.mesh import ParallelPlan
+
+TOL = 1e-5
+
+
+def launch(out: Path, nproc: int, scenarios) -> dict:
+    _dist.torchrun(nproc, str(Path(ep.__file__)), str(out), *scenarios)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in scenarios}
+
+
+@pytest.fixture(scope="module")
+def info():
+    info = parallel.init_distributed()
+    assert info.world_size == 1
+    return info
+
+
+@pytest.fixture(scope="module")
+def reference(info, tmp_path_factory) -> dict:
+    return ep.run("fsdp", tmp_path_factory.mktemp("ep_ref"), info, reference=True)
+
+
+def _close(a, b, tol: float = TOL) -> None:
+    assert len(a) == len(b) and len(a) > 0, (a, b)
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    assert max(diffs) <= tol, f"max difference {max(diffs):.3g} > {tol}: {a} vs {b}"
+
+
+def _matches(result: dict, ref: dict) -> None:
+    n = len(result["losses"])
+    for key in ("losses", "norms", "aux"):
+        _close(result[key], ref[key][-n:])
+    assert result["load"] == ref["load"]                                  # the global batch's expert load
+    assert len(set(ref["losses"])) == len(ref["losses"]) and min(ref["norms"]) > 0   # it trains
+
+
+def test_plan_checks_the_expert_parallel_degree():
+    assert ParallelPlan(ep=2, parallel="fsdp").resolve(4).dp_shard == 4
+    with pytest.raises(ValueError, match=r"ep \(--ep\) must be a positive integer"):
+        ParallelPlan(ep=0)
+    with pytest.raises(ValueError, match="--ep 3 must divide --dp-shard 4"):
+        ParallelPlan(ep=3, parallel="fsdp").resolve(4)
+    with pytest.raises(ValueError, match="composes with FSDP2"):
+        ParallelPlan(ep=2, parallel="ddp").resolve(2)
+    with pytest.raises(ValueError, match="not yet with tensor or pipeline"):
+        ParallelPlan(ep=2, tp=2, parallel="fsdp").resolve(4)
+
+
+def test_expert_parallel_needs_experts_that_divide():
+    from logitlab.model.transformer import ModelConfig
+    from logitlab.parallel.expert import check_expert_parallel
+
+    moe = ep.tiny_moe().config
+    check_expert_parallel(moe, 4)
+    with pytest.raises(ValueError, match=r"n_experts \(4\) must be divisible by ep"):
+        check_expert_parallel(moe, 3)
+    dense = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_heads=4, n_layers=1)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        check_expert_parallel(dense, 2)
+
+
+def test_sort_by_expert_cuts_the_rows_by_destination_rank():
+    """The dispatch's bookkeeping: the sorted assignments of ranks' experts are contiguous, so
+    counts.view(ep, El) gives every destination's rows, and `token` finds each row's token."""
+    from logitlab.model.moe import sort_by_expert
+
+    g = torch.Generator().manual_seed(0)
+    experts = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])     # (N 7, K 2)
+    keep = torch.rand(7, 2, generator=g) > 0.2
+    used, counts, ids, token = sort_by_expert(experts, keep, 4)
+    assert counts.tolist() == [int(((experts == e) & keep).sum()) for e in range(4)]
+    assert ids.tolist() == sorted(ids.tolist()) and len(used) == int(keep.sum())
+    assert torch.equal(experts.reshape(-1)[used], ids) and torch.equal(token, used // 2)
+    send = counts.view(2, 2).sum(1).tolist()                              # rows for ranks 0, 1 of ep 2
+    assert (ids[:send[0]] < 2).all() and (ids[send[0]:] >= 2).all()
+
+
+def test_one_process_plan_with_ep_one_is_the_plain_model(info, reference):
+    """ep = 1 in one process: nothing wraps the MoE layers (the reference the launches match)."""
+    from logitlab.parallel.expert import expert_modules
+
+    par, _, _ = ep.build("fsdp", info, reference=True)
+    assert expert_modules(par.model) == [] and par.expert_mesh is None
+    assert len(reference["losses"]) == ep.STEPS
+
+
+@pytest.mark.slow
+def test_two_ranks_expert_parallel_match_one_process_and_reshard(tmp_path, reference, info):
+    from logitlab.parallel.sharded import read_model_state
+
+    results = launch(tmp_path, 2, ("save-ep2", "fsdp", "resume-fsdp-from-ep2"))
+    for result in results.values():
+        assert result["world_size"] == 2
+        _matches(result, reference)
+    assert results["resume-fsdp-from-ep2"]["resumed_at"] == ep.SAVE_AT       # ep 2 -> ep 1 (FSDP only)
+    resumed = ep.run("resume-fsdp-from-ep2", tmp_path, info, reference=True)  # ep 2 -> one process
+    _matches(resumed, reference)
+    meta, state = read_model_state(tmp_path / "dcp_ep2")                   # the model's keys and shapes
+    expected = ep.tiny_moe().state_dict()
+    assert meta["layout"]["ep"] == 2 and set(state) == set(expected)
+    assert all(state[k].shape == expected[k].shape for k in expected)
+
+
+@pytest.mark.slow
+def test_four_ranks_expert_parallel_with_fsdp_and_hsdp_match_and_reshard(tmp_path, reference):
+    scenarios = ("save-ep2_fsdp", "ep4", "ep2_hsdp", "resume-ep4-from-ep2_fsdp")
+    for name, result in launch(tmp_path, 4, scenarios).items():
+        assert result["world_size"] == 4
+        _matches(result, reference)
