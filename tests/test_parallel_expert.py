@@ -95,15 +95,6 @@ def test_sort_by_expert_cuts_the_rows_by_destination_rank():
     assert (ids[:send[0]] < 2).all() and (ids[send[0]:] >= 2).all()
 
 
-def test_one_process_plan_with_ep_one_is_the_plain_model(info, reference):
-    """ep = 1 in one process: nothing wraps the MoE layers (the reference the launches match)."""
-    from logitlab.parallel.expert import expert_modules
-
-    par, _, _ = ep.build("fsdp", info, reference=True)
-    assert expert_modules(par.model) == [] and par.expert_mesh is None
-    assert len(reference["losses"]) == ep.STEPS
-
-
 @pytest.mark.slow
 def test_two_ranks_expert_parallel_match_one_process_and_reshard(tmp_path, reference, info):
     from logitlab.parallel.sharded import read_model_state

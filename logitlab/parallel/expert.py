@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from logitlab.model.moe import MoE, sort_by_expert
+from logitlab.model.moe import Experts, MoE, sort_by_expert
 
 
 class _AllToAll(torch.autograd.Function):
@@ -112,13 +112,24 @@ def expert_parallel_routed(moe: MoE, x: torch.Tensor, weights, experts, keep, gr
     rows = all_to_all(x[token], send, recv, group)                         # (m, D) by source, then expert
     ids = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(got.reshape(-1))   # (m,) local expert
     order = torch.argsort(ids, stable=True)                                # by local expert, then source
-    stacked = tuple(_local(t, ep) for t in moe.experts.stacked())          # (El, ...) this rank's experts
-    y = moe.experts.products(rows[order], got.sum(0), ids[order], stacked)  # (m, D)
+    y = moe.experts(rows[order], got.sum(0), ids[order])                   # (m, D) this rank's experts
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)         # the inverse permutation
     y = all_to_all(y[back], recv, send, group)                             # (n, D) in the order sent
     y = y * weights.reshape(-1)[used, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class ExpertParallelExperts(Experts):
+    """The experts of an expert-parallel layer, called as a module (so that FSDP2's hooks
+    gather their shards around the call): rows (m, D) grouped by local expert, counts (El,),
+    ids (m,) -> each row through its expert on this rank's (El, ...) pieces (step 4)."""
+
+    ep_size = 1
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        stacked = tuple(_local(t, self.ep_size) for t in self.stacked())  # (El, ...) this rank's experts
+        return self.products(rows, counts, ids, stacked)
 
 
 class ExpertParallelMoE(MoE):
@@ -157,8 +168,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.__class__ = ExpertParallelMoE
-        module.ep_group, module.ep_size = ep_mesh.get_group(), ep
+        module.__class__, experts.__class__ = ExpertParallelMoE, ExpertParallelExperts
+        module.ep_group, module.ep_size, experts.ep_size = ep_mesh.get_group(), ep, ep
     return model
 
 
@@ -167,5 +178,5 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m.experts for m in model.modules() if isinstance(m, ExpertParallelMoE)]
 
 
-__all__ = ["ExpertParallelMoE", "all_to_all", "apply_expert_parallel", "check_expert_parallel",
+__all__ = ["ExpertParallelExperts", "ExpertParallelMoE", "all_to_all", "apply_expert_parallel", "check_expert_parallel",
            "exchange_counts", "expert_modules", "expert_parallel_routed"]
