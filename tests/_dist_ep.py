@@ -36,6 +36,7 @@ SCENARIOS = {
     "ep2_fsdp": dict(ep=2),                                    # 4 ranks: 2 ep groups, experts' FSDP over 2
     "ep4": dict(ep=4),                                         # 4 ranks: one expert per rank
     "ep2_hsdp": dict(ep=2, dp_replicate=2, dp_shard=2),        # 4 ranks: HSDP, ep inside each replica
+    "one": dict(),                                             # one process (runner: a resume)
 }
 
 
@@ -92,12 +93,40 @@ def run(scenario: str, out: Path, info, reference: bool = False) -> dict:
     return {k: first[k] + rest[k] if isinstance(first[k], list) and k != "load" else rest[k] for k in first}
 
 
+def runner(name: str, out: Path, info, resume_from: str | None = None):
+    """The main loop (train_parallel: sharded_hooks) with scenario `name`'s layout on OUT/prep
+    (tests/_dist_nd.py's corpus), the tiny MoE with the corpus's vocabulary."""
+    import dataclasses
+    import shutil
+
+    from _dist_nd import SAVE_AT as save_at
+    from _dist_nd import runner_config
+
+    from logitlab.model.transformer import Transformer
+    from logitlab.train.parallel_run import train_parallel
+
+    model = tiny_moe()
+    torch.manual_seed(data.SEED)
+    model = Transformer(dataclasses.replace(model.config, vocab_size=320))
+    config = runner_config(out, name)
+    if resume_from is not None and info.is_main:
+        ckpt = f"dcp-{save_at:06d}"
+        shutil.copytree(out / f"runner_{resume_from}" / ckpt, Path(config.out_dir) / ckpt)
+    plan = ParallelPlan(parallel="fsdp", **SCENARIOS[name]) if info.distributed else ParallelPlan()
+    return train_parallel(model, config, plan, resume=resume_from is not None, info=info)
+
+
 def main(argv: list[str]) -> int:
     out, scenarios = Path(argv[0]), argv[1:]
     torch.set_num_threads(1)
     info = parallel.init_distributed(timeout_s=float(os.environ.get("LOGITLAB_TEST_TIMEOUT_S", "300")))
     try:
         for scenario in scenarios:
+            if scenario.startswith("runner-"):
+                losses = runner(scenario.removeprefix("runner-"), out, info).losses
+                if info.is_main:
+                    (out / f"{scenario}.json").write_text(json.dumps({"losses": losses}))
+                continue
             result = run(scenario, out, info)
             if info.is_main:
                 (out / f"{scenario}.json").write_text(json.dumps({**result, "world_size": info.world_size}))

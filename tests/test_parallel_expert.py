@@ -118,3 +118,25 @@ def test_four_ranks_expert_parallel_with_fsdp_and_hsdp_match_and_reshard(tmp_pat
     for name, result in launch(tmp_path, 4, scenarios).items():
         assert result["world_size"] == 4
         _matches(result, reference)
+
+
+@pytest.mark.slow
+def test_expert_parallel_through_the_main_loop_matches_one_process(tmp_path, info):
+    """train_parallel (the main loop, sharded_hooks) with --ep 2 on 2 ranks: one process's losses
+    and validation losses with the router's losses in the step, their parts logged, sharded
+    checkpoints that resume in one process."""
+    import _dist_nd as nd
+
+    nd.prepare_corpus(tmp_path / "prep")
+    launch(tmp_path, 2, ("runner-ep2",))
+    ref = ep.runner("fsdp", tmp_path, info)                     # one process
+    got = json.loads((tmp_path / "runner-ep2.json").read_text())["losses"]
+    _close(got, ref.losses)
+    records = [json.loads(line) for line in (tmp_path / "runner_ep2" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == nd.STEPS and all("aux_loss" in r and len(r["expert_share"]) == 2 for r in steps)
+    ref_val = [json.loads(line)["val_loss"] for line in (tmp_path / "runner_fsdp" / "metrics.jsonl").read_text()
+               .splitlines() if "val_loss" in json.loads(line)]
+    _close([r["val_loss"] for r in records if "val_loss" in r], ref_val)
+    resumed = ep.runner("one", tmp_path, info, resume_from="ep2")   # --ep 2's checkpoint -> one process
+    _close(resumed.losses, ref.losses[nd.SAVE_AT:])
