@@ -110,6 +110,22 @@ def test_two_ranks_expert_parallel_match_one_process_and_reshard(tmp_path, refer
     expected = ep.tiny_moe().state_dict()
     assert meta["layout"]["ep"] == 2 and set(state) == set(expected)
     assert all(state[k].shape == expected[k].shape for k in expected)
+    _exports_to_hf(tmp_path, state)
+
+
+def _exports_to_hf(tmp_path: Path, state: dict) -> None:
+    """The expert-parallel checkpoint's weights as a Hugging Face directory transformers loads,
+    with the logits of the same weights in one process."""
+    transformers = pytest.importorskip("transformers")
+    from logitlab.train.parallel_run import export_sharded_to_hf
+
+    export_sharded_to_hf(tmp_path / "dcp_ep2", tmp_path / "hf")
+    model = ep.tiny_moe()
+    model.load_state_dict(state)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model.eval()(ids), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
