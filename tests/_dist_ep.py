@@ -32,6 +32,8 @@ STEPS = 4
 SAVE_AT = 2
 SCENARIOS = {
     "ep2": dict(ep=2),                                         # 2 ranks: every rank a whole ep group
+    "ep2_zero2": dict(ep=2, parallel="zero2"),                 # 2 ranks: weights kept gathered until backward
+    "ep2_ac": dict(ep=2, activation_checkpointing="full"),     # 2 ranks: backward recomputes the all-to-alls
     "fsdp": dict(),                                            # 2 or 4 ranks: the experts FSDP-sharded only
     "ep2_fsdp": dict(ep=2),                                    # 4 ranks: 2 ep groups, experts' FSDP over 2
     "ep4": dict(ep=4),                                         # 4 ranks: one expert per rank
@@ -54,7 +56,7 @@ def tiny_moe():
 def build(name: str, info, reference: bool = False):
     from logitlab.train.moe import RouterLoss
 
-    plan = ParallelPlan() if reference else ParallelPlan(parallel="fsdp", **SCENARIOS[name])
+    plan = ParallelPlan() if reference else ParallelPlan(**{"parallel": "fsdp", **SCENARIOS[name]})
     par = parallelize(tiny_moe(), plan, info, seq_len=data.T)
     loss = RouterLoss(par.model, par.model.config, reduce=par.sum_over_dp if info.distributed else None)
     return par, par.build_optimizer(lr=3e-3, weight_decay=0.1), loss
@@ -112,7 +114,7 @@ def runner(name: str, out: Path, info, resume_from: str | None = None):
     if resume_from is not None and info.is_main:
         ckpt = f"dcp-{save_at:06d}"
         shutil.copytree(out / f"runner_{resume_from}" / ckpt, Path(config.out_dir) / ckpt)
-    plan = ParallelPlan(parallel="fsdp", **SCENARIOS[name]) if info.distributed else ParallelPlan()
+    plan = ParallelPlan(**{"parallel": "fsdp", **SCENARIOS[name]}) if info.distributed else ParallelPlan()
     return train_parallel(model, config, plan, resume=resume_from is not None, info=info)
 
 

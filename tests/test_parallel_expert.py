@@ -99,7 +99,7 @@ def test_sort_by_expert_cuts_the_rows_by_destination_rank():
 def test_two_ranks_expert_parallel_match_one_process_and_reshard(tmp_path, reference, info):
     from logitlab.parallel.sharded import read_model_state
 
-    results = launch(tmp_path, 2, ("save-ep2", "fsdp", "resume-fsdp-from-ep2"))
+    results = launch(tmp_path, 2, ("save-ep2", "fsdp", "ep2_zero2", "ep2_ac", "resume-fsdp-from-ep2"))
     for result in results.values():
         assert result["world_size"] == 2
         _matches(result, reference)
