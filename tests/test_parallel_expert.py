@@ -156,3 +156,18 @@ def test_expert_parallel_through_the_main_loop_matches_one_process(tmp_path, inf
     _close([r["val_loss"] for r in records if "val_loss" in r], ref_val)
     resumed = ep.runner("one", tmp_path, info, resume_from="ep2")   # --ep 2's checkpoint -> one process
     _close(resumed.losses, ref.losses[nd.SAVE_AT:])
+
+
+def test_expert_parallel_refuses_experts_that_carry_adapters():
+    """LoRA's experts (or a kernel's) override how the experts multiply: spreading them would drop it."""
+    from logitlab.parallel.expert import apply_expert_parallel
+    from logitlab.train.lora import LoRAConfig, apply_lora
+
+    class TwoRanks:                                                        # the mesh's size is all it reads first
+        def size(self):
+            return 2
+
+    model = ep.tiny_moe()
+    apply_lora(model, LoRAConfig(targets="experts.down_proj"))
+    with pytest.raises(ValueError, match="spreads plain experts; these are LoRAExperts"):
+        apply_expert_parallel(model, TwoRanks())

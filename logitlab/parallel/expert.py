@@ -165,6 +165,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
         if not isinstance(module, MoE) or isinstance(module, ExpertParallelMoE):
             continue
         experts = module.experts
+        if type(experts) is not Experts:
+            raise ValueError(f"expert parallelism spreads plain experts; these are {type(experts).__name__} "
+                             "(LoRA adapters or another kernel on the experts): apply --ep to the model without them")
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
