@@ -19,6 +19,10 @@ and `install_grouped_gemm(model)` makes every MoE layer's Experts use it (Expert
 method the grouped form calls). Reference: model.moe.group_products and a per-group loop of
 F.linear (tests/triton/test_triton_grouped_gemm.py). Shapes: n rows, E experts, N output and
 K input width of one expert's matrix.
+
+The two passes are the custom operators logitlab::grouped_mm_forward and
+logitlab::grouped_mm_backward (fake implementations for the shapes, register_autograd), as the
+other kernels are.
 """
 
 from __future__ import annotations
@@ -98,30 +102,50 @@ def _launch_mm(x, w_strides, w, N, K, counts, out):
     return out
 
 
-class _GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, counts):
-        ctx.save_for_backward(x, w, counts)
-        E, N, K = w.shape
-        out = x.new_empty(x.shape[0], N)
-        return _launch_mm(x, (w.stride(0), w.stride(1), w.stride(2)), w, N, K, counts, out)
+@torch.library.custom_op("logitlab::grouped_mm_forward", mutates_args=())
+def _forward_op(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x (n, K) grouped by expert, w (E, N, K), counts (E,) -> (n, N)."""
+    E, N, K = w.shape
+    return _launch_mm(x, (w.stride(0), w.stride(1), w.stride(2)), w, N, K, counts, x.new_empty(x.shape[0], N))
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, counts = ctx.saved_tensors
-        E, N, K = w.shape
-        dx = dw = None
-        if ctx.needs_input_grad[0]:                                        # dx = dy @ W[e]: W[e]^T read as (K, N)
-            dx = _launch_mm(dy, (w.stride(0), w.stride(2), w.stride(1)), w, K, N, counts, x.new_empty(x.shape))
-        if ctx.needs_input_grad[1]:
-            dw = torch.empty_like(w)
-            ends = counts.to(torch.int64).cumsum(0)
-            starts = (ends - counts.to(torch.int64)).to(torch.int32)
-            grid = (E, triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))
-            _grouped_wgrad_kernel[grid](dy, x, dw, starts, ends.to(torch.int32), N, K, dy.stride(0), dy.stride(1),
-                                        x.stride(0), x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-                                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-        return dx, dw, None
+
+@_forward_op.register_fake
+def _forward_fake(x, w, counts):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("logitlab::grouped_mm_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy (n, N) -> (dx (n, K) = dy @ W[e] per row, dw (E, N, K) = dy_e^T x_e per expert)."""
+    E, N, K = w.shape
+    dx = _launch_mm(dy, (w.stride(0), w.stride(2), w.stride(1)), w, K, N, counts, x.new_empty(x.shape))
+    dw = torch.empty_like(w)
+    ends = counts.to(torch.int64).cumsum(0)
+    starts = (ends - counts.to(torch.int64)).to(torch.int32)
+    grid = (E, triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))
+    _grouped_wgrad_kernel[grid](dy, x, dw, starts, ends.to(torch.int32), N, K, dy.stride(0), dy.stride(1),
+                                x.stride(0), x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return dx, dw
+
+
+@_backward_op.register_fake
+def _backward_fake(dy, x, w, counts):
+    return x.new_empty(x.shape), torch.empty_like(w)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dy):
+    x, w, counts = ctx.saved_tensors
+    dx, dw = _backward_op(dy.contiguous(), x, w, counts)
+    return dx, dw, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -133,7 +157,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
         raise ValueError(f"grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)} and counts {tuple(counts.shape)} "
                          f"(summing to {int(counts.sum())}) do not fit: x (n, K), w (E, N, K), counts (E,) "
                          "summing to n")
-    return _GroupedMM.apply(x, w, counts)
+    return _forward_op(x, w, counts)
 
 
 def grouped_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
