@@ -39,25 +39,34 @@ SCENARIOS = {
     "ep4": dict(ep=4),                                         # 4 ranks: one expert per rank
     "ep2_hsdp": dict(ep=2, dp_replicate=2, dp_shard=2),        # 4 ranks: HSDP, ep inside each replica
     "one": dict(),                                             # one process (runner: a resume)
+    "ep2_biased": dict(ep=2),                                  # 2 ranks: biased experts, a shared expert
 }
+# scenario -> the tiny MoE's config changes (default: none)
+MODELS = {"ep2_biased": dict(expert_bias=True, router_bias=True, expert_act="clamped_swiglu", router="topk_softmax",
+                             shared_expert_d_ff=24, shared_expert_gate=True)}
 
 
-def tiny_moe():
+def tiny_moe(**changes):
     from logitlab.model.transformer import ModelConfig, Transformer
 
     torch.manual_seed(data.SEED)
     config = ModelConfig(vocab_size=64, context_length=data.T, d_model=32, n_heads=4, n_kv_heads=2,
                          norm="rmsnorm", mlp="swiglu", d_ff=48, positions="rope", bias=False, dropout=0.0,
                          n_layers=2, tie_embeddings=False, n_experts=4, n_experts_per_token=2,
-                         router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
-    return Transformer(config)
+                         router_aux_loss_coef=0.1, router_z_loss_coef=0.01, **changes)
+    model = Transformer(config)
+    with torch.no_grad():                                      # biases away from zero, so a slip shows
+        for name, p in model.named_parameters():
+            if name.endswith("_bias") or name.endswith(".bias"):
+                p.add_(torch.randn(p.shape) * 0.1)
+    return model
 
 
 def build(name: str, info, reference: bool = False):
     from logitlab.train.moe import RouterLoss
 
     plan = ParallelPlan() if reference else ParallelPlan(**{"parallel": "fsdp", **SCENARIOS[name]})
-    par = parallelize(tiny_moe(), plan, info, seq_len=data.T)
+    par = parallelize(tiny_moe(**MODELS.get(name, {})), plan, info, seq_len=data.T)
     loss = RouterLoss(par.model, par.model.config, reduce=par.sum_over_dp if info.distributed else None)
     return par, par.build_optimizer(lr=3e-3, weight_decay=0.1), loss
 

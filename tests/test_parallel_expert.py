@@ -99,10 +99,10 @@ def test_sort_by_expert_cuts_the_rows_by_destination_rank():
 def test_two_ranks_expert_parallel_match_one_process_and_reshard(tmp_path, reference, info):
     from logitlab.parallel.sharded import read_model_state
 
-    results = launch(tmp_path, 2, ("save-ep2", "fsdp", "ep2_zero2", "ep2_ac", "resume-fsdp-from-ep2"))
-    for result in results.values():
+    results = launch(tmp_path, 2, ("save-ep2", "fsdp", "ep2_zero2", "ep2_ac", "resume-fsdp-from-ep2", "ep2_biased"))
+    for name, result in results.items():
         assert result["world_size"] == 2
-        _matches(result, reference)
+        _matches(result, ep.run(name, tmp_path, info, reference=True) if name in ep.MODELS else reference)
     assert results["resume-fsdp-from-ep2"]["resumed_at"] == ep.SAVE_AT       # ep 2 -> ep 1 (FSDP only)
     resumed = ep.run("resume-fsdp-from-ep2", tmp_path, info, reference=True)  # ep 2 -> one process
     _matches(resumed, reference)
