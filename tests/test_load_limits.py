@@ -392,3 +392,35 @@ def test_a_hub_model_that_cannot_load_is_refused_before_its_weights_download(tmp
     asked.clear()
     loaded = load_model_and_tokenizer("org/small", dtype="bf16")
     assert next(loaded.model.parameters()).dtype == torch.bfloat16 and len(asked) == 2 and asked[0] == ["config.json"]
+
+
+def test_an_moe_adapter_is_checked_before_anything_is_built(tmp_path):
+    """PEFT's target_parameters (an MoE's stacked experts) go through the same checks: names,
+    the rank against the experts' widths, every tensor's shape (A is (E * r, in), B (out, r * E))."""
+    from logitlab.model.families import get_preset
+    from logitlab.model.transformer import Transformer
+    from logitlab.train.lora import LoRAConfig, apply_lora
+    from logitlab.train.lora_peft import load_peft_adapter, save_peft_adapter
+
+    torch.manual_seed(0)
+    cfg = get_preset("moe-tiny")
+    trained = Transformer(cfg)
+    apply_lora(trained, LoRAConfig(r=4, targets=("q_proj", "experts.gate_up_proj", "experts.down_proj")))
+    d = save_peft_adapter(trained, tmp_path / "a")
+    config, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+    good_config, good = json.loads(config.read_text()), load_file(str(weights))
+    for edit, message in (({"target_parameters": ["mlp.experts.w9"]}, "target_parameters ['mlp.experts.w9'] are "
+                                                                        "not among ['mlp.experts.gate_up_proj'"),
+                          ({"r": 10**9}, "r = 1000000000 exceeds the width of")):
+        config.write_text(json.dumps({**good_config, **edit}))
+        with pytest.raises(ValueError, match=re.escape(f"{config}: {message}")):
+            load_peft_adapter(Transformer(cfg), d)
+    config.write_text(json.dumps(good_config))
+    key = "base_model.model.model.layers.1.mlp.experts.lora_A.weight"
+    save_file({**good, key: torch.zeros(cfg.n_experts * 4 + 1, cfg.d_model)}, str(weights))
+    model = Transformer(cfg)
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(key)} has shape \({cfg.n_experts * 4 + 1}, "):
+        load_peft_adapter(model, d)
+    assert not any("lora" in name for name, _ in model.named_parameters())   # nothing was built
+    save_file(good, str(weights))
+    assert "blocks.1.mlp.experts" in load_peft_adapter(model, d)

@@ -7,6 +7,13 @@ lora_peft.py owns the key names. PEFT's adapters for a llama-layout Hugging Face
 (lora.py) are exactly these, so the map is a renaming, both ways, at the same rank. The directory
 is adapter_config.json + adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), directory)` loads.
+
+The experts of a mixture of experts (lora_moe.py) are PEFT's `target_parameters`
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, transformers' stacked (E, out, in) tensors).
+PEFT nests one wrapper per adapted tensor, so with both adapted the gate_up_proj pair sits under
+`mlp.experts.base_layer.lora_A.weight` and down_proj's under `mlp.experts.lora_A.weight` (with
+one, under the latter). Its A stacks the experts' (r, in) matrices into (E * r, in); its B is
+(out, r * E) with the expert index innermost: B[o, k * E + e] is expert e's B_e[o, k].
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 import torch
 
 from logitlab.train.lora import LoRAConfig, SharedLoRAEmbedding, apply_lora, lora_modules, projection_parts
+from logitlab.train.lora_moe import EXPERT_PARTS, expert_lora_modules
 
 _HF_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
               "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
@@ -33,6 +41,9 @@ def _peft_layout_check(model) -> None:
         raise ValueError("a LoRA shared by a tied head and embedding (tie='shared') has no PEFT form here; "
                          "train with tie='untie' to export adapters, or export merged_model(model)")
 
+    if expert_lora_modules(model) and model.config.expert_bias:
+        raise ValueError("PEFT adapters on experts are written for the (E, out, in) expert tensors of Mixtral and "
+                         "the Qwen MoE families; gpt-oss stores its experts transposed and interleaved")
     if key_layout(model.config) != "llama":
         raise ValueError("PEFT adapters are written for llama-layout models (Llama, Qwen, Mistral exports); "
                          "a GPT-2-layout model's fused c_attn has no per-part names")
@@ -52,13 +63,32 @@ def peft_state_dict(model) -> dict[str, torch.Tensor]:
                 hf = f"model.layers.{i}.{_HF_MODULE[part]}"
             out[f"{_PEFT_PREFIX}{hf}.lora_A.weight"] = m.lora_A[part].detach().cpu().contiguous()
             out[f"{_PEFT_PREFIX}{hf}.lora_B.weight"] = m.lora_B[part].detach().cpu().contiguous()
+    for key, (m, part, which) in _expert_keys(model).items():
+        E, a, b = (m.lora_A if which == "A" else m.lora_B)[part].shape
+        t = m.lora_A[part].reshape(E * a, b) if which == "A" else m.lora_B[part].permute(1, 2, 0).reshape(a, b * E)
+        out[key] = t.detach().cpu().contiguous()                          # A (E*r, in), B (out, r*E)
+    return out
+
+
+def _expert_keys(model) -> dict[str, tuple]:
+    """PEFT key -> (LoRAExperts, part, "A" or "B") for every expert adapter of `model`."""
+    out = {}
+    for name, m in expert_lora_modules(model).items():
+        i = re.fullmatch(r"blocks\.(\d+)\..+", name).group(1)
+        for part in m.parts:
+            inner = part == "gate_up_proj" and len(m.parts) == 2           # PEFT's nested wrapper
+            prefix = f"{_PEFT_PREFIX}model.layers.{i}.mlp.experts{'.base_layer' if inner else ''}"
+            out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = (m, part, "A"), (m, part, "B")
     return out
 
 
 def peft_adapter_config(model, base_model_name_or_path: str | None = None) -> dict:
     config: LoRAConfig = model.lora_config
+    modules = sorted(t for t in config.targets if t not in EXPERT_PARTS)
+    parameters = [f"mlp.{t}" for t in sorted(EXPERT_PARTS) if t in config.targets]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.r, "lora_alpha": config.alpha,
-            "lora_dropout": config.dropout, "target_modules": sorted(config.targets), "use_rslora": config.rslora,
+            "lora_dropout": config.dropout, "target_modules": modules, "target_parameters": parameters or None,
+            "use_rslora": config.rslora,
             "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True,
             "inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
 
@@ -85,7 +115,7 @@ def save_peft_adapter(model, directory: str | os.PathLike, base_model_name_or_pa
 # each must keep PEFT's default (shown), or the adapter is refused by name
 _PLAIN = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False}
 _ABSENT = ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern", "layer_replication",
-           "exclude_modules", "target_parameters", "trainable_token_indices")
+           "exclude_modules", "trainable_token_indices")
 MAX_RANK = 2**16
 
 
@@ -113,11 +143,17 @@ def read_peft_config(model, directory: str | os.PathLike) -> LoRAConfig:
     for name in _ABSENT:
         if cfg.get(name):
             raise ValueError(f"{path}: {name} = {json.dumps(cfg[name])[:60]} is not supported (must be null)")
-    targets = field("target_modules", list[str] | str, "q_proj,v_proj")     # PEFT's default for these models
+    parameters = field("target_parameters", list[str], [])                   # an MoE's stacked experts
+    experts = [p.removeprefix("mlp.") for p in parameters if p.removeprefix("mlp.") in EXPERT_PARTS]
+    if len(experts) != len(parameters):
+        raise ValueError(f"{path}: target_parameters {parameters} are not among {['mlp.' + p for p in EXPERT_PARTS]}")
+    default = "" if parameters else "q_proj,v_proj"                         # PEFT's default for these models
+    modules = field("target_modules", list[str] | str, default)
+    modules = tuple(modules) if isinstance(modules, list) else tuple(t.strip() for t in modules.split(",") if t.strip())
     try:
         config = LoRAConfig(r=field("r", int, 8), alpha=field("lora_alpha", float, 8.0),
                             dropout=field("lora_dropout", float, 0.0), rslora=field("use_rslora", bool, False),
-                            targets=tuple(targets) if isinstance(targets, list) else targets)
+                            targets=(*modules, *experts))
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
     _check_rank(model, config, path)
@@ -130,6 +166,9 @@ def _widths(model) -> dict[str, tuple[int, int]]:
     widths = {name: (b - a, c.d_model) for name, (_, a, b) in projection_parts(model).items()}
     widths.update(o_proj=(c.d_model, c.n_heads * c.head_dim), down_proj=(c.d_model, c.d_ff),
                   lm_head=(c.vocab_size, c.d_model))
+    if c.is_moe:                        # one expert's matrices (PEFT's target_parameters, (E, out, in))
+        widths.update({"experts.gate_up_proj": (2 * c.moe_d_ff, c.d_model),
+                       "experts.down_proj": (c.d_model, c.moe_d_ff)})
     return widths
 
 
@@ -148,11 +187,20 @@ def _check_rank(model, config: LoRAConfig, path: Path) -> None:
 def peft_shapes(model, config: LoRAConfig) -> dict[str, tuple[int, int]]:
     """PEFT key -> the shape its tensor must have for `model` with `config`: lora_A (r, in),
     lora_B (out, r), for every layer of every target; computed without building the adapters."""
-    widths, out = _widths(model), {}
+    widths, out, c = _widths(model), {}, model.config
+    parts = [EXPERT_PARTS[t] for t in config.targets if t in EXPERT_PARTS]
     for target in config.targets:
-        modules = ["lm_head"] if target == "lm_head" else [
-            f"model.layers.{i}.{_HF_MODULE[target]}" for i in range(model.config.n_layers)]
         rows, cols = widths[target]
+        if target in EXPERT_PARTS:      # A (E * r, in), B (out, r * E); PEFT nests gate_up_proj under down_proj's
+            inner = target == "experts.gate_up_proj" and len(parts) == 2
+            for i in (i for i, kind in enumerate(c.mlp_kinds) if kind == "moe"):
+                prefix = f"{_PEFT_PREFIX}model.layers.{i}.mlp.experts{'.base_layer' if inner else ''}"
+                out[f"{prefix}.lora_A.weight"] = (c.n_experts * config.r, cols)
+                out[f"{prefix}.lora_B.weight"] = (rows, config.r * c.n_experts)
+            continue
+        mlp = _HF_MODULE.get(target, "").startswith("mlp.")      # gate/up/down: the dense layers only
+        layers = [i for i, kind in enumerate(c.mlp_kinds) if kind == "dense" or not mlp]
+        modules = ["lm_head"] if target == "lm_head" else [f"model.layers.{i}.{_HF_MODULE[target]}" for i in layers]
         for module in modules:
             out[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = (config.r, cols)
             out[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = (rows, config.r)
@@ -199,6 +247,16 @@ def _assign_peft(model, state: dict) -> None:
                 f"model.layers.{name.split('.')[1]}.{_HF_MODULE[part]}"
             by_key[f"{_PEFT_PREFIX}{hf}.lora_A.weight"] = m.lora_A[part]
             by_key[f"{_PEFT_PREFIX}{hf}.lora_B.weight"] = m.lora_B[part]
+    for key, (m, part, which) in _expert_keys(model).items():
+        E, a, b = (m.lora_A if which == "A" else m.lora_B)[part].shape
+        t = state[key]
+        if tuple(t.shape) != ((E * a, b) if which == "A" else (a, b * E)):
+            raise ValueError(f"adapter tensor {key} has shape {tuple(t.shape)}, the model's {E} experts expect "
+                             f"{(E * a, b) if which == 'A' else (a, b * E)}")
+        if which == "A":
+            m.lora_A[part].copy_(t.reshape(E, a, b))
+        else:
+            m.lora_B[part].copy_(t.reshape(a, b, E).permute(2, 0, 1))
     for key, param in by_key.items():
         if tuple(state[key].shape) != tuple(param.shape):
             raise ValueError(f"adapter tensor {key} has shape {tuple(state[key].shape)}, the model expects "
