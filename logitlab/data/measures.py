@@ -121,29 +121,112 @@ def fast_duplicate_ngram_fraction(words: list[str], n: int, total_chars: int | N
         return 0.0
     hashes = np.fromiter(map(hash, words), dtype=np.int64, count=L).view(np.uint64)
     m, c = L - n + 1, _multipliers(n)
-    keys = hashes[:m] * c[0]
+    grams = hashes[:m] * c[0]
     for k in range(1, n):
-        keys += hashes[k:k + m] * c[k]  # wraps mod 2^64, as intended
-    order = np.argsort(keys)
-    ranked = keys[order]
+        grams += hashes[k:k + m] * c[k]  # wraps mod 2^64, as intended
+    starts = _repeated_starts(grams, lambda i: tuple(words[i:i + n]))
+    if not starts.size:
+        return 0.0
+    covered = np.flatnonzero(_covered(starts, n, L)).tolist()
+    total = sum(map(len, words)) if total_chars is None else total_chars
+    return sum(len(words[i]) for i in covered) / total
+
+
+# Words found in the UTF-8 bytes, without a str object per word (FastMeasures, when it applies)
+WIDE_SPACES = "\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
+              "\u2028\u2029\u202f\u205f\u3000"  # the non-ASCII characters str.split() splits at
+_SOLID = bytes(0 if b < 128 and chr(b).isspace() else 1 for b in range(256))  # 1: a byte inside a word
+_LEADS = bytes(0 if 0x80 <= b < 0xC0 else 1 for b in range(256))  # 1: the first byte of a character
+_MAX_BYTES = 1 << 16  # longer texts are split into str words
+
+
+def _powers(base: int) -> np.ndarray:
+    out = np.full(_MAX_BYTES + 1, base, dtype=np.uint64)
+    out[0] = 1
+    return np.cumprod(out)  # base^j mod 2^64 (wraps, as intended)
+
+
+_P = 0x100000001B3  # odd: invertible mod 2^64
+_POWERS, _INVERSES = _powers(_P), _powers(pow(_P, -1, 1 << 64))
+
+
+class ByteWords:
+    """The words of a text (those of str.split()) found in its UTF-8 bytes: each word's byte
+    [start, end), its length in characters, and a 64-bit key equal for equal words (its bytes
+    b_0..b_k as sum b_j * P^j mod 2^64, from one prefix sum over the text: (H[end] - H[start]) *
+    P^-start). `of(text)` is None where it does not apply (a text of 2^16 bytes or more, or one
+    holding a non-ASCII space): FastMeasures then splits the text."""
+
+    def __init__(self, raw: bytes, starts: np.ndarray, ends: np.ndarray, lengths: np.ndarray,
+                 keys: np.ndarray) -> None:
+        self.raw, self.starts, self.ends, self.lengths, self.keys = raw, starts, ends, lengths, keys
+
+    @classmethod
+    def of(cls, text: str) -> "ByteWords | None":
+        ascii_ = text.isascii()
+        if not ascii_ and any(c in text for c in WIDE_SPACES):
+            return None
+        raw = text.encode("utf-8", "surrogatepass")  # injective: equal words, equal bytes
+        N = len(raw)
+        if N >= _MAX_BYTES:
+            return None
+        solid = np.frombuffer(b"\0" + raw.translate(_SOLID) + b"\0", dtype=np.int8)  # (N + 2,)
+        edges = np.flatnonzero(solid[1:] != solid[:-1])  # start, end, start, end... of the words
+        starts, ends = edges[0::2], edges[1::2]
+        prefix = np.zeros(N + 1, dtype=np.uint64)  # prefix[j] = sum_{i<j} b_i P^i
+        np.cumsum(np.frombuffer(raw, dtype=np.uint8) * _POWERS[:N], out=prefix[1:])
+        keys = (prefix[ends] - prefix[starts]) * _INVERSES[starts]
+        if ascii_:
+            return cls(raw, starts, ends, ends - starts, keys)
+        chars = np.zeros(N + 1, dtype=np.int64)  # characters before each byte
+        np.cumsum(np.frombuffer(raw.translate(_LEADS), dtype=np.uint8), out=chars[1:])
+        return cls(raw, starts, ends, chars[ends] - chars[starts], keys)
+
+    def gram(self, i: int, n: int) -> tuple[bytes, ...]:
+        return tuple(self.raw[s:e] for s, e in zip(self.starts[i:i + n].tolist(), self.ends[i:i + n].tolist()))
+
+    def duplicate_ngram_fraction(self, n: int, total_chars: int) -> float:
+        """duplicate_ngram_fraction(text.split(), n); `total_chars`: the words' characters (the
+        text's non-space ones). N-gram i's key is sum_k key_{i+k} P^k, from a prefix sum again."""
+        L = len(self.keys)
+        if L < n:
+            return 0.0
+        m, prefix = L - n + 1, np.zeros(L + 1, dtype=np.uint64)
+        np.cumsum(self.keys * _POWERS[:L], out=prefix[1:])
+        grams = (prefix[n:] - prefix[:m]) * _INVERSES[:m]
+        ranked = np.sort(grams)
+        if not (ranked[1:] == ranked[:-1]).any():  # no key twice: no n-gram twice
+            return 0.0
+        starts = _repeated_starts(grams, lambda i: self.gram(i, n))
+        if not starts.size:
+            return 0.0
+        return int(self.lengths[_covered(starts, n, L)].sum()) / total_chars
+
+
+def _repeated_starts(grams: np.ndarray, gram) -> np.ndarray:
+    """Starts of the n-grams that occur more than once, given a 64-bit key per n-gram (equal
+    n-grams, equal keys) and `gram(i)`, n-gram i as a tuple: n-grams whose keys collide are
+    compared as tuples, so a collision never counts."""
+    order = np.argsort(grams)
+    ranked = grams[order]
     same = ranked[1:] == ranked[:-1]
     if not same.any():
-        return 0.0
-    shared = np.zeros(m, dtype=bool)  # in sorted order: a key equal to a neighbour's
+        return np.zeros(0, dtype=np.int64)
+    shared = np.zeros(len(grams), dtype=bool)  # in sorted order: a key equal to a neighbour's
     shared[1:] = same
     shared[:-1] |= same
     candidates = order[shared].tolist()
-    grams = [tuple(words[i:i + n]) for i in candidates]
-    counts = collections.Counter(grams)
-    starts = np.array([i for i, g in zip(candidates, grams) if counts[g] > 1], dtype=np.int64)
-    if not starts.size:
-        return 0.0
-    edges = np.zeros(L + 1, dtype=np.int64)  # +1 where a repeated n-gram starts, -1 after it ends
+    tuples = [gram(i) for i in candidates]
+    counts = collections.Counter(tuples)
+    return np.array([i for i, g in zip(candidates, tuples) if counts[g] > 1], dtype=np.int64)
+
+
+def _covered(starts: np.ndarray, n: int, length: int) -> np.ndarray:
+    """(length,) bool: the words inside at least one of the n-grams starting at `starts`."""
+    edges = np.zeros(length + 1, dtype=np.int64)  # +1 where a repeated n-gram starts, -1 after it ends
     edges[starts] += 1  # the starts are distinct positions
     edges[starts + n] -= 1
-    covered = np.flatnonzero(np.cumsum(edges[:L]) > 0).tolist()
-    total = sum(map(len, words)) if total_chars is None else total_chars
-    return sum(len(words[i]) for i in covered) / total
+    return np.cumsum(edges[:length]) > 0
 
 
 _BULLET_CHARS = "".join(BULLETS)  # every bullet is one character: a line's first one says it
@@ -164,6 +247,9 @@ class Measures:
     @functools.cached_property
     def lines(self) -> list[str]:
         return self.text.splitlines()
+
+    def word_count(self) -> int:
+        return len(self.words)
 
     def mean_word_length(self) -> float:
         return mean_word_length(self.words)
@@ -194,7 +280,9 @@ class FastMeasures(Measures):
     """The same numbers, equal to the last bit (tests/test_data_filters.py), in fewer passes, most
     of them loops in C: the non-empty stripped lines made once (a bullet line told by its first
     character), duplicates as len - len(set), characters by count_chars (the words' characters
-    are the non-space ones), n-grams by fast_duplicate_ngram_fraction. What `prepare` uses."""
+    are the non-space ones), the words found in the UTF-8 bytes (ByteWords: no str per word) and
+    their repeated n-grams from 64-bit keys; a text ByteWords does not take is split, its n-grams
+    by fast_duplicate_ngram_fraction. What `prepare` uses."""
 
     @functools.cached_property
     def kept_lines(self) -> list[str]:
@@ -204,8 +292,20 @@ class FastMeasures(Measures):
     def non_space(self) -> int:
         return len(self.text) - count_chars(self.text, "isspace")
 
+    @functools.cached_property
+    def byte_words(self) -> ByteWords | None:
+        return ByteWords.of(self.text)
+
+    def word_count(self) -> int:
+        return len(self.words) if self.byte_words is None else len(self.byte_words.keys)
+
     def mean_word_length(self) -> float:  # the words are the runs of non-space characters
-        return self.non_space / len(self.words) if self.words else 0.0
+        count = self.word_count()
+        return self.non_space / count if count else 0.0
+
+    def symbol_ratio(self) -> float:
+        symbols = self.text.count("#") + self.text.count("...") + self.text.count("…")
+        return symbols / max(self.word_count(), 1)
 
     def bullet_lines(self) -> float:
         kept = self.kept_lines  # non-empty: s[0] exists
@@ -220,6 +320,8 @@ class FastMeasures(Measures):
         return (len(kept) - len(set(kept))) / len(kept) if kept else 0.0
 
     def duplicate_ngrams(self, n: int) -> float:
+        if self.byte_words is not None:
+            return self.byte_words.duplicate_ngram_fraction(n, self.non_space)
         return fast_duplicate_ngram_fraction(self.words, n, self.non_space)
 
     def alpha_share(self) -> float:
