@@ -1,5 +1,5 @@
 """filters.py: each cleaning rule on crafted documents, its threshold, boilerplate lines and the counts;
-measures.py: the fast measurements equal the plain ones."""
+measures.py and bytewords.py: the fast measurements equal the plain ones."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from logitlab.data import bytewords as bw_
 from logitlab.data import filters as flt
 from logitlab.data import measures as ms
 
@@ -176,7 +177,7 @@ def test_fast_measures_equal_the_plain_ones(lines, sep):
 
 
 def test_wide_spaces_are_every_non_ascii_space():
-    assert ms.WIDE_SPACES == "".join(c for c in map(chr, range(128, 0x110000)) if c.isspace())
+    assert bw_.WIDE_SPACES == "".join(c for c in map(chr, range(128, 0x110000)) if c.isspace())
 
 
 def _texts_for_byte_words(rng) -> list[str]:
@@ -194,7 +195,7 @@ def _texts_for_byte_words(rng) -> list[str]:
 def test_byte_words_equal_the_split_words(n):
     rng = np.random.default_rng(n)
     for text in _texts_for_byte_words(rng):
-        bw, words = ms.ByteWords.of(text), text.split()
+        bw, words = bw_.ByteWords.of(text), text.split()
         assert bw is not None
         assert len(bw.keys) == len(words)
         assert bw.lengths.tolist() == [len(w) for w in words]
@@ -205,10 +206,22 @@ def test_byte_words_equal_the_split_words(n):
         assert bw.duplicate_ngram_fraction(n, total) == ms.duplicate_ngram_fraction(words, n), text[:40]
 
 
+def test_byte_words_keys_that_collide_never_count(monkeypatch):
+    ones = np.ones(bw_.MAX_BYTES + 1, dtype=np.uint64)  # a word's key the sum of its bytes: anagrams collide
+    monkeypatch.setattr(bw_, "_POWERS", ones)
+    monkeypatch.setattr(bw_, "_INVERSES", ones)
+    text = "ab ba ab ba ba ab ab ba ab ab " * 3 + "cd dc"
+    keys = bw_.ByteWords.of(text).keys
+    assert keys[0] == keys[1]  # "ab" and "ba" collide
+    for n in (1, 2, 3):
+        assert bw_.ByteWords.of(text).duplicate_ngram_fraction(n, len(text.replace(" ", ""))) == \
+            ms.duplicate_ngram_fraction(text.split(), n)
+
+
 def test_byte_words_step_aside_for_wide_spaces_and_long_texts():
-    assert ms.ByteWords.of("a\u3000b") is None  # FastMeasures splits such a text as str
+    assert bw_.ByteWords.of("a\u3000b") is None  # FastMeasures splits such a text as str
     long = "word " * (1 << 14)
-    assert ms.ByteWords.of(long) is None
+    assert bw_.ByteWords.of(long) is None
     for text in ("a\u3000b c a\u3000b c", long + "tail"):
         plain, fast = ms.Measures(text), ms.FastMeasures(text)
         assert fast.word_count() == plain.word_count()

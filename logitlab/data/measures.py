@@ -18,6 +18,8 @@ import functools
 
 import numpy as np
 
+from logitlab.data.bytewords import ByteWords, covered_words, repeated_starts
+
 BULLETS = ("•", "●", "-", "*", "‣", "◦", "–")
 ELLIPSES = ("...", "…")
 
@@ -124,109 +126,12 @@ def fast_duplicate_ngram_fraction(words: list[str], n: int, total_chars: int | N
     grams = hashes[:m] * c[0]
     for k in range(1, n):
         grams += hashes[k:k + m] * c[k]  # wraps mod 2^64, as intended
-    starts = _repeated_starts(grams, lambda i: tuple(words[i:i + n]))
+    starts = repeated_starts(grams, lambda firsts: [tuple(words[i:i + n]) for i in firsts.tolist()])
     if not starts.size:
         return 0.0
-    covered = np.flatnonzero(_covered(starts, n, L)).tolist()
+    covered = np.flatnonzero(covered_words(starts, n, L)).tolist()
     total = sum(map(len, words)) if total_chars is None else total_chars
     return sum(len(words[i]) for i in covered) / total
-
-
-# Words found in the UTF-8 bytes, without a str object per word (FastMeasures, when it applies)
-WIDE_SPACES = "\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
-              "\u2028\u2029\u202f\u205f\u3000"  # the non-ASCII characters str.split() splits at
-_SOLID = bytes(0 if b < 128 and chr(b).isspace() else 1 for b in range(256))  # 1: a byte inside a word
-_LEADS = bytes(0 if 0x80 <= b < 0xC0 else 1 for b in range(256))  # 1: the first byte of a character
-_MAX_BYTES = 1 << 16  # longer texts are split into str words
-
-
-def _powers(base: int) -> np.ndarray:
-    out = np.full(_MAX_BYTES + 1, base, dtype=np.uint64)
-    out[0] = 1
-    return np.cumprod(out)  # base^j mod 2^64 (wraps, as intended)
-
-
-_P = 0x100000001B3  # odd: invertible mod 2^64
-_POWERS, _INVERSES = _powers(_P), _powers(pow(_P, -1, 1 << 64))
-
-
-class ByteWords:
-    """The words of a text (those of str.split()) found in its UTF-8 bytes: each word's byte
-    [start, end), its length in characters, and a 64-bit key equal for equal words (its bytes
-    b_0..b_k as sum b_j * P^j mod 2^64, from one prefix sum over the text: (H[end] - H[start]) *
-    P^-start). `of(text)` is None where it does not apply (a text of 2^16 bytes or more, or one
-    holding a non-ASCII space): FastMeasures then splits the text."""
-
-    def __init__(self, raw: bytes, starts: np.ndarray, ends: np.ndarray, lengths: np.ndarray,
-                 keys: np.ndarray) -> None:
-        self.raw, self.starts, self.ends, self.lengths, self.keys = raw, starts, ends, lengths, keys
-
-    @classmethod
-    def of(cls, text: str) -> "ByteWords | None":
-        ascii_ = text.isascii()
-        if not ascii_ and any(c in text for c in WIDE_SPACES):
-            return None
-        raw = text.encode("utf-8", "surrogatepass")  # injective: equal words, equal bytes
-        N = len(raw)
-        if N >= _MAX_BYTES:
-            return None
-        solid = np.frombuffer(b"\0" + raw.translate(_SOLID) + b"\0", dtype=np.int8)  # (N + 2,)
-        edges = np.flatnonzero(solid[1:] != solid[:-1])  # start, end, start, end... of the words
-        starts, ends = edges[0::2], edges[1::2]
-        prefix = np.zeros(N + 1, dtype=np.uint64)  # prefix[j] = sum_{i<j} b_i P^i
-        np.cumsum(np.frombuffer(raw, dtype=np.uint8) * _POWERS[:N], out=prefix[1:])
-        keys = (prefix[ends] - prefix[starts]) * _INVERSES[starts]
-        if ascii_:
-            return cls(raw, starts, ends, ends - starts, keys)
-        chars = np.zeros(N + 1, dtype=np.int64)  # characters before each byte
-        np.cumsum(np.frombuffer(raw.translate(_LEADS), dtype=np.uint8), out=chars[1:])
-        return cls(raw, starts, ends, chars[ends] - chars[starts], keys)
-
-    def gram(self, i: int, n: int) -> tuple[bytes, ...]:
-        return tuple(self.raw[s:e] for s, e in zip(self.starts[i:i + n].tolist(), self.ends[i:i + n].tolist()))
-
-    def duplicate_ngram_fraction(self, n: int, total_chars: int) -> float:
-        """duplicate_ngram_fraction(text.split(), n); `total_chars`: the words' characters (the
-        text's non-space ones). N-gram i's key is sum_k key_{i+k} P^k, from a prefix sum again."""
-        L = len(self.keys)
-        if L < n:
-            return 0.0
-        m, prefix = L - n + 1, np.zeros(L + 1, dtype=np.uint64)
-        np.cumsum(self.keys * _POWERS[:L], out=prefix[1:])
-        grams = (prefix[n:] - prefix[:m]) * _INVERSES[:m]
-        ranked = np.sort(grams)
-        if not (ranked[1:] == ranked[:-1]).any():  # no key twice: no n-gram twice
-            return 0.0
-        starts = _repeated_starts(grams, lambda i: self.gram(i, n))
-        if not starts.size:
-            return 0.0
-        return int(self.lengths[_covered(starts, n, L)].sum()) / total_chars
-
-
-def _repeated_starts(grams: np.ndarray, gram) -> np.ndarray:
-    """Starts of the n-grams that occur more than once, given a 64-bit key per n-gram (equal
-    n-grams, equal keys) and `gram(i)`, n-gram i as a tuple: n-grams whose keys collide are
-    compared as tuples, so a collision never counts."""
-    order = np.argsort(grams)
-    ranked = grams[order]
-    same = ranked[1:] == ranked[:-1]
-    if not same.any():
-        return np.zeros(0, dtype=np.int64)
-    shared = np.zeros(len(grams), dtype=bool)  # in sorted order: a key equal to a neighbour's
-    shared[1:] = same
-    shared[:-1] |= same
-    candidates = order[shared].tolist()
-    tuples = [gram(i) for i in candidates]
-    counts = collections.Counter(tuples)
-    return np.array([i for i, g in zip(candidates, tuples) if counts[g] > 1], dtype=np.int64)
-
-
-def _covered(starts: np.ndarray, n: int, length: int) -> np.ndarray:
-    """(length,) bool: the words inside at least one of the n-grams starting at `starts`."""
-    edges = np.zeros(length + 1, dtype=np.int64)  # +1 where a repeated n-gram starts, -1 after it ends
-    edges[starts] += 1  # the starts are distinct positions
-    edges[starts + n] -= 1
-    return np.cumsum(edges[:length]) > 0
 
 
 _BULLET_CHARS = "".join(BULLETS)  # every bullet is one character: a line's first one says it
