@@ -243,6 +243,10 @@ def test_parts_resume_and_merge_checks_the_job(tmp_path):
             self.calls += 1
             return self.tok.encode_ordinary(text)
 
+        def encode_ordinary_array(self, text):
+            self.calls += 1
+            return self.tok.encode_ordinary_array(text)
+
     sources = _corpus(tmp_path)
     tok = Counting()
     first = parts.prepare_part(sources, tok, tmp_path / "p0", CFG, shard_index=0, num_shards=2, workers=1)
