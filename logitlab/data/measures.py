@@ -194,7 +194,9 @@ class FastMeasures(Measures):
         return list(filter(None, map(str.strip, self.lines)))
 
     @functools.cached_property
-    def non_space(self) -> int:
+    def non_space(self) -> int:  # the words' characters
+        if self.byte_words is not None:
+            return int(self.byte_words.lengths.sum())
         return len(self.text) - count_chars(self.text, "isspace")
 
     @functools.cached_property
