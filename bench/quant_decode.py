@@ -83,7 +83,10 @@ def bandwidth(bytes_per_token: int, tok_s: float) -> float:
     return bytes_per_token * tok_s
 
 
-def module_bytes(module, skip=("tok_emb", "tok_embeddings", "freqs_cis", "causal_mask", "k_cache", "v_cache")) -> int:
+SKIP = ("tok_emb", "tok_embeddings", "rope.", "freqs_cis", "causal_mask", "k_cache", "v_cache")
+
+
+def module_bytes(module, skip=SKIP) -> int:
     """Bytes of every parameter and buffer of `module` whose name holds none of `skip` (an
     embedding table, a RoPE table, a KV cache: read one row at a time, or not weights)."""
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
