@@ -98,3 +98,50 @@ def test_table_reads_ratios_bandwidth_and_skipped_peers():
     assert "| int8 | - | **0.80** (0.70-0.90) |" in text
     assert "| int8 | llama.cpp | int8 | 25.0 (25.0-25.0) | 500 | 12.5 | 62% | 3 of 8 |" in text
     assert "gpt-fast skipped: no clone" in text and "20.0 GB/s" in text and "process CPU time" in text
+
+
+def test_held_out_texts_are_the_validation_documents(tmp_path):
+    import json
+
+    import numpy as np
+
+    from bench.quant_quality import held_out_texts
+
+    class Letters:                                   # ids 0..25 are letters, 99 ends a text
+        def decode(self, ids):
+            return "".join(chr(97 + i) for i in ids)
+    np.array([0, 1, 99, 2, 99, 3, 4, 5], dtype=np.uint16).tofile(tmp_path / "val.bin")
+    (tmp_path / "manifest.json").write_text(json.dumps({"dtype": "uint16", "eot_id": 99,
+                                                        "splits": {"val": {"file": "val.bin"}}}))
+    assert held_out_texts(tmp_path, Letters()) == ["ab", "c", "def"]
+
+
+def test_prompts_take_windows_of_each_document_in_turn():
+    from bench.quant_quality import prompt_set
+
+    docs = [list(range(10)), list(range(100, 104)), list(range(200, 206))]
+    assert prompt_set(docs, 4, 3) == [[0, 1, 2], [100, 101, 102], [200, 201, 202], [3, 4, 5]]
+    with pytest.raises(ValueError, match="only 6 prompts of 3 tokens, 7 asked"):
+        prompt_set(docs, 7, 3)
+
+
+def test_token_differences_count_positions_and_first_divergence():
+    from bench.quant_quality import token_differences
+
+    got = token_differences([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 0, 0], [7, 8, 9]])
+    assert got == {"tokens": 3, "of": 9, "continuations": 2, "first_median": 1.5}
+
+
+def test_speculative_counts_acceptance_and_equal_output():
+    from bench.speculative import run_set, row
+    from logitlab.model.config import ModelConfig
+    from logitlab.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, context_length=64, d_model=32, n_layers=1, n_heads=2, d_ff=64)).eval()
+    ticks = iter(range(1000))
+    out = run_set(model, {"n-gram": "ngram"}, [[1, 2, 3, 1, 2, 3, 1, 2]], 8, 2, clock=lambda: next(ticks))
+    o = out["n-gram"]
+    assert o["mismatches"] == 0 and o["plain_s"] == 1 and o["spec_s"] == 1 and o["decoded"] == 7
+    assert 0 <= o["accepted"] <= o["drafted"] and o["passes"] >= 1
+    assert row("code", "n-gram", o, 1)[:4] == ["code", "n-gram", "1", "**1.00**"]
