@@ -242,6 +242,7 @@ def gptfast_sides(folder: str, config, group_size: int, compile_: bool) -> dict:
 
 def llama_cpp_sides(model, folder: Path, threads: int) -> dict:
     """llama.cpp (llama-cpp-python) on `model` written by logitlab's GGUF writer at BF16, Q8_0, Q4_0."""
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
@@ -253,14 +254,17 @@ def llama_cpp_sides(model, folder: Path, threads: int) -> dict:
         llm = Llama(model_path=str(path), n_ctx=512, n_batch=64, n_threads=threads, n_threads_batch=threads,
                     logits_all=False, verbose=False)
 
-        def run(prompt, n, llm=llm):
+        def last(llm=llm):        # the last position's logits (llm.scores holds them only with logits_all)
+            return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),))))
+
+        def run(prompt, n, llm=llm, last=last):
             llm.reset()
             llm.eval(prompt)
-            tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+            tokens = [last()]
             start = clock()
             for _ in range(n - 1):
                 llm.eval(tokens[-1:])
-                tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                tokens.append(last())
             return tokens, (n - 1) / (clock() - start)
         sides[precision] = dict(run=run, qtype=qtype, bytes=gguf_bytes_per_token(path))
     return sides
