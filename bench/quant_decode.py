@@ -324,6 +324,21 @@ def agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
+def profile(side: dict, prompt: list[int], new_tokens: int, rows: int = 12) -> str:
+    """torch.profiler's table of one generation by `side` (a logitlab side): the operators by their
+    own CPU time, the `rows` costliest, and the share of the time spent outside any operator."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        side["run"](prompt, new_tokens)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    in_ops = sum(e.self_cpu_time_total for e in events) / 1e6
+    table = events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48)
+    return f"{table}\nwall {wall:.3f} s for {new_tokens} tokens, of which {in_ops:.3f} s inside operators (profiled)"
+
+
 def summarize(engines: dict, got: dict, memory: dict) -> list[dict]:
     rows = []
     for precision in PRECISIONS:
@@ -381,7 +396,8 @@ Command: `{result['command'].replace(' --no-doc', '')}` — machine: {m['nproc']
 
 {markdown_table(["precision", "engine", "format", "decode tok/s", "MB read / token", "GB/s", "of read bandwidth",
                  "same tokens"], rows)}
-"""
+""" + "".join(f"\nlogitlab at {p}, one generation under torch.profiler (operators by their own CPU time):\n\n```text\n"
+              f"{text}\n```\n" for p, text in result.get("profiles", {}).items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="time decode steps by this process's CPU time (cpu, default: holds on a shared machine "
                              "with one thread) or wall time")
     parser.add_argument("--compile", action="store_true", help="compile logitlab's and gpt-fast's decode steps")
+    parser.add_argument("--profile", nargs="*", default=[], choices=PRECISIONS,
+                        help="after the rounds, profile one logitlab generation at these precisions (torch.profiler)")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0)
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     add_section_option(parser, TITLE)
@@ -418,11 +436,14 @@ def main(argv: list[str] | None = None) -> int:
         prompt = torch.randint(0, config.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         got = run_rounds(engines, prompt, args.new_tokens, args.repeats, report=lambda s: print(s, flush=True))
         rows = summarize(engines, got, memory)
+        profiles = {p: profile(engines["logitlab"][p], prompt, args.new_tokens) for p in args.profile}
+    for p, text in profiles.items():
+        print(f"profile of logitlab at {p}:\n{text}", flush=True)
     result = {"command": command_line(), "machine": machine_info(), "cpu_flags": cpu_flags(), "shape": args.shape,
               "config": SHAPES[args.shape], "params": _params(config), "group_size": args.group_size,
               "new_tokens": args.new_tokens, "prompt": args.prompt, "repeats": args.repeats, "threads": args.threads,
               "compile": args.compile, "clock": args.clock, "memory": memory, "missing": missing, "llama_cpp": _version("llama_cpp"),
-              "rows": rows}
+              "rows": rows, "profiles": profiles}
     publish(results_name("quant_decode", args.section, TITLE), args.section, result, render, doc=not args.no_doc)
     return 0
 
