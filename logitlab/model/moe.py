@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.model.hooks import tap
 from logitlab.model.mlp import SwiGLU
 
 MOE_IMPLS = ("auto", "loop", "grouped", "gather")
@@ -285,6 +286,10 @@ class MoE(nn.Module):
     (E,), a buffer], experts.* (see Experts), shared.gate_up_proj / shared.down_proj (a SwiGLU of
     width Fs), shared_gate.weight (1, D). `impl` picks the form of the expert products (MOE_IMPLS)."""
 
+    HOOKS = {"router_logits": "(B, T, E) float32: the router's logits", "experts": "(B, T, K) int: the experts "
+             "each token goes to", "weights": "(B, T, K) float32: their weights (0 drops an expert's share)"}
+    _taps = None                                                   # hooks.py: hooks set for a call
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -300,12 +305,13 @@ class MoE(nn.Module):
         experts (N, K), weights (N, K) and dropped (the share of assignments over capacity)."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)                                         # (N, D)
-        logits = self.router(flat)                                         # (N, E) float32
+        logits = tap(self, "router_logits", self.router(flat), (B, T, -1))   # (N, E) float32; hooks.py
         weights, experts = route(logits, self.config, self.router.correction_bias)
+        weights, experts = tap(self, "weights", weights, (B, T, -1)), tap(self, "experts", experts, (B, T, -1))
         keep = capacity_keep(experts, self.config.n_experts, expert_capacity(self.config, B * T))
         out = _FORMS[self.form(B * T)](self.experts, flat, weights, experts, keep)
         if self.shared is not None:
-            shared = self.shared(flat)                                     # (N, D)
+            shared = self.shared(x).reshape(B * T, D)                      # (N, D); its hooks see (B, T, Fs)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
