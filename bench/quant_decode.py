@@ -183,9 +183,8 @@ def logitlab_sides(config, group_size: int, compile_: bool) -> dict:
 
 def _gptfast_int4(model, group_size: int):
     """gpt-fast's int4 handler on `model`, packed for the CPU (see the module docstring)."""
+    import quantize as gq  # gpt-fast's quantize.py, on sys.path while _gpt_fast imports
     import torch
-
-    import quantize as gq   # gpt-fast's quantize.py, on sys.path while _gpt_fast imports
 
     weights = {}
     for name, mod in model.named_modules():
@@ -327,7 +326,8 @@ def agreement(a: list[int], b: list[int]) -> int:
 def profile(side: dict, prompt: list[int], new_tokens: int, rows: int = 12) -> str:
     """torch.profiler's table of one generation by `side` (a logitlab side): the operators by their
     own CPU time, the `rows` costliest, and the share of the time spent outside any operator."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()

@@ -38,7 +38,7 @@ def test_a_quantized_model_reads_its_integers_and_scales():
     from logitlab.quant.apply import quantize_model
     from logitlab.quant.linear import QuantConfig
 
-    model, c = _tiny(), qd.model_config("tiny")
+    model = _tiny()
     dense = qd.read_bytes_per_token(model, model.tok_emb.weight)
     quantize_model(model, QuantConfig("int8"))
     rows = sum(m.out_features for m in model.modules() if hasattr(m, "qweight"))
@@ -133,12 +133,13 @@ def test_token_differences_count_positions_and_first_divergence():
 
 
 def test_speculative_counts_acceptance_and_equal_output():
-    from bench.speculative import run_set, row
+    from bench.speculative import row, run_set
     from logitlab.model.config import ModelConfig
     from logitlab.model.transformer import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=64, context_length=64, d_model=32, n_layers=1, n_heads=2, d_ff=64)).eval()
+    config = ModelConfig(vocab_size=64, context_length=64, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    model = Transformer(config).eval()
     ticks = iter(range(1000))
     out = run_set(model, {"n-gram": "ngram"}, [[1, 2, 3, 1, 2, 3, 1, 2]], 8, 2, clock=lambda: next(ticks))
     o = out["n-gram"]
