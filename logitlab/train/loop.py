@@ -240,10 +240,18 @@ def save(run: Run, val_loss: float | None) -> Path | None:
 
 def _checkpoint_state(run: Run, val_loss: float | None) -> dict:
     """What a checkpoint's state.json holds besides the step: the sampler position, schedule,
-    configs, validation losses and tokens seen (and the caller's extra state)."""
+    configs, validation losses and tokens seen (and the caller's extra state); "kept" (never
+    pruned, io.checkpoint.prune_checkpoints) at the last step of a WSD schedule's stable phase."""
+    kept = ({"kept": "the end of the stable phase: a run resumed from here with more --steps continues as "
+                     "one planned that long"} if run.step == _stable_end(run) else {})
     return {"sampler": run.sampler.state_dict(), "schedule": dataclasses.asdict(run.schedule),
             "train_config": run.config.to_dict(), "val_loss": val_loss, "best_val_loss": run.best_val,
-            "tokens_seen": run.tokens_seen, **(run.extra_state or {})}
+            "tokens_seen": run.tokens_seen, **kept, **(run.extra_state or {})}
+
+
+def _stable_end(run: Run) -> int | None:
+    """The steps done when a warmup-stable-decay schedule's decay begins (None for the cosine)."""
+    return getattr(run.schedule, "decay_start", None)
 
 
 def _saving(run: Run, write: Callable[[], Path | None]) -> Path | None:
@@ -327,7 +335,7 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         emit("step", record)
         if run.par.agree is None and stop.signum is not None:   # one process: a signal during this step's
             signalled = True                                      # evaluation or callback stops it here too
-        if final or signalled or (save_every and step % save_every == 0):
+        if final or signalled or (save_every and step % save_every == 0) or step == _stable_end(run):
             path = save(run, record.get("val_loss"))
             if path is not None:
                 emit("checkpoint", {"step": step, "path": str(path)})
