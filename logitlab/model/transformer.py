@@ -32,7 +32,9 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     blocks.{i}.mlp.gate_up_proj.weight / .bias  (2F, D) / (2F,)        mlp="swiglu": rows gate, then up
     blocks.{i}.mlp.up_proj.weight / .bias       (F, D) / (F,)          mlp="gelu"
     blocks.{i}.mlp.down_proj.weight / .bias     (D, F) / (D,)
-    final_norm.weight / .bias                   (D,)
+    value_embeds.{i}.embed.weight / .gate       (V_padded, Hkv*Dh) / (Hkv,)  value_embeddings: layer i's
+                                                table added to its values (attention.ValueEmbedding)
+    final_norm.weight / .bias                   (D,)   (no norm weights at all when norm_affine=False)
     lm_head.weight                              (V_padded, D)  the same Parameter as tok_emb.weight
                                                                when tie_embeddings
 RoPE cos/sin tables, the sinusoidal table and ALiBi's slopes are non-persistent buffers (not in
@@ -52,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from logitlab.model.attention import Attention
+from logitlab.model.attention import Attention, ValueEmbedding
 from logitlab.model.cache import KVCache
 from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's old home)
     ModelConfig,
@@ -103,7 +105,10 @@ class Transformer(nn.Module):
                                      config.rope_scaling, config.rope_interleaved)
                      if config.positions == "rope" else None)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds)
-        self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered)
+        self.value_embeds = (nn.ModuleDict({str(i): ValueEmbedding(V, config.n_kv_heads, config.head_dim)
+                                            for i in range(config.n_layers) if config.has_value_embedding(i)})
+                             if config.value_embeddings != "none" else None)
+        self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered, config.norm_affine)
         self.lm_head = nn.Linear(D, V, bias=False)
         # The padded head's product h @ weight[:V]^T; a kernel installed from outside may replace
         # it (kernels.cpu_bf16.install) with a function computing the same values.
@@ -145,16 +150,20 @@ class Transformer(nn.Module):
 
         - every Linear weight and both embedding tables ~ Normal(0, init_std);
         - the residual output projections (attn.o_proj, mlp.down_proj) ~ Normal(0, init_std /
-          sqrt(2L)), so the residual stream's variance does not grow with depth (2 adds per block);
+          sqrt(2L)), so the residual stream's variance does not grow with depth (2 adds per block),
+          or zeros with zero_init_output (each block starts as the identity);
         - every bias zeros; every norm weight ones (LayerNorm bias zeros; a zero-centred RMSNorm's
           stored offset zeros); attention sink logits zeros; Gated DeltaNet's decay and conv as
-          GatedDeltaNet.reset_parameters (its out_proj scaled as o_proj).
+          GatedDeltaNet.reset_parameters (its out_proj scaled as o_proj); value-embedding tables as
+          the embeddings, their gates zeros.
         A tied LM head is the embedding table and is initialised once, as the embedding."""
         std, L = self.config.init_std, self.config.n_layers
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(("o_proj", "down_proj", "out_proj"))
-                if not (module is self.lm_head and self.config.tie_embeddings):
+                if scaled and self.config.zero_init_output:
+                    nn.init.zeros_(module.weight)
+                elif not (module is self.lm_head and self.config.tie_embeddings):
                     nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * L) if scaled else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -164,6 +173,8 @@ class Transformer(nn.Module):
                 module.reset_parameters()                          # GatedDeltaNet: its decay, conv, norm
             elif isinstance(module, Attention) and module.sinks is not None:
                 nn.init.zeros_(module.sinks)
+            elif isinstance(module, ValueEmbedding):
+                nn.init.zeros_(module.gate)                        # its table: the nn.Embedding branch
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -225,8 +236,15 @@ class Transformer(nn.Module):
         V = self.config.vocab_size
         weight = self.lm_head.weight                               # (V_padded, D)
         if weight.shape[0] == V:
-            return self.lm_head(h)                                 # (B, T, V)
-        return self.head_matmul(h, weight[:V])                     # (B, T, V)
+            logits = self.lm_head(h)                               # (B, T, V)
+        else:
+            logits = self.head_matmul(h, weight[:V])               # (B, T, V)
+        cap = self.config.logit_softcap
+        if cap is None:
+            return logits
+        # soft-capping (Gemma 2; modded-nanogpt): C * tanh(z / C) keeps |logit| < C, smoothly, so no
+        # logit runs away early in training; in float32, back in the logits' dtype
+        return (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
 
     def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False, check_values=True,
              records=None):
@@ -264,7 +282,7 @@ class Transformer(nn.Module):
             x, w = block(x, rope, cache=cache, layer=i,
                          mask=window if block.layer_type == "sliding_attention" else mask,
                          is_causal=is_causal, impl=self.attn_impl, need_weights=want_weights, pad=pad,
-                         key_rope=key_rope, record=record)
+                         key_rope=key_rope, record=record, value_embed=self.value_embedding(i, ids))
             if record is not None:
                 records.append({"layer": i, **record})
             if want_weights:
@@ -274,6 +292,13 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(T)  # the one place the cache moves
         return x, hidden, weights
+
+    def value_embedding(self, layer: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """Layer `layer`'s value embedding of ids (B, T) -> (B, Hkv, T, Dh), or None when the layer
+        has none (ModelConfig.value_embeddings); a loop that runs the blocks itself passes it on."""
+        if self.value_embeds is None or str(layer) not in self.value_embeds:
+            return None
+        return self.value_embeds[str(layer)](ids)
 
     def _rope_tables(self, positions, cache, S, dtype):
         """(cos, sin) for the queries' positions, in the residual stream's dtype, and for a cache
