@@ -71,7 +71,7 @@ def _model_config(args, table: dict, tokenizer):
     # no preset and no [model] table: the CPU-sized "tiny" preset rather than GPT-2's 124M defaults
     preset = args.preset or table.get("preset") or (None if "model" in table else "tiny")
     base = _underived(get_preset(preset)) if preset else {}
-    merged = {**base, **table.get("model", {})}
+    merged = {**base, **_recipe(args, table).model, **table.get("model", {})}
     if tokenizer is not None:
         merged["vocab_size"] = tokenizer.vocab_size
     cfg = cli.build_config(ModelConfig, args, merged)
@@ -101,7 +101,7 @@ def cmd_train(args) -> int:
         table = {"train": _read_run(args.resume)["train"]}
     else:
         table = cli.read_toml(args.config) if args.config else {}
-    cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
+    cfg = cli.build_config(TrainConfig, args, _train_table(args, table))
     # the layout's hooks (train.layouts.parallel_hooks): DDP / FSDP2, an N-D data-parallel mesh, or
     # tensor / pipeline parallel and ZeRO-1 (and any resume of a sharded checkpoint) with sharded checkpoints
     hooks = parallel_hooks(cfg, run_dir=args.resume, resume=bool(args.resume))
@@ -134,7 +134,7 @@ def _train_one(args, con, hooks) -> int:
     else:
         table = cli.read_toml(args.config) if args.config else {}
         # every config error is reported before anything is written (the vocabulary size comes later)
-        train_cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
+        train_cfg = cli.build_config(TrainConfig, args, _train_table(args, table))
         _model_config(args, table, None)
         out = Path(train_cfg.out_dir)
         _check_sources(args, train_cfg)
@@ -151,6 +151,20 @@ def _train_one(args, con, hooks) -> int:
 # What the command line chooses where the library leaves a process-wide setting off: a user who
 # runs `logitlab train` owns the process (TrainConfig.keep_freed_memory; --keep-freed-memory off).
 CLI_TRAIN_DEFAULTS = {"keep_freed_memory": "auto"}
+
+
+def _recipe(args, table: dict):
+    """--recipe NAME (or the TOML's recipe key): train.recipes.Recipe, its fields beneath the TOML's and
+    the flags (an empty one without)."""
+    from logitlab.train.recipes import Recipe, get_recipe
+
+    name = getattr(args, "recipe", None) or table.get("recipe")
+    return get_recipe(name) if name else Recipe("none")
+
+
+def _train_table(args, table: dict) -> dict:
+    """TrainConfig fields before the flags: the CLI's defaults, the recipe's, the TOML's [train] table."""
+    return {**CLI_TRAIN_DEFAULTS, **_recipe(args, table).train, **table.get("train", {})}
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "save_every", "keep_last", "log_every",
                      "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory",
                      "attention_kernel",
@@ -196,7 +210,7 @@ def _resume_configs(args) -> dict:
         value = tuple(value) if isinstance(value, list) else value
         if value != run["train"].get(name):
             conflicts.append(f"--{name.replace('_', '-')} {value} (the run has {run['train'].get(name)})")
-    for flag in ("config", "preset", "tokenizer", "data"):
+    for flag in ("config", "preset", "recipe", "tokenizer", "data"):
         if getattr(args, flag, None):
             conflicts.append(f"--{flag} (the run keeps its own)")
     if conflicts:
@@ -348,6 +362,8 @@ def register(subparsers) -> None:
                    "(default: none)")
     p.add_argument("--preset", help="model preset name (logitlab.families; model flags override its fields) "
                    "(default: tiny, unless the TOML has a [model] table)")
+    p.add_argument("--recipe", help="training recipe (logitlab.train.recipes: speedrun = Muon, WSD, ReLU², QK-norm, "
+                   "value embeddings, soft-capping...); the TOML and flags override its fields (default: none)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the data dir's, or train one)")
     p.add_argument("--tokenizer-vocab", type=int, default=4096,
                    help="vocab size when training a tokenizer (default: 4096)")
