@@ -254,26 +254,34 @@ def render(result: dict) -> str:
 
 
 def plot(result: dict, size: str, path: Path) -> Path:
-    """Validation bits per byte against training seconds, one line per recipe (its first seed)."""
+    """Validation bits per byte against training seconds and against training tokens, one line per
+    recipe (its first seed; the ablations left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     s = result["sizes"][size]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, row in s["recipes"].items():
-        if name.startswith("speedrun, "):
-            continue
-        curve = row["curves"][0]
-        ax.plot([p[0] for p in curve], [p[2] for p in curve], marker="o", ms=3, label=name)
-    ax.axhline(s["target_bpb"], color="grey", ls="--", lw=1, label="target: nanoGPT's final")
-    ax.set_xlabel("training seconds (sum of step times)")
-    ax.set_ylabel("validation bits per byte")
-    ax.set_title(f"{size} model: {result['budget']}")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    for ax, x, label in ((axes[0], 0, "training seconds (sum of step times)"), (axes[1], 1, "training tokens")):
+        for name, row in s["recipes"].items():
+            if name.startswith("speedrun, "):
+                continue
+            curve = row["curves"][0]
+            if name == "nanogpt":   # its own estimates (random validation batches), then the fixed set's final
+                line = ax.plot([p[x] for p in curve[:-1]], [p[2] for p in curve[:-1]], marker="o", ms=3, ls="--",
+                               label="nanoGPT (its own validation estimate)")
+                ax.plot([curve[-1][x]], [curve[-1][2]], marker="*", ms=11, ls="", color=line[0].get_color(),
+                        label="nanoGPT's final, fixed validation set")
+                continue
+            ax.plot([p[x] for p in curve], [p[2] for p in curve], marker="o", ms=3, label=f"logitlab {name}")
+        ax.axhline(s["target_bpb"], color="grey", ls="--", lw=1, label="target: nanoGPT's final")
+        ax.set_xlabel(label)
+    axes[0].set_ylabel("validation bits per byte")
+    axes[1].legend()
+    fig.suptitle(f"{size} model: {result['budget']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

@@ -31,20 +31,23 @@ def _crash_after(step: int):
     return callback
 
 
-RECIPES = {
-    "muon": dict(optimizer="muon"),
-    "muon+wsd, rates per role": dict(optimizer="muon", lr_schedule="wsd", embedding_lr=1e-2, head_lr=2e-3,
-                                     muon_ns="polar_express", muon_weight_decay=0.01),
-    "adamw+wsd 1-sqrt, rates per role": dict(lr_schedule="wsd", decay_shape="1-sqrt", matrix_lr=1e-2),
-    "muon bf16": dict(optimizer="muon", precision="bf16"),
+# the speedrun recipe's model options (ModelConfig), all at once
+MODEL_OPTIONS = dict(mlp="relu2", d_ff=None, qk_norm=True, tie_embeddings=False, value_embeddings="alternate",
+                     logit_softcap=15.0, zero_init_output=True, norm_affine=False)
+RECIPES = {  # name -> (TrainConfig fields, ModelConfig fields)
+    "muon": (dict(optimizer="muon"), {}),
+    "muon+wsd, rates per role, the recipe's model": (
+        dict(optimizer="muon", lr_schedule="wsd", embedding_lr=1e-2, head_lr=2e-3, muon_ns="polar_express",
+             muon_weight_decay=0.01), MODEL_OPTIONS),
+    "adamw+wsd 1-sqrt, rates per role": (dict(lr_schedule="wsd", decay_shape="1-sqrt", matrix_lr=1e-2), {}),
+    "muon bf16, the recipe's model": (dict(optimizer="muon", precision="bf16"), MODEL_OPTIONS),
 }
 
 
-@pytest.mark.parametrize("recipe", [r if r == "muon+wsd, rates per role" else pytest.param(r, marks=pytest.mark.slow)
+@pytest.mark.parametrize("recipe", [r if r.startswith("muon+wsd") else pytest.param(r, marks=pytest.mark.slow)
                                     for r in RECIPES])
 def test_resume_equals_uninterrupted_with_the_recipe(corpus, tmp_path, recipe):
-    kw = RECIPES[recipe]
-    model_kw = {"tie_embeddings": False} if "head_lr" in kw else {}
+    kw, model_kw = RECIPES[recipe]
     full = train(tiny_model(**model_kw), _cfg(corpus, tmp_path / "full", **kw))
     with pytest.raises(Crash):
         train(tiny_model(**model_kw), _cfg(corpus, tmp_path / "part", **kw), callback=_crash_after(6))
