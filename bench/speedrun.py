@@ -249,7 +249,8 @@ def render(result: dict) -> str:
                          "-" if name == "nanogpt" else _reach(row), short])
         parts.append(f"**{size}** (target {s['target_bpb']:.4f} bpb, nanoGPT trained {s['nanogpt_train_s']:.0f} s)\n\n"
                      + markdown_table(["recipe", "parameters", "steps", "train s", "val bpb at the end",
-                                       "to target: share of nanoGPT's time (s); of its tokens", "shorter budgets, final bpb"], rows))
+                                       "to target: share of nanoGPT's time (s); of its tokens",
+                                       "shorter budgets, final bpb"], rows))
     return "\n\n".join(parts)
 
 

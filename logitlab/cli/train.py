@@ -316,9 +316,9 @@ def _fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
                                      max_steps=train_cfg.steps if _given(args, table, "steps") else None)
     warmup = min(train_cfg.warmup_steps, fit.steps) if _given(args, table, "warmup_steps") else None
     fitted = dataclasses.replace(train_cfg, steps=fit.steps, eval_every=fit.eval_every, warmup_steps=warmup)
+    decay = "the cosine" if fitted.lr_schedule == "cosine" else "constant, then the decay"
     con.print(f"time budget {limit:g} s: a step takes {step_s:.3g} s here, so {fit.steps:,} steps fit (warmup "
-              f"{fitted.warmup_steps}, then {'the cosine' if fitted.lr_schedule == 'cosine' else 'constant, the decay'} "
-              f"to step {fit.steps}; evaluating every {fit.eval_every}); "
+              f"{fitted.warmup_steps}, then {decay} to step {fit.steps}; evaluating every {fit.eval_every}); "
               f"the run still stops at {limit:g} s")
     return fitted
 
