@@ -22,7 +22,7 @@ def test_train_with_the_speedrun_recipe_flags_override_it(tmp_path, capsys):
         ("muon", "wsd", SPEEDRUN.train["embedding_lr"])
     assert train["matrix_lr"] == 0.05 and train["decay_fraction"] == 0.5      # a flag, the TOML over the recipe
     assert (model["mlp"], model["value_embeddings"], model["tie_embeddings"], model["norm_affine"]) == \
-        ("relu2", "alternate", False, False)
+        ("relu2", "alternate", True, True)
     assert model["qk_norm"] and model["zero_init_output"] and model["logit_softcap"] == 15.0
     assert model["d_ff"] == 64                                                  # the flag over the recipe's None
     capsys.readouterr()
