@@ -1,18 +1,27 @@
-"""Data preparation benchmark: throughput of `prepare` (MB/s of input, tokens/s; 1 and 2 workers)
-against Hugging Face `datasets` `map` with a `tokenizers` tokenizer of the same vocabulary on the
-same corpus, the cost of MinHash near-dedup per MB, and peak memory as the input grows.
+"""Data preparation benchmark: `prepare` against the encoder alone on the same text (MB/s per
+worker, the ratio, how 2 workers scale), against Hugging Face `datasets` `map` with a
+`tokenizers` tokenizer of the same vocabulary, the cost of MinHash near-dedup, and peak memory.
 
-    python3 -m bench.data_prepare            # 48 MB corpus (a few minutes on 2 idle cores)
+    python3 -m bench.data_prepare            # 48 MB corpus (several minutes on 2 idle cores)
     python3 -m bench.data_prepare --quick    # 8 MB
 
 The corpus is the standard library's *.py files (valid UTF-8), one JSON line per file, repeated to
-the size asked. One BPE vocabulary (4096 ids, trained by logitlab on a 1 MB sample) is used by both
-sides: logitlab's own file and its Hugging Face `tokenizer.json` export. Each measurement runs in a
-fresh subprocess, which reports its wall time (reading the JSON lines, tokenizing, writing a flat
-uint16 token file) and its peak resident memory (VmHWM; with workers, plus the largest worker's
-ru_maxrss). The peer's `map` runs with `num_proc` = workers and `RAYON_NUM_THREADS=1` per process,
-so both sides use the same number of cores; its Arrow cache lives in a temporary directory and its
-time includes loading the JSON into Arrow. Sides alternate A B A B.
+the size asked; every repeat starts with a comment line naming its copy, so no two documents are
+equal and exact dedup removes nothing (prepare then encodes all the text the encoder does). One
+BPE vocabulary (4096 ids, trained by logitlab on a 1 MB sample) is used by every side: logitlab's
+own file and its Hugging Face `tokenizer.json` export. Each measurement runs in a fresh
+subprocess, which reports its wall time, its CPU time and its workers' (getrusage), and its peak
+resident memory (VmHWM; with workers, plus the largest worker's ru_maxrss).
+
+- Encoder against prepare: the encoder alone (the texts read into memory untimed, then
+  `Tokenizer.encode_ordinary` over each) alternates with `prepare_part` on 1 and 2 workers with
+  cleaning on (the code rules: the corpus is code) and exact dedup (reading, filtering, hashing,
+  encoding, writing the part; the merge into shards is timed apart). `--prose FILE` adds the
+  same on documents cut from a text file, under the Gopher prose rules.
+- The peer: `datasets.map` with `num_proc` = workers and `RAYON_NUM_THREADS=1` per process against
+  the plain single-file `prepare` (no cleaning, no dedup), so both sides do the same work; its
+  Arrow cache lives in a temporary directory and its time includes loading the JSON into Arrow.
+Sides alternate A B A B.
 """
 
 from __future__ import annotations
@@ -22,14 +31,14 @@ import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import machine_info, markdown_table, publish, rss_kib, run_child
+from bench.common import ROOT, command_line, machine_info, markdown_table, publish, rss_kib, run_child
 
 EOT = "<|endoftext|>"
+PROSE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def _stdlib_texts() -> list[str]:
@@ -44,17 +53,37 @@ def _stdlib_texts() -> list[str]:
     return out
 
 
-def make_corpus(path: Path, megabytes: float) -> int:
-    """Write about `megabytes` MB of JSON lines ({"text": a stdlib file}); -> bytes of text."""
-    texts, target, total = _stdlib_texts(), int(megabytes * 1e6), 0
+def _write_corpus(path: Path, texts: list[str], megabytes: float) -> int:
+    """About `megabytes` MB of JSON lines ({"text": ...}), cycling through `texts`, each repeat
+    headed by a line naming its copy (no two documents equal); -> bytes of text."""
+    target, total, copy = int(megabytes * 1e6), 0, 0
     with path.open("w", encoding="utf-8") as f:
         while total < target:
             for text in texts:
+                text = text if copy == 0 else f"# copy {copy}\n{text}"
                 f.write(json.dumps({"text": text}) + "\n")
                 total += len(text.encode("utf-8"))
                 if total >= target:
                     break
+            copy += 1
     return total
+
+
+def make_corpus(path: Path, megabytes: float) -> int:
+    """The stdlib corpus (module docstring); -> bytes of text."""
+    return _write_corpus(path, _stdlib_texts(), megabytes)
+
+
+def make_prose_corpus(path: Path, source: Path, megabytes: float) -> int:
+    """Documents of 2-6 KB cut at random (seeded) from a text file; -> bytes of text."""
+    import random
+
+    text, rng = source.read_text(encoding="utf-8"), random.Random(0)
+    docs = []
+    for _ in range(int(megabytes * 1e6 / 4000) + 1):
+        start, size = rng.randrange(max(1, len(text) - 6000)), rng.randrange(2000, 6000)
+        docs.append(text[start:start + size])
+    return _write_corpus(path, docs, megabytes)
 
 
 def make_tokenizers(workdir: Path, vocab_size: int = 4096) -> tuple[Path, Path]:
@@ -72,28 +101,58 @@ def make_tokenizers(workdir: Path, vocab_size: int = 4096) -> tuple[Path, Path]:
 
 
 # ------------------------------------------------------------------------------ one run, in a child
-def _ours(spec: dict) -> int:
-    from logitlab.data.dedup import DedupConfig
-    from logitlab.data.merge import MergeConfig, prepare_sharded
-    from logitlab.data.parts import PrepareConfig
-    from logitlab.data.tokens import prepare_corpus
+def _encoder(spec: dict) -> dict:
     from logitlab.tokenizer.core import Tokenizer
 
     tok = Tokenizer.load(spec["tok"])
+    with open(spec["corpus"], encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    tok.encode_ordinary("warm up")  # the encoder's one-time checks are not its throughput
+    start, cpu = time.perf_counter(), time.process_time()
+    tokens = sum(len(tok.encode_ordinary(t)) + 1 for t in texts)
+    return {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu, "tokens": tokens}
+
+
+def _part(spec: dict) -> dict:
+    from logitlab.data.dedup import DedupConfig
+    from logitlab.data.filters import FilterConfig
+    from logitlab.data.merge import MergeConfig, merge_parts
+    from logitlab.data.parts import PrepareConfig, prepare_part
+    from logitlab.tokenizer.core import Tokenizer
+
+    tok = Tokenizer.load(spec["tok"])
+    name = spec.get("source", "code")
+    cfg = PrepareConfig(filters=FilterConfig(code_sources=("code",)),
+                        dedup=DedupConfig(exact=True, near=bool(spec.get("near"))))
+    tok.encode_ordinary("warm up")
     if spec.get("near"):
-        cfg = PrepareConfig(dedup=DedupConfig(near=True))
-        m = prepare_sharded([spec["corpus"]], tok, spec["out"], cfg, MergeConfig(val_fraction=0.0),
-                            workers=spec["workers"])
-    else:
-        m = prepare_corpus([spec["corpus"]], tok, spec["out"], val_fraction=0.0, workers=spec["workers"])
-    return sum(s["tokens"] for s in m["splits"].values())
+        import datasketch  # noqa: F401  its import (seconds, once) is not MinHash's cost per MB
+    start, cpu = time.perf_counter(), time.process_time()
+    info = prepare_part([f"{name}={spec['corpus']}"], tok, Path(spec["out"]) / "part", cfg, workers=spec["workers"])
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    merged = time.perf_counter()
+    merge_parts([Path(spec["out"]) / "part"], Path(spec["out"]) / "data", MergeConfig(val_fraction=0.0))
+    return {"seconds": seconds, "cpu": cpu, "worker_cpu": usage.ru_utime + usage.ru_stime, "tokens": info["tokens"],
+            "kept_bytes": info["bytes"], "merge_seconds": time.perf_counter() - merged}
 
 
-def _peer(spec: dict) -> int:
+def _ours(spec: dict) -> dict:
+    from logitlab.data.tokens import prepare_corpus
+    from logitlab.tokenizer.core import Tokenizer
+
+    start = time.perf_counter()
+    tok = Tokenizer.load(spec["tok"])
+    m = prepare_corpus([spec["corpus"]], tok, spec["out"], val_fraction=0.0, workers=spec["workers"])
+    return {"seconds": time.perf_counter() - start, "tokens": sum(s["tokens"] for s in m["splits"].values())}
+
+
+def _peer(spec: dict) -> dict:
     import numpy as np
     from datasets import load_dataset
     from tokenizers import Tokenizer
 
+    start = time.perf_counter()
     tok = Tokenizer.from_file(spec["hf_tok"])
     eot = tok.token_to_id(EOT)
 
@@ -109,17 +168,18 @@ def _peer(spec: dict) -> int:
             for ids in batch["ids"]:
                 f.write(np.asarray(ids, dtype=np.uint16).tobytes())
                 n += len(ids)
-    return n
+    return {"seconds": time.perf_counter() - start, "tokens": n}
+
+
+SIDES = {"encoder": _encoder, "part": _part, "ours": _ours, "peer": _peer}
 
 
 def _child(spec: dict) -> None:
     Path(spec["out"]).mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    tokens = _ours(spec) if spec["side"] == "ours" else _peer(spec)
-    seconds = time.perf_counter() - start
+    result = SIDES[spec["side"]](spec)
     own = rss_kib("VmHWM") / 1024
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(json.dumps({"seconds": seconds, "tokens": tokens, "peak_mib": own + (workers if spec["workers"] > 1 else 0)}))
+    print(json.dumps(dict(result, peak_mib=own + (workers if spec.get("workers", 1) > 1 else 0))))
 
 
 def run_once(spec: dict) -> dict:
@@ -138,6 +198,36 @@ def run_once(spec: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ the cases
+def _median(results: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def bench_encoder_ratio(corpus: Path, text_bytes: int, tok: Path, repeats: int, source: str = "code") -> dict:
+    """The encoder alone, prepare_part on 1 and on 2 workers, alternating; -> MB/s, ratios, scaling."""
+    mb = text_bytes / 1e6
+    base = {"corpus": str(corpus), "tok": str(tok), "source": source}
+    runs: dict[str, list] = {"encoder": [], "1": [], "2": []}
+    for _ in range(repeats):
+        runs["encoder"].append(run_once(dict(base, side="encoder", workers=1)))
+        for w in (1, 2):
+            runs[str(w)].append(run_once(dict(base, side="part", workers=w)))
+    enc = runs["encoder"]
+    rows = [{"side": "encoder alone", "workers": 1, "mb_per_s": mb / _median(enc, "seconds"), "ratio": 1.0,
+             "cpu_ratio": 1.0}]
+    for w in (1, 2):
+        res = runs[str(w)]
+        pairs = [(e["seconds"] / r["seconds"], e["cpu"] / (r["cpu"] + r["worker_cpu"])) for e, r in zip(enc, res)]
+        rows.append({"side": "prepare part", "workers": w, "mb_per_s": mb / _median(res, "seconds"),
+                     "ratio": statistics.median(a for a, _ in pairs) / w,  # per worker, to the encoder
+                     "cpu_ratio": statistics.median(b for _, b in pairs),
+                     "merge_s": _median(res, "merge_seconds"), "peak_mib": max(r["peak_mib"] for r in res),
+                     "parent_cpu_share": _median(res, "cpu") / (_median(res, "cpu") + _median(res, "worker_cpu"))
+                     if w > 1 else 1.0})
+    scaling = [r1["seconds"] / (2 * r2["seconds"]) for r1, r2 in zip(runs["1"], runs["2"])]
+    return {"source": source, "mb": mb, "kept_mb": runs["1"][0]["kept_bytes"] / 1e6, "rows": rows,
+            "efficiency_2": statistics.median(scaling), "efficiency_2_all": scaling}
+
+
 def bench_throughput(corpus: Path, text_bytes: int, toks: tuple[Path, Path], repeats: int) -> list[dict]:
     rows = []
     for workers in (1, 2):
@@ -147,38 +237,59 @@ def bench_throughput(corpus: Path, text_bytes: int, toks: tuple[Path, Path], rep
                 runs[side].append(run_once({"side": side, "corpus": str(corpus), "tok": str(toks[0]),
                                             "hf_tok": str(toks[1]), "workers": workers}))
         for side, results in runs.items():
-            secs = statistics.median(r["seconds"] for r in results)
+            secs = _median(results, "seconds")
             rows.append({"side": side, "workers": workers, "seconds": secs, "tokens": results[0]["tokens"],
                          "mb_per_s": text_bytes / 1e6 / secs, "tokens_per_s": results[0]["tokens"] / secs,
                          "peak_mib": max(r["peak_mib"] for r in results)})
     return rows
 
 
-def bench_dedup_and_memory(workdir: Path, megabytes: float, toks: tuple[Path, Path]) -> dict:
+def bench_dedup_and_memory(workdir: Path, megabytes: float, toks: tuple[Path, Path], repeats: int) -> dict:
     small = workdir / "small.jsonl"
     small_bytes = make_corpus(small, megabytes / 4)
-    base = run_once({"side": "ours", "corpus": str(small), "tok": str(toks[0]), "workers": 1})
-    near = run_once({"side": "ours", "corpus": str(small), "tok": str(toks[0]), "workers": 1, "near": True})
+    spec = {"side": "part", "corpus": str(small), "tok": str(toks[0]), "workers": 1}
+    base, near = [], []
+    for _ in range(repeats):  # alternating, one worker; the import of datasketch is outside the timing
+        base.append(run_once(spec))
+        near.append(run_once(dict(spec, near=True)))
+    extra = [(n["seconds"] - b["seconds"]) / (small_bytes / 1e6) for b, n in zip(base, near)]
     big = workdir / "corpus.jsonl"
-    big_bytes = big.stat().st_size
     full = run_once({"side": "ours", "corpus": str(big), "tok": str(toks[0]), "workers": 1})
-    return {"dedup_mb": small_bytes / 1e6, "dedup_extra_s_per_mb": (near["seconds"] - base["seconds"]) / (small_bytes / 1e6),
-            "memory": [{"input_mb": small.stat().st_size / 1e6, "peak_mib": base["peak_mib"]},
-                       {"input_mb": big_bytes / 1e6, "peak_mib": full["peak_mib"]}]}
+    return {"dedup_mb": small_bytes / 1e6, "dedup_extra_s_per_mb": statistics.median(extra),
+            "dedup_ratio": statistics.median(b["seconds"] / n["seconds"] for b, n in zip(base, near)),
+            "memory": [{"input_mb": small.stat().st_size / 1e6, "peak_mib": base[0]["peak_mib"]},
+                       {"input_mb": big.stat().st_size / 1e6, "peak_mib": full["peak_mib"]}]}
+
+
+def _ratio_table(case: dict) -> str:
+    rows = [[r["side"], r["workers"], f"{r['mb_per_s']:.2f}", f"{r['mb_per_s'] / r['workers']:.2f}",
+             f"{r['ratio']:.2f}", f"{r['cpu_ratio']:.2f}"] for r in case["rows"]]
+    return markdown_table(["pipeline", "workers", "MB/s", "MB/s per worker", "per worker / encoder (wall)",
+                           "encoder CPU / prepare CPU"], rows)
 
 
 def render(result: dict) -> str:
-    rows = [[r["side"].replace("peer", "datasets.map + tokenizers").replace("ours", "logitlab prepare"), r["workers"],
-             f"{r['mb_per_s']:.2f}", f"{r['tokens_per_s'] / 1e6:.2f}", f"{r['peak_mib']:.0f}"]
+    lines = [f"Corpus: {result['corpus_mb']:.1f} MB of JSON lines (stdlib *.py files), 4096-id BPE on every side. "
+             f"`{result['command']}`; load average {result['machine'].get('load_avg_1m')} on "
+             f"{result['machine']['nproc']} cores when it started.", ""]
+    for case in result["encoder_ratio"]:
+        two = next(r for r in case["rows"] if r["workers"] == 2)
+        lines += [f"**prepare against the encoder alone** ({case['source']}: {case['mb']:.1f} MB, "
+                  f"{case['kept_mb']:.1f} MB kept by the filters; cleaning and exact dedup on; median of "
+                  f"alternating runs):", "", _ratio_table(case), "",
+                  f"Two workers against one: efficiency {case['efficiency_2']:.2f} (throughput(2) / "
+                  f"(2 x throughput(1))); the parent (reading, writing) used {two['parent_cpu_share']:.0%} of the "
+                  f"CPU time, so the workers' share bounds the speedup near {1 / max(two['parent_cpu_share'], 1e-9):.0f} "
+                  f"workers on as many idle cores. The merge into shards took {two['merge_s']:.2f} s.", ""]
+    rows = [[r["side"].replace("peer", "datasets.map + tokenizers").replace("ours", "logitlab prepare (plain)"),
+             r["workers"], f"{r['mb_per_s']:.2f}", f"{r['tokens_per_s'] / 1e6:.2f}", f"{r['peak_mib']:.0f}"]
             for r in result["throughput"]]
     mem = result["dedup_memory"]
-    lines = [f"Corpus: {result['corpus_mb']:.1f} MB of JSON lines (stdlib *.py files), 4096-id BPE on both sides. "
-             f"`{result['command']}`.", "",
-             markdown_table(["pipeline", "workers", "MB/s", "M tokens/s", "peak MiB"], rows), "",
-             f"MinHash near-dedup (16 bands x 8 rows, 5-grams) adds {mem['dedup_extra_s_per_mb']:.2f} s per MB "
-             f"(one worker, {mem['dedup_mb']:.1f} MB).", "",
-             markdown_table(["input MB", "peak MiB (prepare, 1 worker)"],
-                            [[f"{m['input_mb']:.1f}", f"{m['peak_mib']:.0f}"] for m in mem["memory"]])]
+    lines += [markdown_table(["pipeline", "workers", "MB/s", "M tokens/s", "peak MiB"], rows), "",
+              f"MinHash near-dedup (16 bands x 8 rows, 5-grams) adds {mem['dedup_extra_s_per_mb']:.2f} s per MB "
+              f"(one worker, {mem['dedup_mb']:.1f} MB; prepare's throughput x{mem['dedup_ratio']:.2f}).", "",
+              markdown_table(["input MB", "peak MiB (prepare, 1 worker)"],
+                             [[f"{m['input_mb']:.1f}", f"{m['peak_mib']:.0f}"] for m in mem["memory"]])]
     return "\n".join(lines)
 
 
@@ -186,7 +297,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m bench.data_prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="an 8 MB corpus instead of 48 MB")
     parser.add_argument("--megabytes", type=float, default=None, help="corpus size in MB (overrides --quick)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed pairs per case (default 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds per case (default 2)")
+    parser.add_argument("--prose", type=Path, default=PROSE if PROSE.is_file() else None, metavar="FILE",
+                        help="also measure prose documents cut from FILE under the Gopher rules (default: "
+                        "../shared/data/tinyshakespeare.txt when present)")
+    parser.add_argument("--only-encoder-ratio", action="store_true", help="skip the peer, MinHash and memory")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     parser.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -199,10 +314,17 @@ def main(argv=None) -> int:
         toks = make_tokenizers(workdir)
         corpus = workdir / "corpus.jsonl"
         text_bytes = make_corpus(corpus, megabytes)
-        result = {"machine": machine_info(), "command": " ".join(["python3 -m bench.data_prepare", *(argv or sys.argv[1:])]),
-                  "corpus_mb": text_bytes / 1e6}
+        result = {"machine": machine_info(), "command": command_line(), "corpus_mb": text_bytes / 1e6}
+        result["encoder_ratio"] = [bench_encoder_ratio(corpus, text_bytes, toks[0], args.repeats)]
+        if args.prose is not None:
+            prose = workdir / "prose.jsonl"
+            prose_bytes = make_prose_corpus(prose, args.prose, megabytes / 2)
+            result["encoder_ratio"].append(bench_encoder_ratio(prose, prose_bytes, toks[0], args.repeats, "prose"))
+        if args.only_encoder_ratio:
+            print("\n\n".join(_ratio_table(c) for c in result["encoder_ratio"]))
+            return 0
         result["throughput"] = bench_throughput(corpus, text_bytes, toks, args.repeats)
-        result["dedup_memory"] = bench_dedup_and_memory(workdir, megabytes, toks)
+        result["dedup_memory"] = bench_dedup_and_memory(workdir, megabytes, toks, args.repeats)
     print(render(result))
     publish("data_prepare", "Data preparation", result, render, quick=args.quick, doc=not args.no_doc)
     return 0

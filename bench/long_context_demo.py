@@ -66,7 +66,7 @@ def train_schemes(out: Path, steps: int, corpus_bytes: int, tokenizer_bytes: int
         start = time.perf_counter()
         _cli(["train", *source, *MODEL, "--positions", scheme, "--steps", str(steps), "--batch-size", "16",
               "--lr", "3e-3", "--eval-every", str(max(1, steps // 4)), "--eval-tokens", "16384", "--seed", "1337",
-              "--device", "cpu", "--progress", "false", "--out-dir", str(run)])
+              "--device", "cpu", "--progress", "false", "--out", str(run)])
         seconds[scheme] = round(time.perf_counter() - start, 1)
     return seconds
 

@@ -29,7 +29,6 @@ On a shared machine wall-clock budgets move with the load: the token and FLOP bu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path

@@ -206,11 +206,11 @@ class FullLogits(torch.nn.Module):
 
 def score_nanogpt(folder: Path, ckpt: str, paths: dict, seq_len: int, batch_size: int, eval_tokens: int) -> float:
     """Val nats/token of nanoGPT's checkpoint on the fixed windows (logitlab's evaluation pass)."""
-    from logitlab.data import tokens
-    from logitlab.train.loss import evaluate
-
     import contextlib
     import io
+
+    from logitlab.data import tokens
+    from logitlab.train.loss import evaluate
 
     with contextlib.redirect_stdout(io.StringIO()):            # nanoGPT prints its parameter count
         model = FullLogits(nanogpt_model(folder, ckpt))

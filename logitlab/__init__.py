@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # re-exporting them here would shadow the submodules of the same names.
 _EXPORTS = {
     "Tokenizer": "tokenizer",
+    "SentencePieceTokenizer": "tokenizer",
     "train_bpe": "tokenizer",
     "train_tokenizer": "tokenizer",
     "ModelConfig": "model",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Tests never download: a hub id resolves from a cache the test builds (tests/_hub.py), and
+# huggingface_hub reads this when it is first imported (subprocesses inherit it).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 

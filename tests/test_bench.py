@@ -154,6 +154,7 @@ def test_model_bench_installs_the_trainers_bf16_routes_for_bf16_steps_only():
     assert not any(isinstance(m, (cpu_bf16.Bf16ViaFp32Linear, cpu_bf16.Bf16ViaFp32Attention)) for m in model.modules())
 
 
+@pytest.mark.slow
 def test_model_bench_training_steps_do_the_same_work(monkeypatch, tmp_path):
     """From the same weights, two training steps of each side (compiled: train.loss_fn through
     aot_eager) leave the same decayed matrix: same loss, gradients, clipping and AdamW update."""

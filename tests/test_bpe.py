@@ -148,15 +148,19 @@ def test_bytes_only_corpus_stops_when_no_pairs(tmp_path):
     assert merges == [(b" ", b"b")] and len(vocab) == 258 and vocab[257] == EOT.encode()
 
 
-def test_empty_corpus_warns_how_many_merges_were_possible(tmp_path):
+def test_empty_corpus_is_refused_and_a_short_one_warns(tmp_path):
     path = tmp_path / "empty.txt"
     path.write_text("")
+    with pytest.raises(ValueError, match="empty.txt holds no text to learn merges from"):
+        train_tokenizer(path, 300, [EOT], workers=1)
+    path = tmp_path / "short.txt"
+    path.write_text("abab")                                # one merge to learn, then nothing
     with pytest.warns(ShortVocabularyWarning) as caught:
         tok = train_tokenizer(path, 300, [EOT], workers=1)
-    assert tok.vocab_size == 257 and len(caught) == 1
+    assert len(caught) == 1 and tok.vocab_size < 300
     message = str(caught[0].message)
-    assert "learned 0 of the 43 merges that vocab_size 300 asks for" in message
-    assert "(1 file(s), 0 bytes)" in message and "the tokenizer has 257 ids, not 300" in message
+    assert "of the 43 merges that vocab_size 300 asks for" in message
+    assert "(1 file(s), 4 bytes)" in message and f"the tokenizer has {tok.vocab_size} ids, not 300" in message
 
 
 def test_full_vocabulary_does_not_warn(tmp_path):

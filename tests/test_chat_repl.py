@@ -141,7 +141,7 @@ def terminal(tmp_path):
 
 def test_chat_repl_editing_history_commands_and_keys(tmp_path, terminal):
     d, banned = _model_dir(tmp_path, context_length=128)
-    t = terminal(["--checkpoint", str(d), "--max-new-tokens", "8", "--seed", "0",
+    t = terminal([str(d), "--max-new-tokens", "8", "--seed", "0",
                   "--banned-ids", ",".join(str(i) for i in banned)])
     first = t.wait_prompts(1)
     # the opening line names the commands
@@ -190,7 +190,7 @@ def test_chat_repl_editing_history_commands_and_keys(tmp_path, terminal):
 def test_chat_repl_ctrl_c_stops_a_reply_and_the_repl_goes_on(tmp_path, terminal):
     # a reply long enough (100k tokens, end-of-text banned too) that it can only end by Ctrl-C
     d, banned = _model_dir(tmp_path, context_length=100_100)
-    t = terminal(["--checkpoint", str(d), "--max-new-tokens", "100000", "--seed", "0",
+    t = terminal([str(d), "--max-new-tokens", "100000", "--seed", "0",
                   "--banned-ids", ",".join(str(i) for i in banned + [256 + len(MERGES)])])
     t.wait_prompts(1)
     t.type("tell me everything")

@@ -1,6 +1,7 @@
-"""Flags mean one thing everywhere: `--hf DIR` is an input and `--out DIR` the output (export's
-old `--hf` still works, with a warning); list flags never swallow the positional prompt; tokens
-are quoted the same way by `tokenizer show`, `inspect` and the demo; exported files share one mode."""
+"""Flags mean one thing everywhere: a command's first argument MODEL is the model it reads, of any
+kind, and `--out DIR` the output (the old --checkpoint / --hf / --base and export's --hf still
+work, with a note); list flags never swallow the positional prompt; tokens are quoted the same
+way by `tokenizer show`, `inspect` and the demo; exported files share one mode."""
 
 from __future__ import annotations
 
@@ -65,11 +66,17 @@ def test_export_hf_still_works_with_a_deprecation_warning(tmp_path, capsys):
 
 def test_help_states_the_flag_convention(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    for argv in (["--help"], ["export", "--help"]):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "first argument MODEL is the model it reads" in text and "--out is what it writes" in text
+    assert "--batch-size and --seq-len" in text
+    for command in (["generate"], ["inspect"], ["chat"], ["serve"], ["sft"], ["convert"], ["eval", "bpb"]):
         with pytest.raises(SystemExit):
-            main(argv)
+            main([*command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert "--hf DIR" in text and "--out DIR" in text
+        assert "MODEL" in text and "hub id" in text and "--revision" in text, command
+        assert "--checkpoint" not in text and "--base" not in text, command
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     text = capsys.readouterr().out
@@ -90,24 +97,24 @@ def test_banned_and_stop_ids_never_swallow_the_prompt(tmp_path):
     from logitlab.cli.generate import sample_config
 
     parser = _generate_parser()
-    args = parser.parse_args(["generate", "--hf", "d", "--banned-ids", "10", "def parse("])
-    assert args.prompt == "def parse(" and sample_config(args).banned_ids == (10,)
-    args = parser.parse_args(["generate", "--hf", "d", "--banned-ids", "10,13", "--banned-ids", "7",
+    args = parser.parse_args(["generate", "d", "--banned-ids", "10", "def parse("])
+    assert args.model == "d" and args.prompt == "def parse(" and sample_config(args).banned_ids == (10,)
+    args = parser.parse_args(["generate", "d", "--banned-ids", "10,13", "--banned-ids", "7",
                               "--stop-ids", "5", "x"])
     cfg = sample_config(args)
     assert args.prompt == "x" and cfg.banned_ids == (10, 13, 7) and cfg.stop_ids[:1] == (5,)
     toml = tmp_path / "s.toml"
     toml.write_text("[sample]\nbanned_ids = [1, 2]\n")
-    args = parser.parse_args(["generate", "--hf", "d", "--config", str(toml), "p"])
+    args = parser.parse_args(["generate", "d", "--config", str(toml), "p"])
     assert sample_config(args).banned_ids == (1, 2)                 # from the file
-    args = parser.parse_args(["generate", "--hf", "d", "--config", str(toml), "--banned-ids", "3", "p"])
+    args = parser.parse_args(["generate", "d", "--config", str(toml), "--banned-ids", "3", "p"])
     assert sample_config(args).banned_ids == (3,)                   # the flag replaces the file's list
 
 
 @pytest.mark.parametrize("bad", ["ten", "1,,x", "-1"])
 def test_banned_ids_refuse_what_is_not_ids(bad, capsys):
     with pytest.raises(SystemExit):
-        _generate_parser().parse_args(["generate", "--hf", "d", "--banned-ids", bad, "p"])
+        _generate_parser().parse_args(["generate", "d", "--banned-ids", bad, "p"])
     assert "token ids separated by commas" in capsys.readouterr().err
 
 
@@ -116,7 +123,7 @@ def test_chat_takes_the_same_id_flags():
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["chat", "--hf", "d", "--banned-ids", "4,5"])
+    args = parser.parse_args(["chat", "d", "--banned-ids", "4,5"])
     assert args.banned_id_lists == [(4, 5)]
 
 
@@ -138,7 +145,7 @@ def test_tokenizer_show_and_inspect_quote_tokens_alike(tmp_path, capsys, monkeyp
     ids = tok.encode(text)
     assert main(["tokenizer", "show", "--tokenizer", str(d / "tokenizer.logitlab.json"), text]) == 0
     shown = capsys.readouterr().out
-    assert main(["inspect", "--checkpoint", str(d), text]) == 0
+    assert main(["inspect", str(d), text]) == 0
     inspected = capsys.readouterr().out
     for i in ids:
         cell = quote_token(tok.token_bytes(i))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+from test_cli_train import TEXT, _train_args
+
 from logitlab import cli
 from logitlab.train.recipes import RECIPES, SPEEDRUN, get_recipe
-from test_cli_train import TEXT, _train_args
 
 
 def test_train_with_the_speedrun_recipe_flags_override_it(tmp_path, capsys):

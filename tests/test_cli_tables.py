@@ -1,5 +1,5 @@
-"""CLI tables print every number whole at any width: a table wider than the terminal is split
-into narrower ones, and titles stand on their own line."""
+"""CLI tables print every number whole at any width: a table wider than the terminal stays one
+table whose text columns wrap (fold), and titles stand on their own line."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("columns", [60, 80, 120])
 def test_params_numbers_are_never_cut(columns):
     env = dict(os.environ, COLUMNS=str(columns))
@@ -24,15 +25,26 @@ def test_params_numbers_are_never_cut(columns):
     assert "llama3-70b: D 8192, L 80, H 64, Hkv 8, Dh 128, F 28672, V 128256, untied" in out
 
 
-def test_print_table_splits_only_when_too_wide():
+def test_print_table_folds_instead_of_splitting():
     from rich.console import Console
 
     from logitlab.cli.common import print_table
 
-    rows = [["row", "1,234,567,890", "9,876,543,210"]]
-    for width, tables in ((200, 1), (30, 2)):
+    rows = [["row", "1,234,567,890", "9,876,543,210", "a long explanation of what the row means"]]
+    columns = ["key", "first", "second", "why"]
+    title = "a title that is longer than forty-four columns, on one line"
+    for width, layout in ((200, "boxed"), (50, "compact"), (30, "records")):
         con = Console(width=width, record=True, force_terminal=False)
-        print_table(con, "a title that is longer than thirty columns", ["key", "first", "second"], rows, right=(1, 2))
+        print_table(con, title, columns, rows, right=(1, 2))
         text = con.export_text()
-        assert text.count("┏") == tables and "1,234,567,890" in text and "9,876,543,210" in text
-        assert text.splitlines()[0] == "a title that is longer than thirty columns"
+        lines = text.splitlines()
+        assert lines[0] == title
+        assert ("┏" in text) == (layout == "boxed")
+        assert "1,234,567,890" in text and "9,876,543,210" in text and "…" not in text
+        assert "explanation" in text
+        if layout == "records":
+            assert lines[1:5] == ["row", "  first: 1,234,567,890", "  second: 9,876,543,210",
+                                  "  why: a long explanation of what the row means"]
+        else:
+            assert text.count("key") == 1, "one table, one header"
+            assert all(len(line) <= width for line in lines[1:])

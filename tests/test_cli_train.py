@@ -39,7 +39,7 @@ def test_plot_and_generate_from_the_run(demo_run, tmp_path, capsys):
     assert cli.main(["plot", str(demo_run), "--out", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
-    assert cli.main(["generate", "--checkpoint", str(demo_run), "def f(", "--max-new-tokens", "8",
+    assert cli.main(["generate", str(demo_run), "def f(", "--max-new-tokens", "8",
                      "--seed", "0", "--json"]) == 0
     out = capsys.readouterr().out
     assert out.strip()
@@ -147,6 +147,7 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process(tmp_path):
     """`torchrun -m logitlab train` with 2 CPU ranks (gloo, FSDP2) gives the loss sequence of one
     process with the same global batch."""
@@ -189,6 +190,21 @@ def test_demo_output_shows_sample_and_next_token_table(tmp_path, capsys):
     assert "sample" in text and "next-token probabilities" in text and "ln V" in text
     summary = json.loads((out / "demo.json").read_text())["result"]
     assert summary["val_loss_start"] > summary["val_loss"]
+    # the commands to copy are whole lines, however narrow the console (80 columns here)
+    assert f"next: logitlab generate {out} 'def '" in text.splitlines()
+    assert f"      logitlab export {out} --out {out}/hf" in text.splitlines()
+
+
+def test_demo_compares_its_result_with_the_reference_run():
+    from logitlab.cli.demo import REFERENCE, _against_reference
+
+    line = _against_reference(1200, 3.71, fixed=False)
+    assert line == f"reference: {REFERENCE['steps']:,} steps -> 3.63 on an idle 2-core machine; this run fitted " \
+                   "1,200 steps -> 3.71"
+    short = _against_reference(243, 4.97, fixed=False)
+    assert "Only 243 steps fitted the time budget" in short and "logitlab demo --steps 1016" in short
+    assert "Only" not in _against_reference(100, 5.0, fixed=True) and "took 100 steps" in \
+        _against_reference(100, 5.0, fixed=True)
 
 
 def test_train_on_one_file_says_how_validation_was_made(tmp_path, capsys):
@@ -250,3 +266,20 @@ def test_progress_names_the_bf16_routes_and_the_times_that_chose_them():
     con = Console(record=True, width=300, force_terminal=False)
     LiveProgress(con, True)("start", dict(start, amp="None", bf16_route=None, bf16_route_timings_s=None))
     assert "bf16 on the CPU" not in con.export_text()
+
+
+def test_live_progress_keeps_every_evaluation_line_above_the_bar():
+    from rich.console import Console
+
+    from logitlab.cli.progress import LiveProgress
+
+    con = Console(record=True, force_terminal=True, width=100)
+    live = LiveProgress(con, True)
+    live("start", dict(device="cpu", amp="None", tokens_per_step=1024, run_dir="runs/x", steps=30, step=0))
+    for step in (10, 20, 30):
+        live("step", dict(step=step, loss=3.0, tokens_per_s=1000.0))
+        live("eval", dict(step=step, loss=3.0, val_loss=3.5 - step / 100, val_ppl=30.0, tokens_per_s=1000.0))
+    live("end", {})
+    text = con.export_text()
+    for step in (10, 20, 30):
+        assert f"step {step}: loss 3.0000, val {3.5 - step / 100:.4f}" in text

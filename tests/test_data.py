@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from logitlab.data import tokens as data
+from logitlab.data.batches import IGNORE_INDEX
 from logitlab.tokenizer.core import Tokenizer
 
 EOT = "<|endoftext|>"
@@ -172,6 +173,27 @@ def test_eval_windows_are_sequential_and_fixed():
     r0 = [x for x, _ in data.eval_windows(toks, 10, 4, 100, rank=0, world_size=2)]
     r1 = [x for x, _ in data.eval_windows(toks, 10, 4, 100, rank=1, world_size=2)]
     assert sum(x.shape[0] for x in r0 + r1) == 10
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("n_windows", [1, 2, 3, 5, 9, 17])
+@pytest.mark.parametrize("batch_size", [1, 2, 4])
+def test_eval_windows_give_every_rank_the_same_number_of_batches(world_size, n_windows, batch_size):
+    """Each batch is a forward, and a sharded model's forward a collective: a rank with one batch
+    fewer would leave the others waiting. Padding batches hold only ignored targets, so the
+    windows scored over all ranks are still each window once."""
+    toks = _tokens(200)
+    per_rank = [list(data.eval_windows(toks, 10, batch_size, 10 * n_windows, r, world_size))
+                for r in range(world_size)]
+    assert len({len(batches) for batches in per_rank}) == 1, [len(b) for b in per_rank]
+    scored = sorted(int(x[i, 0]) for batches in per_rank for x, y in batches for i in range(len(x))
+                    if (y[i] != IGNORE_INDEX).all())
+    assert scored == sorted(int(toks[10 * k]) for k in range(n_windows))
+    for batches in per_rank:
+        for x, y in batches:
+            ignored = (y == IGNORE_INDEX)
+            assert ignored.all(dim=1).eq(ignored.any(dim=1)).all()   # whole padding rows, never part of one
+            assert (x >= 0).all()                                        # the inputs stay token ids
 
 
 def test_one_file_holds_out_the_tail_of_the_token_stream(tmp_path):

@@ -3,6 +3,9 @@ datasketch's own LSH index), the keep-first rule, and the mixture's weights and 
 
 from __future__ import annotations
 
+import re
+import unicodedata
+
 import numpy as np
 import pytest
 
@@ -24,6 +27,12 @@ def test_exact_hash_ignores_case_and_spacing_only():
     assert dd.exact_hash("Hello  World\n") == dd.exact_hash("hello world")
     assert dd.exact_hash("hello world") != dd.exact_hash("hello world!")
     assert dd.normalise("  A\tb\n\nC ") == "a b c"
+    # every whitespace character of Unicode lies below U+3001: str.split() and the regex \s agree on all
+    above = "".join(map(chr, range(0x3001, 0x110000)))
+    assert not re.search(r"\s", above) and not any(map(str.isspace, above))
+    every = "".join(map(chr, range(0x3001)))
+    text = "x" + "x".join(every[i:i + 3] for i in range(0, len(every), 3)) + " "
+    assert dd.normalise(text) == re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).lower()).strip()
 
 
 def test_shingles_are_word_ngrams():

@@ -1,10 +1,15 @@
-"""filters.py: each cleaning rule on crafted documents, its threshold, boilerplate lines and the counts."""
+"""filters.py: each cleaning rule on crafted documents, its threshold, boilerplate lines and the counts;
+measures.py: the fast measurements equal the plain ones."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from logitlab.data import filters as flt
+from logitlab.data import measures as ms
 
 CFG = flt.FilterConfig()
 PROSE = ("The committee met on Tuesday to discuss the budget for the coming year. Several members "
@@ -115,3 +120,56 @@ def test_stats_count_every_reason():
     st.merge(other.to_dict())
     assert st.to_dict() == {"documents_in": 6, "documents_kept": 2, "boilerplate_lines": 4,
                             "removed": {"alpha_share": 1, "empty": 1, "gopher.word_count": 2}}
+
+
+# --------------------------------------------------------------------------------------------
+# the fast measurements equal the plain ones
+# --------------------------------------------------------------------------------------------
+
+def test_count_chars_equals_a_loop_over_every_code_point():
+    every = "".join(map(chr, range(0x110000)))  # surrogates included: corpus text may hold lone ones
+    ascii_part = every[:128] * 3
+    for kind in ("isspace", "isalpha", "isalnum"):
+        for text in (every, ascii_part, "", "naïve café ２０２４\u2028x\u3000"):
+            assert ms.count_chars(text, kind) == sum(getattr(c, kind)() for c in text), (kind, text[:20])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6])
+def test_fast_duplicate_ngrams_equal_the_plain_count(n):
+    rng = np.random.default_rng(n)
+    for length in [0, 1, n - 1, n, n + 1, 7, 40, 300]:
+        for vocab in (["a"], ["a", "bb"], list("abcdefgh"), [f"w{i}" for i in range(500)]):
+            words = rng.choice(vocab, size=length).tolist()
+            assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
+    words = [f"w{i}" for i in rng.integers(0, 40_000, size=60_000)] + ["x", "y", "z", "q", "r", "s"] * 3
+    assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
+
+    class Colliding(str):  # every word hashes alike: every n-gram key collides, and none may count
+        def __hash__(self):
+            return 7
+
+    words = [Colliding(w) for w in rng.choice(list("abcdefgh"), size=60).tolist()]
+    assert ms.fast_duplicate_ngram_fraction(words, n) == ms.duplicate_ngram_fraction(words, n)
+    distinct = [Colliding(f"w{i}") for i in range(40)]
+    assert ms.fast_duplicate_ngram_fraction(distinct, n) == 0.0
+
+
+_LINES = st.sampled_from(["", "  ", "- item", "• point", "and so on...", "wait…", "The same line.", "the same line.",
+                          "x" * 30, "Ünïcödé wörds ２０２４", "tab\there", "# heading", "numbers 1 2 3", "\u3000",
+                          "a b c d e", "a b c d e f", "line\u2028split", "\x1c", "emoji 😀 here"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_LINES, max_size=40), st.sampled_from(["\n", "\r\n", " ", "\u2029"]))
+def test_fast_measures_equal_the_plain_ones(lines, sep):
+    assert all(len(b) == 1 for b in ms.BULLETS)  # FastMeasures tells a bullet line by its first character
+    text = sep.join(lines)
+    plain, fast = ms.Measures(text), ms.FastMeasures(text)
+    for name in ("mean_word_length", "symbol_ratio", "bullet_lines", "ellipsis_lines", "duplicate_lines",
+                 "alpha_share", "alnum_share"):
+        assert getattr(fast, name)() == getattr(plain, name)(), name
+    for n in (1, 2, 5):
+        assert fast.duplicate_ngrams(n) == plain.duplicate_ngrams(n)
+    for cfg in (CFG, flt.FilterConfig(min_words=3, max_symbol_ratio=0.5, max_duplicate_lines=0.5, code_sources=("c",))):
+        for source in ("web", "c"):
+            assert flt.document_reason(text, source, cfg) == flt.document_reason(text, source, cfg, ms.Measures)

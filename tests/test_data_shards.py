@@ -217,6 +217,20 @@ def test_part_is_the_same_with_worker_processes(tmp_path):
     assert json.loads(ids[0]).endswith("part0.jsonl.gz:1") and len(ids) == a["documents"]
 
 
+def test_the_fast_measurements_prepare_the_same_part_as_the_plain_ones(tmp_path, monkeypatch):
+    import functools
+
+    from logitlab.data import chunks, filters, measures
+
+    tok, sources = byte_tokenizer(), _corpus(tmp_path)
+    fast = parts.prepare_part(sources, tok, tmp_path / "fast", CFG, workers=1)
+    plain = functools.partial(filters.document_reason, measures=measures.Measures)
+    monkeypatch.setattr(chunks.flt, "document_reason", plain)
+    assert parts.prepare_part(sources, tok, tmp_path / "plain", CFG, workers=1) == fast
+    for name in ("tokens.bin", "docs.bin", "doc_ids.jsonl", "filtered.jsonl"):
+        assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+
+
 def test_parts_resume_and_merge_checks_the_job(tmp_path):
     class Counting:
         def __init__(self):
@@ -321,6 +335,19 @@ def test_cli_prepare_parts_merge_and_stats(tmp_path, capsys):
     assert "duplicate rate" in out and "most frequent tokens" in out and (tmp_path / "merged" / "stats.png").is_file()
     with pytest.raises(ValueError, match="--num-shards needs --shard-index"):
         _cli(["prepare", *common, "--out", str(tmp_path / "x"), "--num-shards", "2"])
+
+
+def test_repeated_list_flags_accumulate():
+    from logitlab.cli import data as cli_data
+
+    parser = argparse.ArgumentParser()
+    cli_data.register(parser.add_subparsers())
+    args = parser.parse_args(["prepare", "--data", "a", "b", "--data", "c", "--dedup", "exact", "--dedup", "near",
+                              "--filter-code-sources", "x", "--filter-code-sources", "y", "z"])
+    assert args.data == ["a", "b", "c"] and args.dedup == ["exact", "near"]
+    prep, _ = cli_data._configs(args)
+    assert prep.filters.code_sources == ("x", "y", "z") and prep.dedup.exact and prep.dedup.near
+    assert parser.parse_args(["prepare"]).data is None
 
 
 def test_prepare_without_new_flags_keeps_the_single_file_layout(tmp_path, capsys):

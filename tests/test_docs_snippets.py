@@ -17,6 +17,11 @@ no runnable block above it, or a second one for the same block, is an error.
 
 A page holding <!-- requires: PATH --> (PATH relative to the project root, e.g. ../shared/data/gpt2)
 is skipped, with the path as the reason, where PATH does not exist.
+
+A page holding <!-- hub-cache: ID --> runs with HF_HUB_CACHE pointing at a Hugging Face cache that the
+test fills first (HUB_FIXTURES: "gpt2" is a GPT-2-shaped model with random weights and GPT-2's own
+vocabulary from the shared data folder), offline, so that `load_pretrained("gpt2")` runs as a user's
+would on a cache of their own, and never downloads.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ SLOW_MARK = "<!-- slow -->"
 OUTPUT_INFO = "text output"  # info string of a block holding the expected stdout of the block above
 _OUTPUT = re.compile(r"text output(?: tol=(\d+(?:\.\d*)?(?:e-?\d+)?))?")  # and its optional tolerance
 _REQUIRES = re.compile(r"<!-- requires: (\S+) -->")  # a path the page needs; the page is skipped without it
+_HUB_CACHE = re.compile(r"<!-- hub-cache: (\S+) -->")  # a hub id the test puts into the page's cache
 PAGE_TIMEOUT_S = 900
 _FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
 
@@ -184,11 +190,33 @@ for kind, line, code, expected, expected_line, tol in blocks:
 """
 
 
-def run_page(page: Path, workdir: Path) -> subprocess.CompletedProcess:
+def _random_gpt2(cache: Path, work: Path) -> None:
+    from tests._hub import add_random_gpt2
+
+    data = ROOT.parent / "shared" / "data" / "gpt2"
+    add_random_gpt2(cache, data / "vocab.json", data / "merges.txt", work)
+
+
+HUB_FIXTURES = {"gpt2": _random_gpt2}  # hub id -> fill(cache, work folder)
+
+
+def hub_cache_env(text: str, root: Path) -> dict[str, str]:
+    """The environment of a page holding <!-- hub-cache: ID -->: its ids put into a fresh cache under
+    `root` (outside the page's working directory), HF_HUB_CACHE pointing there, offline."""
+    ids = _HUB_CACHE.findall(text)
+    if not ids:
+        return {}
+    cache, work = root / "cache", root / "sources"
+    for repo_id in ids:
+        HUB_FIXTURES[repo_id](cache, work)
+    return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def run_page(page: Path, workdir: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     blocks = runnable_blocks(page.read_text(encoding="utf-8"))
     scripts = str(Path(sys.executable).parent)  # where `pip install -e .` put the logitlab script
     env = dict(os.environ, LOGITLAB_DOCS_TINY="1", PATH=scripts + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "1")
     name = str(page.relative_to(ROOT))
     payload = json.dumps([(b.kind, b.line, b.code, b.expected, b.expected_line, b.tolerance) for b in blocks])
@@ -203,7 +231,9 @@ def test_page_snippets_run(page: Path, tmp_path: Path):
         pytest.skip(f"{page.name} needs {', '.join(missing)} (relative to {ROOT}), which is absent")
     problems = output_problems(page.read_text(encoding="utf-8"))
     assert not problems, f"{page.name}: " + "; ".join(problems)
-    done = run_page(page, tmp_path)
+    workdir = tmp_path / "page"
+    workdir.mkdir(exist_ok=True)
+    done = run_page(page, workdir, hub_cache_env(page.read_text(encoding="utf-8"), tmp_path / "hub"))
     if done.returncode:
         failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED: ")]
         where = failed[-1] if failed else f"{page.name}: exit code {done.returncode}"
@@ -305,6 +335,25 @@ def test_a_page_whose_required_path_is_absent_is_skipped(tmp_path: Path, monkeyp
         test_page_snippets_run(page, tmp_path)
 
 
+def test_a_hub_cache_page_loads_its_ids_offline_from_the_filled_cache(tmp_path: Path, monkeypatch):
+    from logitlab.io.hf import save_pretrained
+    from logitlab.model import Transformer, get_preset
+    from tests._hub import add_snapshot
+
+    def tiny(cache: Path, work: Path) -> None:
+        save_pretrained(Transformer(get_preset("tiny", n_layers=3)), work / "x")
+        add_snapshot(cache, "org/x", work / "x")
+
+    monkeypatch.setitem(HUB_FIXTURES, "org/x", tiny)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("<!-- hub-cache: org/x -->\n```python\nimport logitlab\n"
+                    "print(logitlab.load_pretrained('org/x').config.n_layers)\n```\n```text output\n3\n```\n")
+    test_page_snippets_run(page, tmp_path)               # the page's stdout is compared with "3"
+    assert (tmp_path / "hub" / "cache" / "models--org--x").is_dir()
+    assert not (tmp_path / "page" / "x").exists()        # the source folder stays out of the page's directory
+
+
 def test_every_page_with_blocks_is_collected():
     ids = {p.id for p in _params()}
     assert "README.md" in ids
@@ -355,3 +404,44 @@ def test_toml_examples_load_through_the_config_loaders(tmp_path: Path):
         seen |= set(table) & {"train", "model", "sample"}
     missing = sorted({"train", "model", "sample"} - seen)
     assert not missing, f"the docs show no TOML example of the table(s) {missing}"
+
+
+# -------------------- torchrun commands shown for a cluster, not run here
+
+_SHELL_VALUE = re.compile(r"\$\{?\w+\}?")      # "$RUN", "${RUN}": a value the job script fills in
+_SHELL_ARRAY = re.compile(r"\$\{\w+\[@\]\}")  # "${RESUME[@]}": zero or more arguments
+
+
+def shown_torchrun_commands() -> list[tuple[str, list[str]]]:
+    """(page:line, the arguments after `-m logitlab`) of every torchrun command in a block that is
+    not run (a SLURM job script, say): continuation lines joined, a shell variable standing for one
+    value replaced by "x", an array of arguments dropped. The runnable blocks' commands run."""
+    import shlex
+
+    found = []
+    for page in pages():
+        for info, line, code in fenced_blocks(page.read_text(encoding="utf-8")):
+            if info in RUNNABLE:
+                continue
+            for command in code.replace("\\\n", " ").splitlines():
+                if "torchrun" not in command or "-m logitlab" not in command:
+                    continue
+                words = shlex.split(command.split("#")[0])
+                args = words[words.index("logitlab", words.index("-m")) + 1:]
+                args = ["x" if _SHELL_VALUE.fullmatch(a) else a for a in args if not _SHELL_ARRAY.fullmatch(a)]
+                found.append((f"{page.relative_to(ROOT)}:{line}", args))
+    return found
+
+
+def test_torchrun_commands_shown_but_not_run_use_flags_that_exist():
+    """A job script that is only shown must still be one that runs: its flags parse (the SLURM
+    script's --dist-timeout once named a flag that did not exist)."""
+    from logitlab.cli.main import build_parser
+
+    commands = shown_torchrun_commands()
+    assert any("--dist-timeout" in args for _, args in commands), commands   # distributed.md's SLURM script
+    for where, args in commands:
+        try:
+            build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{where}: `logitlab {' '.join(args)}` does not parse", pytrace=False)

@@ -55,7 +55,7 @@ def test_preset_facts():
     small = get_preset("small")
     assert (small.d_model, small.n_layers, small.n_heads, small.n_kv_heads, small.d_ff, small.vocab_size) == \
         (384, 6, 6, 2, 1024, 8192)
-    with pytest.raises(ValueError, match="unknown preset 'llama5'.*gpt2"):
+    with pytest.raises(ValueError, match=r"unknown preset 'llama5'; did you mean llama3-8b\?"):
         get_preset("llama5")
 
 

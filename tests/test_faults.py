@@ -137,7 +137,7 @@ def test_convert_and_save_pretrained_never_delete_unrelated_files(run, tmp_path,
     target = tmp_path / "target"
     target.mkdir()
     (target / "data.csv").write_text("a,b\n")
-    err = cli_error(capsys, ["convert", "--to-hf", str(run), "--out", str(target)])
+    err = cli_error(capsys, ["convert", str(run), "--out", str(target)])
     assert "data.csv" in err
     model, tok = ck.load_for_inference(run)
     with pytest.raises(ValueError, match="not written by logitlab"):
@@ -146,16 +146,16 @@ def test_convert_and_save_pretrained_never_delete_unrelated_files(run, tmp_path,
         hf.save_pretrained(model, target)
     hf_dir = tmp_path / "hf"
     hf.save_pretrained(model, hf_dir, tok)
-    err = cli_error(capsys, ["convert", "--hf", str(hf_dir), "--out", str(target)])
+    err = cli_error(capsys, ["convert", str(hf_dir), "--out", str(target)])
     assert "data.csv" in err
-    err = cli_error(capsys, ["convert", "--hf", str(hf_dir), "--out", str(hf_dir)])
+    err = cli_error(capsys, ["convert", str(hf_dir), "--out", str(hf_dir)])
     assert "is the source" in err
     assert os.listdir(target) == ["data.csv"] and (target / "data.csv").read_text() == "a,b\n"
     # our own logitlab directory is replaced with --overwrite only
     native = tmp_path / "native"
-    assert main(["convert", "--hf", str(hf_dir), "--out", str(native)]) == 0
-    cli_error(capsys, ["convert", "--hf", str(hf_dir), "--out", str(native)])
-    assert main(["convert", "--hf", str(hf_dir), "--out", str(native), "--overwrite"]) == 0
+    assert main(["convert", str(hf_dir), "--out", str(native)]) == 0
+    cli_error(capsys, ["convert", str(hf_dir), "--out", str(native)])
+    assert main(["convert", str(hf_dir), "--out", str(native), "--overwrite"]) == 0
 
 
 def test_prepare_refuses_a_file_and_a_foreign_directory(tmp_path, capsys):
@@ -333,6 +333,7 @@ def test_a_second_writer_is_refused_and_a_killed_writers_lock_is_taken_over(corp
     assert result.stopped == "done" and not (out / files.LOCK_FILE).exists()
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_and_pruning_leaves_only_complete_checkpoints(corpus, tmp_path):
     out = tmp_path / "run"
     seen_deleting = False
@@ -480,6 +481,7 @@ def test_resume_refuses_conflicting_flags_and_names_them(run, tmp_path, capsys):
     assert ck.read_state(ck.latest_checkpoint(copy))["step"] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_run_stopped_by_a_signal_saves_and_exits_128_plus_the_signal(tmp_path, sig, code):
     (tmp_path / "docs").mkdir()

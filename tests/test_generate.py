@@ -262,6 +262,7 @@ def test_stream_yields_the_same_ids_and_fills_the_result(model):
     assert r.decode_tokens_per_second > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isolate", [True, False], ids=["isolated", "guarded"])
 def test_compiled_decode_step_is_one_graph_with_the_same_tokens(model, monkeypatch, isolate):
     """aot_eager traces exactly what inductor compiles (fullgraph: a graph break would raise),
@@ -330,6 +331,7 @@ def _count_step_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_compiled_greedy_and_trusted_steps_follow_new_batch_sizes_and_dtypes(model, monkeypatch):
     """generate with a compiled step skips dynamo's guards from the third decode step on. Each call
     starts guarded, so a new batch size, padding, a one-token prompt (dynamo specialises a
@@ -427,6 +429,7 @@ def test_compiled_step_traces_module_floats_as_constants(model):
     assert attempts(CompiledStep) == 1
 
 
+@pytest.mark.slow
 def test_decode_autotune_pins_the_template_for_bf16_and_times_on_request(model):
     """autotune None: the C++ GEMM template untimed ("template") for a frozen bf16 step; True /
     "timed": every candidate timed; False: aten's products; the choice filter acts only while a
@@ -709,7 +712,7 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
     from logitlab.io.hf import load_pretrained
     from logitlab.tokenizer.core import Tokenizer
 
-    out = _cli_json(capsys, ["generate", "--hf", str(hf_dir), "Hello, world", "--temperature", "0",
+    out = _cli_json(capsys, ["generate", str(hf_dir), "Hello, world", "--temperature", "0",
                              "--max-new-tokens", "12", "--json"])
     model = load_pretrained(hf_dir)
     tok = Tokenizer.from_hf(hf_dir / "tokenizer.json")
@@ -720,7 +723,7 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
     assert out["stop_reason"] in ("max_new_tokens", "eot") and out["decode_tokens_per_second"] > 0
     # ASCII only (bytes 128-255 banned), then a stop string from the middle: the text ends before it
     ascii_only = ["--banned-ids", ",".join(str(i) for i in range(128, 256))]
-    base = ["generate", "--hf", str(hf_dir), "Hello, world", "--temperature", "0", "--max-new-tokens", "12",
+    base = ["generate", str(hf_dir), "Hello, world", "--temperature", "0", "--max-new-tokens", "12",
             "--json"] + ascii_only
     text = _cli_json(capsys, base)["text"]
     stop = text[len(text) // 2:len(text) // 2 + 3]
@@ -730,9 +733,9 @@ def test_cli_generate_streams_and_stops(hf_dir, capsys):
     out3 = _cli_json(capsys, base + ["--logit-bias", f"{tok.eot_id}=100"])
     assert out3["stop_reason"] == "eot" and out3["ids"] == [tok.eot_id] and out3["text"] == ""
     # an empty prompt starts from end-of-text
-    assert _cli_json(capsys, base[:3] + [""] + base[4:])["prompt_ids"] == [tok.eot_id]
+    assert _cli_json(capsys, base[:2] + [""] + base[3:])["prompt_ids"] == [tok.eot_id]
     # streaming mode prints the prompt, the text and the timings line
-    assert main(["generate", "--hf", str(hf_dir), "Hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    assert main(["generate", str(hf_dir), "Hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
     printed = capsys.readouterr()  # the text on stdout, the timings line on stderr
     assert printed.out.startswith("Hi") and "tok/s" in printed.err and "stop: max_new_tokens" in printed.err
 
@@ -748,18 +751,19 @@ def test_cli_checkpoint_dir_and_chat(hf_dir, tmp_path, capsys, monkeypatch):
     checkpoint.save_model(load_pretrained(hf_dir), d)
     small_tokenizer().save(d / checkpoint.TOKENIZER_FILE)
     argv = ["Hello, world", "--temperature", "0", "--max-new-tokens", "6", "--json"]
-    a = _cli_json(capsys, ["generate", "--checkpoint", str(d)] + argv)
-    b = _cli_json(capsys, ["generate", "--hf", str(hf_dir)] + argv)
+    a = _cli_json(capsys, ["generate", str(d)] + argv)
+    b = _cli_json(capsys, ["generate", str(hf_dir)] + argv)
     assert a["ids"] == b["ids"]
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n/reset\nAgain\n"))
-    assert main(["chat", "--checkpoint", str(d), "--max-new-tokens", "5", "--seed", "0"]) == 0
+    assert main(["chat", str(d), "--max-new-tokens", "5", "--seed", "0"]) == 0
     out = capsys.readouterr().out
     assert out.count("you> ") == 4 and out.count("tok/s") == 2
-    assert main(["generate", "--hf", str(tmp_path), "x"]) == 2  # no model there: a clean error
+    assert main(["generate", str(tmp_path), "x"]) == 2  # no model there: a clean error
 
 
 def test_stream_text_holds_back_split_characters_and_stop_strings():
-    from logitlab.cli.generate import StopHoldBack, stream_text
+    from logitlab.cli.generate import stream_text
+    from logitlab.generate.stops import StopHoldBack
 
     tok = small_tokenizer()
     ids = tok.encode("héllo wörld")
@@ -784,7 +788,7 @@ def test_cli_hf_dir_with_gpt2_vocab_files(tmp_path, gpt2_files, capsys):
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     for f in gpt2_files:
         shutil.copy(f, tmp_path / f.name)
-    out = _cli_json(capsys, ["generate", "--hf", str(tmp_path), "Hello, world", "--temperature", "0",
+    out = _cli_json(capsys, ["generate", str(tmp_path), "Hello, world", "--temperature", "0",
                              "--max-new-tokens", "3", "--json"])
     assert out["prompt_ids"] == [15496, 11, 995]  # GPT-2's own ids for "Hello, world"
     assert len(out["ids"]) <= 3
@@ -801,13 +805,13 @@ def test_cli_hf_dir_with_gpt2_vocab_files(tmp_path, gpt2_files, capsys):
 def test_cli_refuses_non_finite_sampling_controls(hf_dir, capsys, flags, named):
     from logitlab.cli.main import main
 
-    assert main(["generate", "--hf", str(hf_dir), "Hello", "--json"] + flags) == 2
+    assert main(["generate", str(hf_dir), "Hello", "--json"] + flags) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and f"error: {named}" in " ".join(captured.err.split())
 
 
 def test_cli_tiny_temperature_is_greedy(hf_dir, capsys):
-    base = ["generate", "--hf", str(hf_dir), "Hello, world", "--max-new-tokens", "6", "--json", "--temperature"]
+    base = ["generate", str(hf_dir), "Hello, world", "--max-new-tokens", "6", "--json", "--temperature"]
     assert _cli_json(capsys, base + ["1e-40"])["ids"] == _cli_json(capsys, base + ["0"])["ids"]
 
 
@@ -829,13 +833,13 @@ def test_cli_generate_and_chat_stop_with_one_error_line_on_non_finite_logits(tmp
     checkpoint.save_model(model, d)
     tok.save(d / checkpoint.TOKENIZER_FILE)
     for argv in (["Hello"], ["Hello", "--json"], ["Hello", "--temperature", "0"]):
-        assert main(["generate", "--checkpoint", str(d), "--max-new-tokens", "4"] + argv) == 2
+        assert main(["generate", str(d), "--max-new-tokens", "4"] + argv) == 2
         captured = capsys.readouterr()
         err = " ".join(captured.err.split())
         assert captured.out in ("", "Hello\n") and captured.err.count("error:") == 1
         assert "cannot choose the next token at step 0 (new token 1) of batch row 0: the model's logits" in err
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
-    assert main(["chat", "--checkpoint", str(d), "--max-new-tokens", "4"]) == 2
+    assert main(["chat", str(d), "--max-new-tokens", "4"]) == 2
     assert "the model's logits contain" in " ".join(capsys.readouterr().err.split())
 
 
@@ -848,7 +852,7 @@ def test_cli_ordinary_keeps_special_token_text_as_text(hf_dir, capsys, monkeypat
 
     tok = Tokenizer.from_hf(hf_dir / "tokenizer.json")
     prompt = "Hello<|endoftext|>world"
-    base = ["generate", "--hf", str(hf_dir), prompt, "--temperature", "0", "--max-new-tokens", "2", "--json"]
+    base = ["generate", str(hf_dir), prompt, "--temperature", "0", "--max-new-tokens", "2", "--json"]
     parsed = _cli_json(capsys, base)["prompt_ids"]
     assert parsed == tok.encode(prompt) and tok.eot_id in parsed  # the default: special tokens parsed
     plain = _cli_json(capsys, base + ["--ordinary"])["prompt_ids"]
@@ -863,7 +867,7 @@ def test_cli_ordinary_keeps_special_token_text_as_text(hf_dir, capsys, monkeypat
     monkeypatch.setattr(gen, "stream", recording)
     for flags in ([], ["--ordinary"], ["--no-ordinary"]):
         monkeypatch.setattr("sys.stdin", io.StringIO(prompt + "\n"))
-        assert main(["chat", "--hf", str(hf_dir), "--max-new-tokens", "2", "--seed", "0"] + flags) == 0
+        assert main(["chat", str(hf_dir), "--max-new-tokens", "2", "--seed", "0"] + flags) == 0
     assert [tok.eot_id in ids for ids in prompts] == [False, False, True]
 
 
@@ -897,7 +901,7 @@ def test_generation_does_not_change_the_model_it_is_given(model):
 def test_cli_generate_footer_goes_to_stderr_and_explains_the_first_token(hf_dir, capsys):
     from logitlab.cli.main import main
 
-    assert main(["generate", "--hf", str(hf_dir), "Hello, world", "--max-new-tokens", "5", "--seed", "0",
+    assert main(["generate", str(hf_dir), "Hello, world", "--max-new-tokens", "5", "--seed", "0",
                  "--logit-bias", f"{small_tokenizer().eot_id}=-inf"]) == 0
     captured = capsys.readouterr()
     assert "tok/s" not in captured.out and "prefill" not in captured.out  # `> out.txt` holds only the text
@@ -914,15 +918,15 @@ def test_cli_stop_ids_do_not_swallow_the_prompt(hf_dir, capsys):
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["generate", "--hf", "d", "--stop-ids", "10", "def parse("])
+    args = parser.parse_args(["generate", "d", "--stop-ids", "10", "def parse("])
     assert args.prompt == "def parse(" and sample_config(args).stop_ids == (10,)
-    args = parser.parse_args(["generate", "--hf", "d", "--stop-ids", "10,13", "--stop-ids", "7", "x"])
+    args = parser.parse_args(["generate", "d", "--stop-ids", "10,13", "--stop-ids", "7", "x"])
     assert args.prompt == "x" and sample_config(args).stop_ids == (10, 13, 7)
-    out = _cli_json(capsys, ["generate", "--hf", str(hf_dir), "--stop-ids", "10", "Hello", "--temperature",
+    out = _cli_json(capsys, ["generate", str(hf_dir), "--stop-ids", "10", "Hello", "--temperature",
                              "0", "--max-new-tokens", "3", "--json"])
     assert out["prompt"] == "Hello"
     with pytest.raises(SystemExit):
-        parser.parse_args(["generate", "--hf", "d", "--stop-ids", "ten", "x"])
+        parser.parse_args(["generate", "d", "--stop-ids", "ten", "x"])
     assert "argument --stop-ids: must be token ids separated by commas" in capsys.readouterr().err
 
 
@@ -930,7 +934,7 @@ def test_cli_prompt_escapes_like_stop(hf_dir, capsys):
     from logitlab.cli.generate import _unescape
 
     assert _unescape(r"a\nb\tc\\n") == "a\nb\tc\\n"
-    out = _cli_json(capsys, ["generate", "--hf", str(hf_dir), r"Hello\nworld", "--temperature", "0",
+    out = _cli_json(capsys, ["generate", str(hf_dir), r"Hello\nworld", "--temperature", "0",
                              "--max-new-tokens", "2", "--json"])
     assert out["prompt"] == "Hello\nworld" and out["prompt_ids"] == small_tokenizer().encode("Hello\nworld")
 

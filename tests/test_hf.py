@@ -230,6 +230,7 @@ def big_hf_dir(tmp_path_factory):
 
 @pytest.mark.skipif(not __import__("os").access("/proc/self/clear_refs", __import__("os").W_OK),
                     reason="needs Linux /proc/self/clear_refs to reset the peak resident memory")
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, bound", [("none", 1.2), ("bf16", 0.75)])
 def test_load_streams_tensor_by_tensor(big_hf_dir, dtype, bound):
     """The peak resident memory of loading, in a fresh process, stays near the loaded model's own
@@ -317,14 +318,14 @@ def test_logitlab_dir_and_dtype(tmp_path):
 
 def test_cli_convert_both_ways(hf_dirs, tmp_path, capsys):
     _, d = hf_dirs["llama-gqa-rope-scaling"]
-    assert main(["convert", "--hf", str(d), "--out", str(tmp_path / "ll"), "--verify"]) == 0
+    assert main(["convert", str(d), "--out", str(tmp_path / "ll"), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "block 1 + final norm" in out and "logits" in out and "OK" in out
     assert checkpoint.is_logitlab_dir(tmp_path / "ll")
     back = str(tmp_path / "back")
-    assert main(["convert", "--to-hf", str(tmp_path / "ll"), "--out", back, "--verify"]) == 0
+    assert main(["convert", str(tmp_path / "ll"), "--out", back, "--verify"]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
-    assert main(["convert", "--to-hf", str(tmp_path / "ll")]) == 2   # --out missing
+    assert main(["convert", str(tmp_path / "ll")]) == 2   # --out missing
     assert "--out" in capsys.readouterr().err
 
 
@@ -340,11 +341,11 @@ def test_cli_convert_carries_the_tokenizer(tmp_path):
     with checkpoint.atomic_directory(model_dir) as tmp:
         checkpoint.write_model_files(Transformer(cfg), tmp)
         tok.save(tmp / checkpoint.TOKENIZER_FILE)
-    assert main(["convert", "--to-hf", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["convert", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
     theirs = pytest.importorskip("tokenizers").Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
     text = "the theme there"
     assert theirs.encode(text).ids == tok.encode(text)
-    assert main(["convert", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
     back = Tokenizer.load(tmp_path / "back" / checkpoint.TOKENIZER_FILE)
     assert back.encode(text) == tok.encode(text) and back.fingerprint() == tok.fingerprint()
 

@@ -196,6 +196,18 @@ def test_partial_rotary_turns_only_the_first_dimensions():
         _config(partial_rotary_factor=0.0)
 
 
+def test_partial_rotary_traces_as_one_graph():
+    """torch.compile(fullgraph=True) of a partial rotation (`train --compile` of a Qwen3.5 model):
+    the pass-through part is cast without a call dynamo cannot put in a graph (torch.result_type)."""
+    from logitlab.model.rope import RotaryEmbedding, apply_rope
+
+    rope = RotaryEmbedding(4, 16, 10000.0)
+    x = torch.randn(1, 6, 2, 16)
+    cos, sin = rope(torch.arange(6)[None])
+    compiled = torch.compile(apply_rope, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, cos, sin), apply_rope(x, cos, sin), rtol=0, atol=0)
+
+
 def test_config_checks_name_the_field():
     with pytest.raises(ValueError, match="layer_types has 3 entries but n_layers is 4"):
         _config(layer_types=("full_attention",) * 2 + ("linear_attention",))
@@ -497,15 +509,15 @@ def test_inspect_shows_sinks_and_the_linear_state(tmp_path, capsys):
     save_model(Transformer(cfg), tmp_path / "m")
     tok.save(tmp_path / "m" / TOKENIZER_FILE)
     text = "def f(x):\\n    return x"
-    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), text, "--sinks", "2", "--linear"]) == 0
+    assert main(["inspect", str(tmp_path / "m"), text, "--sinks", "2", "--linear"]) == 0
     out = capsys.readouterr().out
     assert "on positions 0..1" in out and "Gated DeltaNet layer 0" in out and "decay exp(g)" in out
-    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), text, "--sinks", "--linear", "--json"]) == 0
+    assert main(["inspect", str(tmp_path / "m"), text, "--sinks", "--linear", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [s["layer"] for s in report["sinks"]] == [1, 3] and report["sinks"][0]["k"] == 4
     assert [t["layer"] for t in report["linear"]] == [0, 2]
     plain = _config(vocab_size=tok.vocab_size)
     save_model(Transformer(plain), tmp_path / "p")
     tok.save(tmp_path / "p" / TOKENIZER_FILE)
-    assert main(["inspect", "--checkpoint", str(tmp_path / "p"), text, "--linear"]) == 2
+    assert main(["inspect", str(tmp_path / "p"), text, "--linear"]) == 2
     assert "no Gated DeltaNet" in capsys.readouterr().err

@@ -137,7 +137,7 @@ def test_cli_inspect_json(tmp_path, capsys):
     d = tmp_path / "m"
     checkpoint.save_model(model, d)
     tok.save(d / checkpoint.TOKENIZER_FILE)
-    assert main(["inspect", "--checkpoint", str(d), "The cat sat", "--lens", "--neighbours", " cat",
+    assert main(["inspect", str(d), "The cat sat", "--lens", "--neighbours", " cat",
                  "--top-k", "3", "--rows", "5", "--json", "--bos"]) == 0
     out = json.loads(capsys.readouterr().out)
     ids = [tok.eot_id] + tok.encode("The cat sat")
@@ -145,8 +145,8 @@ def test_cli_inspect_json(tmp_path, capsys):
     assert [r["id"] for r in out["surprisal"]["tokens"]] == ids and out["surprisal"]["scored"] == len(ids) - 1
     assert len(out["next"]["before"]) == 5 and len(out["next"]["after"]) == 3
     assert len(out["lens"]) == 3 and out["neighbours"]["id"] == tok.encode(" cat")[0]
-    assert main(["inspect", "--checkpoint", str(d), "The cat", "--neighbours", "two tokens"]) == 2
-    assert main(["inspect", "--checkpoint", str(d), "The cat", "--lens"]) == 0
+    assert main(["inspect", str(d), "The cat", "--neighbours", "two tokens"]) == 2
+    assert main(["inspect", str(d), "The cat", "--lens"]) == 0
     assert "logit lens" in capsys.readouterr().out
 
 
@@ -188,7 +188,7 @@ def test_cli_inspect_refuses_bad_numbers_naming_the_flag(flags, capsys):
     from logitlab.cli.main import main
 
     with pytest.raises(SystemExit) as exit:  # argparse: usage and the error, before loading anything
-        main(["inspect", "--checkpoint", "not-loaded", "text"] + flags)
+        main(["inspect", "not-loaded", "text"] + flags)
     assert exit.value.code == 2
     assert f"argument {flags[0]}: must be " in capsys.readouterr().err
 
@@ -201,7 +201,7 @@ def test_cli_inspect_ordinary(tmp_path, capsys):
     d, tok = _checkpoint(tmp_path)
     text = "The<|endoftext|>cat"
     for flags, ids in (([], tok.encode(text)), (["--ordinary"], tok.encode_ordinary(text))):
-        assert main(["inspect", "--checkpoint", str(d), text, "--json"] + flags) == 0
+        assert main(["inspect", str(d), text, "--json"] + flags) == 0
         assert json.loads(capsys.readouterr().out)["ids"] == ids
     assert tok.eot_id in tok.encode(text) and tok.eot_id not in tok.encode_ordinary(text)
 
@@ -212,18 +212,18 @@ def test_cli_inspect_columns_first_token_line_and_titles(tmp_path, capsys, monke
     from logitlab.cli.main import main
 
     d, tok = _checkpoint(tmp_path)
-    assert main(["inspect", "--checkpoint", str(d), "The cat sat", "--top-k", "2", "--json"]) == 0
+    assert main(["inspect", str(d), "The cat sat", "--top-k", "2", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["next"]["before"][0]
     assert {"logit", "model_probability", "sampler_probability"} <= set(row)
     monkeypatch.setenv("COLUMNS", "60")  # narrow: titles are lines of their own, never wrapped into a table
-    assert main(["inspect", "--checkpoint", str(d), "The cat sat", "--top-k", "2", "--lens"]) == 0
+    assert main(["inspect", str(d), "The cat sat", "--top-k", "2", "--lens"]) == 0
     out = capsys.readouterr().out
     for column in ("logit", "model: softmax(logits)", "sampler: what is drawn from"):
         assert column in out
     assert "next token after position 7, ranked by the model (sampler: temperature=1.0 top-k=2" in \
         " ".join(out.split())
     assert "token 0 is not scored" in out and "--bos" in out
-    assert main(["inspect", "--checkpoint", str(d), "The cat", "--bos"]) == 0
+    assert main(["inspect", str(d), "The cat", "--bos"]) == 0
     assert "added by --bos" in capsys.readouterr().out
 
 
@@ -233,5 +233,5 @@ def test_cli_inspect_text_escapes(tmp_path, capsys):
     from logitlab.cli.main import main
 
     d, tok = _checkpoint(tmp_path)
-    assert main(["inspect", "--checkpoint", str(d), r"a\nb", "--json"]) == 0
+    assert main(["inspect", str(d), r"a\nb", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ids"] == tok.encode("a\nb")

@@ -40,7 +40,7 @@ def tokenizer() -> Tokenizer:
 
 
 def model_dir(path: Path) -> Path:
-    """A logitlab model directory with its tokenizer (what `generate --checkpoint` reads)."""
+    """A logitlab model directory with its tokenizer (what `generate MODEL` reads)."""
     ck.save_model(tiny(), path)
     tokenizer().save(path / ck.TOKENIZER_FILE)
     return path
@@ -81,7 +81,7 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
 
 
 def generate(kind: str, d: Path) -> tuple[str, ...]:
-    return ("generate", f"--{kind}", str(d), "hi", "--max-new-tokens", "1")
+    return ("generate", str(d), "hi", "--max-new-tokens", "1")
 
 
 def test_a_good_model_dir_still_generates(tmp_path, capsys):
@@ -139,7 +139,7 @@ def test_config_model_that_is_not_an_object_is_named(tmp_path, capsys, monkeypat
 def test_params_and_inspect_name_the_bad_field_too(tmp_path, capsys, monkeypatch):
     d = model_dir(tmp_path / "m")
     edit_json(d / ck.CONFIG_FILE, lambda p: p["model"].__setitem__("qk_norm", "false"))
-    for argv in (("params", str(d)), ("inspect", "--checkpoint", str(d), "hi")):
+    for argv in (("params", str(d)), ("inspect", str(d), "hi")):
         assert "qk_norm: expected true or false" in cli_error(capsys, monkeypatch, *argv)
 
 
@@ -201,7 +201,7 @@ def test_hf_config_key_of_the_wrong_type_is_named(tmp_path, capsys, monkeypatch,
         hf.load_pretrained(d)
     assert message in str(info.value)
     assert message in cli_error(capsys, monkeypatch, *generate("hf", d))
-    assert message in cli_error(capsys, monkeypatch, "convert", "--hf", str(d))
+    assert message in cli_error(capsys, monkeypatch, "convert", str(d))
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"LlamaForCausalLM"', "null"])
@@ -305,7 +305,7 @@ def test_corrupt_model_safetensors_is_named(tmp_path, capsys, monkeypatch, how):
             read(c)
         assert message in str(info.value)
     assert message in cli_error(capsys, monkeypatch, *generate("checkpoint", tmp_path / "run"))
-    assert message in cli_error(capsys, monkeypatch, "convert", "--to-hf", str(c), "--out", str(tmp_path / "x"))
+    assert message in cli_error(capsys, monkeypatch, "convert", str(c), "--out", str(tmp_path / "x"))
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -318,7 +318,7 @@ def test_corrupt_hf_safetensors_is_named(tmp_path, capsys, monkeypatch, how, sha
             read(d)
         assert message in str(info.value)
     assert message in cli_error(capsys, monkeypatch, *generate("hf", d))
-    assert message in cli_error(capsys, monkeypatch, "convert", "--hf", str(d))
+    assert message in cli_error(capsys, monkeypatch, "convert", str(d))
 
 
 class _CutShort:
@@ -384,7 +384,7 @@ def test_hf_bin_that_would_run_code_is_refused_by_name(tmp_path, capfd, monkeypa
     for read in (hf.load_pretrained, hf.read_hf_weights):
         with pytest.raises(ValueError, match="refusing to unpickle code"):
             read(d)
-    assert message in cli_error(capfd, monkeypatch, "convert", "--hf", str(d))
+    assert message in cli_error(capfd, monkeypatch, "convert", str(d))
     assert "pwned" not in capfd.readouterr().out
 
 

@@ -164,13 +164,14 @@ def test_recipe_model_trains_forward_and_backward_compiled_equals_eager():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_params_shows_the_value_embeddings_row(tmp_path, capsys):
+def test_params_shows_the_value_embeddings_row(tmp_path, capsys, monkeypatch):
     import json
 
     from logitlab import cli
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(ModelConfig(**{**BASE, "value_embeddings": "alternate"}).to_dict()))
+    monkeypatch.setenv("COLUMNS", "200")                                    # the row's label on one line
     assert cli.main(["params", str(path)]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "value embeddings" in line)

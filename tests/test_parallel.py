@@ -95,6 +95,7 @@ def _close(a: list[float], b: list[float], tol: float = TOL) -> None:
     assert max(diffs) <= tol, f"max difference {max(diffs):.3g} > {tol}: {a} vs {b}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process_with_twice_the_batch(runs, mode):
     ref = runs["none"]
@@ -219,6 +220,8 @@ def test_silent_rank_makes_the_survivor_give_up_after_the_timeout(tmp_path):
     procs, code, err = _run_pair(tmp_path, "hang", timeout_s=10, deadline_s=_dist.LAUNCH_TIMEOUT_S)
     assert code != 0 and "RankFailureError: rank 0 of 2" in err and "10 s timeout" in err, err[-2000:]
     assert "Timed out" in err
+    assert "a collective operation failed (all_reduce, called from _dist_worker.py:" in err, err[-2000:]
+    assert " in hang, called from _dist_worker.py:" in err   # the collective and the lines that entered it
 
 
 def test_teardown_check_sees_threads_left_running():
@@ -367,3 +370,46 @@ def test_rank_failure_guard_converts_backend_errors_only():
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
         with parallel.rank_failure_guard(parallel.DistInfo()):
             raise RuntimeError("shape mismatch")
+
+
+def test_rank_failure_names_the_collective_and_the_line_that_called_it():
+    """A timed-out collective names itself and the caller's line, from the traceback: the
+    innermost torch.distributed function and the innermost frame outside torch before it."""
+    import os
+
+    fake_c10d = os.path.join(os.sep, "site-packages", "torch", "distributed", "distributed_c10d.py")
+    namespace = {"DistBackendError": torch.distributed.DistBackendError}
+    exec(compile("def all_reduce(tensor):\n    raise DistBackendError('Timed out waiting 10000ms for recv')\n",
+                 fake_c10d, "exec"), namespace)
+
+    def evaluate():
+        namespace["all_reduce"](torch.ones(()))
+
+    with pytest.raises(parallel.RankFailureError, match=r"rank 0 of 1: a collective operation failed \(all_reduce, "
+                       r"called from test_parallel\.py:\d+ in evaluate, called from test_parallel\.py:\d+ in "
+                       r"test_rank_failure_names_the_collective_and_the_line_that_called_it\), so another rank .* "
+                       r"Timed out waiting"):
+        with parallel.rank_failure_guard(parallel.DistInfo()):
+            evaluate()
+    try:
+        raise torch.distributed.DistBackendError("Connection closed by peer")
+    except torch.distributed.DistBackendError as exc:
+        assert parallel.setup.failed_collective(exc) is None      # raised outside torch.distributed: no name
+
+
+def test_a_rank_sees_its_launcher_die_by_its_parent_process_id(monkeypatch):
+    """An orphan is adopted (its parent id changes); only ranks that torchrun started watch for it,
+    so a plain process whose shell exits (nohup) goes on."""
+    from logitlab.parallel import setup
+    from logitlab.train.hooks import ParallelHooks
+    from logitlab.train.layouts import _watching
+
+    monkeypatch.setitem(setup._STATE, "parent", 4242)
+    monkeypatch.setattr(setup.os, "getppid", lambda: 4242)
+    assert not setup.launcher_gone()
+    monkeypatch.setattr(setup.os, "getppid", lambda: 1)          # adopted by init: the launcher is gone
+    assert setup.launcher_gone()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not setup.launched_by_torchrun() and _watching(ParallelHooks()).launcher_gone is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert _watching(ParallelHooks()).launcher_gone is setup.launcher_gone

@@ -9,6 +9,7 @@ torchrun launches with 2 CPU ranks (gloo) are marked slow.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -191,7 +192,7 @@ def test_sharded_checkpoint_exports_and_generates(tp_run, reference, tmp_path, c
     worst = max(float((exported[k].float() - one[k].float()).abs().max()) for k in one)
     assert worst <= 1e-4, worst                                          # 6 AdamW steps of the same run
     capsys.readouterr()
-    assert cli_main(["generate", "--hf", str(hf), "the quick", "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert cli_main(["generate", str(hf), "the quick", "--max-new-tokens", "4", "--seed", "0"]) == 0
     assert capsys.readouterr().out.strip()
 
 
@@ -218,16 +219,23 @@ def test_a_stop_that_reached_another_rank_stops_this_one_after_the_same_step(cor
     hooks = sharded_hooks(config)
     seen = []
 
-    def agree(signalled: bool, out_of_time: bool) -> tuple[bool, bool]:
-        seen.append((signalled, out_of_time))
-        return signalled or len(seen) == 2, out_of_time    # another rank was signalled during step 2
+    def agree(signalled: bool, orphaned: bool, out_of_time: bool) -> tuple[bool, bool, bool]:
+        seen.append((signalled, orphaned, out_of_time))
+        return signalled or len(seen) == 2, orphaned, out_of_time    # another rank was signalled during step 2
 
     hooks.agree = agree
     torch_model = Transformer(ModelConfig(vocab_size=264, context_length=16, d_model=32, n_layers=1, n_heads=4,
                                           n_kv_heads=2, dropout=0.0))
     result = train(torch_model, config, parallel=hooks)
-    assert (result.stopped, result.step, seen) == ("signal", 2, [(False, False), (False, False)])
+    assert (result.stopped, result.step, seen) == ("signal", 2, [(False, False, False)] * 2)
     assert result.checkpoint.name == "dcp-000002" and result.val_loss is not None
+    # the launcher seen dead by this rank after step 3: every rank is told (agree), stops there and saves
+    hooks, seen = sharded_hooks(dataclasses.replace(config, out_dir=str(tmp_path / "orphan"))), []
+    hooks.launcher_gone = lambda: len(seen) == 2
+    hooks.agree = lambda *flags: seen.append(flags) or flags
+    result = train(torch_model, dataclasses.replace(config, out_dir=str(tmp_path / "orphan")), parallel=hooks)
+    assert (result.stopped, result.step, seen[-1]) == ("launcher", 3, (False, True, False))
+    assert result.checkpoint.name == "dcp-000003" and result.val_loss is not None
 
 
 def test_data_parallel_coordinates_follow_the_mesh_order():
@@ -283,15 +291,12 @@ def test_a_gathered_checkpoint_resumes_on_the_n_d_hooks(corpus, reference, tmp_p
 
 @pytest.mark.slow
 def test_a_gathered_checkpoint_resumes_on_tensor_parallel_ranks(reference, tmp_path):
-    """The plain loop's checkpoint continued by --tp 2. The resume check does not let a flag
-    change the layout yet, so the run's own run.json is given the layout (what that flag would do)."""
+    """The plain loop's checkpoint continued by `--resume RUN --tp 2`: a layout flag may change at
+    a resume."""
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     for ckpt in ("ckpt-000004", "ckpt-000006"):
         shutil.rmtree(run / ckpt)
-    saved = json.loads((run / "run.json").read_text())
-    saved["train"]["tp"] = 2
-    (run / "run.json").write_text(json.dumps(saved))
-    _torchrun_train("train", "--resume", str(run), "--progress", "false")
+    _torchrun_train("train", "--resume", str(run), "--tp", "2", "--progress", "false")
     _close(_losses(run), _losses(reference), range(1, STEPS + 1))
     assert json.loads((run / "dcp-000006" / "logitlab_dcp.json").read_text())["layout"]["tp"] == 2

@@ -17,9 +17,9 @@ import _dist
 import _dist_muon as muon_worker
 import _dist_worker as worker
 import pytest
+from test_parallel import _prepare_corpus
 
 from logitlab import parallel
-from test_parallel import _prepare_corpus
 
 pytestmark = pytest.mark.slow
 LAYOUTS = ("ddp", "fsdp", "zero2")

@@ -80,6 +80,7 @@ def _kind(scenario: str) -> str:
     return nd.SCENARIOS[scenario.rpartition("-")[2].partition("-from-")[0]][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", DEFAULT_2)
 def test_two_ranks_match_one_process(two, reference, scenario):
     _matches(two[1][scenario], reference[_kind(scenario)])

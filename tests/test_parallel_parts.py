@@ -72,6 +72,42 @@ def test_plan_product_is_checked_naming_the_flags():
         ParallelPlan(pp=2, pp_schedule="interleaved_1f1b")
 
 
+def test_training_flags_choose_the_data_parallel_method_and_the_virtual_stages():
+    """--parallel auto (the default): sharded data parallel as soon as the layout shards or cuts the
+    model, so parallelism.md's `--tp 2 --pp 2 --dp-shard 2` needs no second flag; interleaved 1F1B
+    gets 2 virtual stages unless told otherwise."""
+    from logitlab.train.config import TrainConfig
+
+    assert TrainConfig().parallel == "auto" and TrainConfig().parallel_plan().parallel == "ddp"
+    assert TrainConfig(dp_shard=2).data_parallel == "fsdp" and TrainConfig(dp_replicate=2).data_parallel == "fsdp"
+    three_d = TrainConfig(tp=2, pp=2, dp_shard=2).parallel_plan().resolve(8)
+    assert (three_d.shape, three_d.parallel) == ((2, 1, 2, 2), "fsdp")
+    assert TrainConfig(tp=2).parallel_plan().resolve(4).parallel == "fsdp"
+    assert TrainConfig(parallel="zero2", dp_shard=2).data_parallel == "zero2"   # a method named is kept
+    with pytest.raises(ValueError, match="plain data parallelism over every rank"):
+        TrainConfig(parallel="ddp", tp=2, pp=2, dp_shard=2).parallel_plan().resolve(8)
+    interleaved = TrainConfig(pp=2, pp_schedule="interleaved_1f1b").parallel_plan()
+    assert (interleaved.virtual_stages, interleaved.microbatches()) == (2, 8)
+    assert TrainConfig(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=3).parallel_plan().virtual_stages == 3
+    assert TrainConfig(pp=2).parallel_plan().virtual_stages == 1
+    with pytest.raises(ValueError, match=r"virtual_stages \(2\) must be >= 2 with pp_schedule interleaved_1f1b "
+                                         r"and 1 with '1f1b'"):
+        TrainConfig(pp=2, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"virtual_stages \(1\) must be >= 2"):
+        TrainConfig(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=1)
+    with pytest.raises(ValueError, match="dist_timeout must be > 0, got 0"):
+        TrainConfig(dist_timeout=0)
+    with pytest.raises(ValueError, match="parallel must be one of auto, none, ddp, zero1, zero2, fsdp, got 'hsdp'"):
+        TrainConfig(parallel="hsdp")
+    from logitlab.train.sharded_run import NDLayout
+
+    cfg = TrainConfig(batch_size=8, pp=2, pp_schedule="interleaved_1f1b")   # 8 micro-batches per replica
+    assert NDLayout(cfg, cfg.parallel_plan(), parallel.DistInfo(world_size=2)).plan.dp == 1
+    with pytest.raises(ValueError, match=r"--pp 2: each of the 2 data-parallel replicas gets 4 rows of --batch-size 8, "
+                                         r"which do not cut into 8 equal pipeline micro-batches .* multiple of 16"):
+        NDLayout(cfg, cfg.parallel_plan(), parallel.DistInfo(world_size=4))
+
+
 def _loss_and_grads(model, x):
     loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
     loss.backward()

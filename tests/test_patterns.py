@@ -124,12 +124,12 @@ def test_cli_attention_patterns_json_and_grid(checkpoint_dir, capsys):
     d, tok = checkpoint_dir
     text = "the cat the cat"
     ids = tok.encode(text)
-    assert main(["inspect", "--checkpoint", str(d), text, "--attention-patterns", "1", "--json"]) == 0
+    assert main(["inspect", str(d), text, "--attention-patterns", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)["patterns"]
     assert report["layer"] == 1 and report["heads"] == [0, 1, 2, 3]
     assert len(report["weights"]) == 4 and len(report["weights"][0]) == len(ids)
     assert len(report["induction"]) == 4 and len(report["previous_token"]) == 4
-    assert main(["inspect", "--checkpoint", str(d), text, "--attention-patterns", "0:2"]) == 0
+    assert main(["inspect", str(d), text, "--attention-patterns", "0:2"]) == 0
     out = capsys.readouterr().out
     assert "layer 0 head 2" in out and "layer 0 head 1" not in out and "induction" in out
     grid = [line for line in out.splitlines() if line.rstrip().endswith("|") and "|" in line]
@@ -138,7 +138,7 @@ def test_cli_attention_patterns_json_and_grid(checkpoint_dir, capsys):
     for bad, words in (("2", "no such layer"), ("0:9", "heads 0..3"), ("x", "LAYER or LAYER:HEAD")):
         code = None
         try:
-            code = main(["inspect", "--checkpoint", str(d), text, "--attention-patterns", bad])
+            code = main(["inspect", str(d), text, "--attention-patterns", bad])
         except SystemExit as exit_:
             code = exit_.code
         assert code == 2

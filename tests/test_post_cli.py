@@ -37,12 +37,12 @@ def base(tmp_path_factory):
 
 def test_add_special_then_sft_with_lora_then_diff(base, capsys):
     root = base
-    assert main(["tokenizer", "add-special", "--model", str(root / "base"), "--out", str(root / "chat")]) == 0
+    assert main(["tokenizer", "add-special", str(root / "base"), "--out", str(root / "chat")]) == 0
     assert "used padded rows" in capsys.readouterr().out
     model, tok = load_for_inference(root / "chat")
     assert tok.special_tokens["<|im_end|>"] == model.config.vocab_size - 1
     assert model.tok_emb.weight.shape[0] == 320
-    code = main(["sft", "--base", str(root / "chat"), "--data", str(root / "chats.jsonl"), "--out-dir",
+    code = main(["sft", str(root / "chat"), "--data", str(root / "chats.jsonl"), "--out",
                  str(root / "run"), "--steps", "3", "--batch-size", "2", "--eval-every", "3", "--device", "cpu",
                  "--lr", "1e-2", "--samples", "1", "--lora-targets", "q_proj,v_proj,o_proj", "--lora-r", "2",
                  "--tensorboard", "false", "--export-hf", str(root / "hf")])
@@ -65,22 +65,22 @@ def test_add_special_then_sft_with_lora_then_diff(base, capsys):
 def test_full_sft_from_the_command_line_moves_the_weights(base, capsys):
     root = base
     if not (root / "chat").exists():
-        main(["tokenizer", "add-special", "--model", str(root / "base"), "--out", str(root / "chat")])
-    code = main(["sft", "--base", str(root / "chat"), "--data", str(root / "chats.jsonl"), "--out-dir",
+        main(["tokenizer", "add-special", str(root / "base"), "--out", str(root / "chat")])
+    code = main(["sft", str(root / "chat"), "--data", str(root / "chats.jsonl"), "--out",
                  str(root / "full"), "--steps", "2", "--batch-size", "2", "--device", "cpu", "--samples", "0",
                  "--pack", "false", "--train-on", "last", "--tensorboard", "false"])
     assert code == 0
     before, _ = load_for_inference(root / "chat")
     after, _ = load_for_inference(root / "full")
     assert not torch.equal(before.blocks[0].mlp.down_proj.weight, after.blocks[0].mlp.down_proj.weight)
-    code = main(["sft", "--base", str(root / "chat"), "--data", str(root / "chats.jsonl"), "--out-dir",
+    code = main(["sft", str(root / "chat"), "--data", str(root / "chats.jsonl"), "--out",
                  str(root / "bad"), "--steps", "1", "--train-special-rows"])
     assert code == 2 and "--train-special-rows is for LoRA" in capsys.readouterr().err
 
 
 def test_add_special_refuses_both_sources(base, capsys):
     code = main(["tokenizer", "add-special", "--out", str(base / "x.json")])
-    assert code == 2 and "exactly one of --model" in capsys.readouterr().err
+    assert code == 2 and "exactly one of MODEL" in capsys.readouterr().err
     code = main(["tokenizer", "add-special", "--tokenizer", str(base / "base" / TOKENIZER_FILE),
                  "--tokens", "<|tool|>", "--chat-template", "chatml", "--out", str(base / "t.json")])
     assert code == 0
@@ -97,7 +97,7 @@ def test_chat_uses_the_template_and_stops_at_the_end_of_turn(base, capsys, monke
 
     root = base
     if not (root / "chat").exists():
-        main(["tokenizer", "add-special", "--model", str(root / "base"), "--out", str(root / "chat")])
+        main(["tokenizer", "add-special", str(root / "base"), "--out", str(root / "chat")])
     rendered = []
     real = chat.fit_history
 
@@ -107,7 +107,7 @@ def test_chat_uses_the_template_and_stops_at_the_end_of_turn(base, capsys, monke
 
     monkeypatch.setattr(chat, "fit_history", spy)
     monkeypatch.setattr("sys.stdin", io.StringIO("What does sort do?\n/reset\nAnd zip?\n"))
-    code = main(["chat", "--checkpoint", str(root / "chat"), "--max-new-tokens", "4", "--temperature", "0",
+    code = main(["chat", str(root / "chat"), "--max-new-tokens", "4", "--temperature", "0",
                  "--system", "Be brief."])
     out = capsys.readouterr().out
     assert code == 0 and "history cleared" in out

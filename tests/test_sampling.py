@@ -63,6 +63,16 @@ def test_a_temperature_below_float32s_smallest_normal_number_is_greedy():
     assert next_token(logits, SampleConfig(temperature=1e-40), make_generator(0)).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-30, 1e-7])
+def test_a_top_p_that_float32_rounds_to_zero_keeps_the_top_token(top_p):
+    """top_p = 1e-300 is 0 in float32: 'the mass before the top token (0) reaches p' dropped every
+    token. The limit of nucleus sampling as p -> 0 is the top token."""
+    cfg = SampleConfig(top_p=top_p, seed=0)
+    probs = process_logits(LOGITS, cfg)
+    assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    assert next_token(LOGITS, cfg, make_generator(0)).tolist() == [0]
+
+
 def test_a_small_temperature_does_not_overflow():
     """logits / T overflows for 50 / 1e-37; shifted by the row's max first it cannot."""
     logits = torch.tensor([[50.0, 40.0, -30.0], [-1.0, 7.0, 7.0]])

@@ -1,7 +1,8 @@
 """The explorer page in a real browser: headless Chromium through selenium loads the page from a
 uvicorn server, types text, and checks the token count and the top next token against the API; then
 moves the temperature slider and checks the distribution shown is the one generate.sampling
-computes. Screenshots go to tmp_path (or to $LOGITLAB_SCREENSHOTS when set). Skips, with the
+computes; and against a server with an API key, that the page sends the key given in its address
+(/#key=KEY) or its field. Screenshots go to tmp_path (or to $LOGITLAB_SCREENSHOTS when set). Skips, with the
 reason, where selenium, chromium or chromedriver is missing."""
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
 TEXT = "the other theme there"
 
 
+KEY = "sk-page-test"
+
+
+def _start(model, tok, api_key=None):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(model, tok, name="tiny", api_key=api_key), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}/"
+
+
 @pytest.fixture(scope="module")
 def site():
     vocab = {i: bytes([i]) for i in range(256)}
@@ -47,25 +65,18 @@ def site():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2,
                                     n_heads=4)).eval()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(model, tok, name="tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
+    server, thread, url = _start(model, tok)
+    keyed, keyed_thread, keyed_url = _start(model, tok, api_key=KEY)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,1800"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    yield dict(driver=driver, url=f"http://127.0.0.1:{port}/", model=model, tok=tok)
+    yield dict(driver=driver, url=url, keyed_url=keyed_url, model=model, tok=tok)
     driver.quit()
-    server.should_exit = True
-    thread.join(timeout=10)
+    for s, t in ((server, thread), (keyed, keyed_thread)):
+        s.should_exit = True
+        t.join(timeout=10)
 
 
 def _shot(driver, tmp_path: Path, name: str) -> None:
@@ -118,3 +129,28 @@ def test_the_page_shows_tokens_and_reshapes_the_distribution_as_the_sampler_does
     driver.find_elements(By.CSS_SELECTOR, "#tokens span")[1].click()                # the token " " (id 32)
     wait.until(lambda d: d.find_element(By.ID, "neighbours").text.startswith('" " (32):'))
     assert driver.find_element(By.ID, "next-title").text.startswith("next token after position 1 ")
+
+
+def test_the_page_sends_the_api_key_from_the_address_or_its_field(site, tmp_path):
+    driver, tok = site["driver"], site["tok"]
+    wait = WebDriverWait(driver, 30)
+    driver.get(site["keyed_url"])
+    driver.find_element(By.ID, "look").click()
+    wait.until(lambda d: "API key" in d.find_element(By.ID, "summary").text)
+    assert driver.find_element(By.ID, "summary").text.startswith("error: You didn't provide an API key")
+    driver.get("about:blank")
+    driver.get(site["keyed_url"] + "#key=" + KEY)
+    assert driver.find_element(By.ID, "api-key").get_attribute("value") == KEY
+    assert driver.execute_script("return location.hash") == ""            # taken out of the address bar
+    driver.find_element(By.ID, "look").click()
+    ids = tok.encode(driver.find_element(By.ID, "text").get_attribute("value"))
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tokens span")) == len(ids))
+    driver.find_element(By.ID, "generate").click()
+    wait.until(lambda d: d.find_element(By.ID, "generated").text.strip())
+    assert not driver.find_element(By.ID, "generated").text.startswith("error")
+    field = driver.find_element(By.ID, "api-key")
+    field.clear()
+    field.send_keys("wrong")
+    driver.find_element(By.ID, "look").click()
+    wait.until(lambda d: "Incorrect API key" in d.find_element(By.ID, "summary").text)
+    _shot(driver, tmp_path, "api-key")

@@ -1,6 +1,8 @@
 """The server on a real socket: uvicorn on a loopback port, driven by the official `openai` client
-(completions, chat, streaming, logprobs, errors) and by a raw streaming client that hangs up early,
-whose request must then leave the batch. Skips without openai or uvicorn."""
+(completions, chat, streaming, logprobs, errors, an API key right, wrong and missing) and by raw
+clients: one that hangs up early, whose request must then leave the batch, slow ones that never
+finish their headers (/health still answers), paths that climb out of the root (404), and 50 at
+once, each answered as if alone. Skips without openai or uvicorn."""
 
 from __future__ import annotations
 
@@ -35,13 +37,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+KEY = "sk-logitlab-test"
+
+
+def _serve(api_key: str | None = None):
+    """(uvicorn server, thread, model, tokenizer, app, port) for a tiny model on a loopback port."""
     tok = _tokenizer()
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=128, d_model=32, n_layers=2,
                                     n_heads=4, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)).eval()
-    app = create_app(model, tok, name="tiny")
+    app = create_app(model, tok, name="tiny", api_key=api_key)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -50,8 +55,14 @@ def server():
     while not srv.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert srv.started, "uvicorn did not start"
+    return srv, thread, model, tok, app, port
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, thread, model, tok, app, port = _serve()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield dict(client=client, model=model, tok=tok, app=app, url=f"http://127.0.0.1:{port}")
+    yield dict(client=client, model=model, tok=tok, app=app, url=f"http://127.0.0.1:{port}", port=port)
     srv.should_exit = True
     thread.join(timeout=10)
 
@@ -114,3 +125,72 @@ def test_a_client_that_hangs_up_frees_its_row(server):
     assert engine.stats["cancelled"] == before + 1 and engine.running == 0
     health = httpx.get(server["url"] + "/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
+
+
+def test_the_openai_client_with_the_right_key_a_wrong_key_and_none():
+    srv, thread, model, tok, app, port = _serve(api_key=KEY)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        right = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in right.models.list().data] == ["tiny"]
+        done = right.completions.create(model="tiny", prompt="the other", max_tokens=5, temperature=0)
+        assert done.choices[0].text == _greedy(model, tok, "the other", 5)
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key=KEY + "-not", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as caught:
+            wrong.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError, match="provide an API key"):  # the client sends no header
+            right.models.list(extra_headers={"Authorization": openai.Omit()})
+        bare = httpx.get(url + "/v1/models")
+        assert bare.status_code == 401 and bare.json()["error"]["type"] == "invalid_request_error"
+        assert httpx.get(url + "/health").json()["status"] == "ok" and httpx.get(url + "/").status_code == 200
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+def _raw_get(port: int, path: str) -> int:
+    """The status of GET `path` sent exactly as written (no client normalises it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        head = s.recv(4096).decode("latin-1")
+    return int(head.split(" ", 2)[1])
+
+
+def test_paths_that_climb_out_of_the_root_are_404(server):
+    for path in ("/../../../etc/passwd", "/static/../app.py", "/%2e%2e/%2e%2e/etc/passwd", "/..%2f..%2fapp.py",
+                 "/static/explorer.html", "//etc/passwd"):
+        assert _raw_get(server["port"], path) == 404, path
+    assert _raw_get(server["port"], "/") == 200
+
+
+def test_slow_clients_that_never_finish_their_headers_leave_health_answering(server):
+    slow = []
+    try:
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a")  # and never the rest
+            slow.append(s)
+        for _ in range(3):
+            assert httpx.get(server["url"] + "/health", timeout=30).json()["status"] == "ok"
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_fifty_concurrent_clients_each_get_their_answer_alone(server):
+    client, model, tok = server["client"], server["model"], server["tok"]
+    prompts = [f"the {'other ' * (i % 5)}{i}" for i in range(50)]
+    answers: dict[int, str] = {}
+
+    def ask(i):
+        answers[i] = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=4, temperature=0
+                                               ).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(answers) == 50
+    assert all(answers[i] == _greedy(model, tok, prompts[i], 4) for i in range(50))

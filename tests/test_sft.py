@@ -99,6 +99,13 @@ def test_reading_conversations_names_bad_lines(tmp_path):
     path.write_text('{"messages": [{"role": "user"}]}\n')
     with pytest.raises(ValueError, match=r"d.jsonl:1: message 0 needs string"):
         sft_data.read_conversations(path)
+    path.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": " ", "content": "b"}]}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:1: message 1 has an empty 'role'"):
+        sft_data.read_conversations(path)
+    good = json.dumps({"prompt": "a", "completion": "b"}).encode()
+    path.write_bytes(good + b"\n" + good.replace(b'"a"', b'"a\xff"') + b"\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not UTF-8 \(byte 0xff at column 14\)"):
+        sft_data.read_conversations(path)
 
 
 def write_data(path, n=40):

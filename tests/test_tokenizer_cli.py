@@ -100,13 +100,41 @@ def test_train_refuses_a_pattern_that_drops_text(corpus, tmp_path, capsys):
 
 
 def test_train_warns_when_the_corpus_runs_out_of_pairs(tmp_path, capsys):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("ab")
+    assert _train(tiny, tmp_path / "t.json") == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "warning: BPE training learned 1 of the 43 merges that vocab_size 300 asks for" in err
+    assert "the tokenizer has 258 ids, not 300" in err
+    assert Tokenizer.load(tmp_path / "t.json").vocab_size == 258
+
+
+def test_train_refuses_an_empty_input_naming_it(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert _train(empty, tmp_path / "t.json") == 0
-    err = " ".join(capsys.readouterr().err.split())
-    assert "warning: BPE training learned 0 of the 43 merges that vocab_size 300 asks for" in err
-    assert "the tokenizer has 257 ids, not 300" in err
-    assert Tokenizer.load(tmp_path / "t.json").vocab_size == 257
+    assert _train(empty, tmp_path / "t.json") == 2
+    assert f"error: {empty} holds no text to learn merges from (it is empty)" in _one_error(capsys)
+    only_special = tmp_path / "eot.txt"
+    only_special.write_text(EOT * 3)
+    assert main(["tokenizer", "train", "--data", str(empty), "--data", str(only_special), "--vocab-size", "300",
+                 "--out", str(tmp_path / "t.json"), "--workers", "1", "--no-progress"]) == 2
+    assert (f"the training input (2 files: {empty}, {only_special}) holds no text to learn merges from outside "
+            f"special tokens") in _one_error(capsys)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_repeated_list_flags_accumulate(corpus, tmp_path, capsys):
+    other = tmp_path / "other.txt"
+    other.write_text("zzz qqq zzz qqq\n" * 5)
+    assert _train(corpus, tmp_path / "t.json", "--special-token", "<|a|>", "--special-token", "<|b|>", "<|c|>",
+                  "--data", str(other)) == 0
+    tok = Tokenizer.load(tmp_path / "t.json")
+    assert list(tok.special_tokens) == ["<|a|>", "<|b|>", "<|c|>"]
+    assert tok.encode("zzz qqq", allowed_special="none") != list(b"zzz qqq")  # the second --data was read
+    assert _train(corpus, tmp_path / "none.json", "--special-token") == 0
+    assert Tokenizer.load(tmp_path / "none.json").special_tokens == {}
+    assert _train(corpus, tmp_path / "default.json") == 0
+    assert list(Tokenizer.load(tmp_path / "default.json").special_tokens) == [EOT]
 
 
 def test_train_full_vocabulary_prints_no_warning(corpus, tmp_path, capsys):

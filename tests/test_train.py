@@ -404,6 +404,7 @@ def test_fault_watch_keeps_freed_memory_where_page_faults_cost(monkeypatch):
         allocator.FaultWatch(measure=0)
 
 
+@pytest.mark.slow
 def test_train_keeps_freed_memory_when_measured_or_told_to(corpus, tmp_path, monkeypatch):
     import logitlab.kernels.allocator as allocator_mod
 
@@ -478,6 +479,7 @@ def test_fastest_thread_count_keeps_the_faster_setting():
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_loss_fn_compiled_equals_eager_in_loss_and_gradients(fullgraph):
     """train.loss_fn traces the model and the loss as one graph (aot_eager here: the same graph
@@ -542,6 +544,7 @@ def test_tied_embedding_pass_sums_the_lookup_rows_into_the_heads_gradient(tied):
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_loss_fn_with_inductor_sums_a_tied_tables_gradient_in_place(monkeypatch):
     """train.loss_fn(model, True): inductor with graph_passes.training_options (the tied-embedding pass, which
     rewrites the backward graph); the gradients equal eager's, the tied table's too."""

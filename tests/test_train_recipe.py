@@ -10,14 +10,17 @@ import json
 from pathlib import Path
 
 import pytest
+import test_train
 import torch
+from test_train import _cfg, _losses, tiny_model
 
 from logitlab.data import tokens as data
 from logitlab.io.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from logitlab.train.build import build_training_optimizer
 from logitlab.train.loop import TrainConfig, cross_entropy, train
 from logitlab.train.muon import MuonAdamW
-from test_train import _cfg, _losses, corpus, tiny_model  # noqa: F401  (corpus: the fixture)
+
+corpus = test_train.corpus                                 # the fixture, shared
 
 
 class Crash(Exception):

@@ -28,6 +28,7 @@ CASES = ROOT / "tests" / "triton"
 IN_PROCESS = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 
 
+@pytest.mark.slow
 def test_triton_cases_pass_in_the_interpreter(request):
     if IN_PROCESS:
         pytest.skip("tests/triton is collected in this process (interpreter or CUDA)")

@@ -14,12 +14,14 @@ import argparse
 import dataclasses
 import sys
 
+from logitlab.cli.common import add_examples
 from logitlab.cli.generate import (
     _decode_step,
+    _inference_flags,
     _model_flags,
     _sample_flags,
     _timings,
-    load,
+    prepare,
     sample_config,
     stream_text,
 )
@@ -35,7 +37,10 @@ def register(subparsers) -> None:
                               "plain text: special-token text such as <|endoftext|> stays text (--no-ordinary "
                               "turns it into the special token's id).")
     _model_flags(c)
+    add_examples(c, "chat runs/a --temperature 0.7", "chat Qwen/Qwen3-0.6B --system \"Answer briefly.\"",
+                 "chat runs/sft --max-new-tokens 128 --verbose")
     _sample_flags(c)
+    _inference_flags(c)
     c.add_argument("--system", default="", help="text placed at the top of the transcript")
     c.add_argument("--ordinary", action=argparse.BooleanOptionalAction, default=True,
                    help="encode the transcript (your lines, --system, earlier replies) as plain text: "
@@ -46,10 +51,14 @@ def register(subparsers) -> None:
 
 PROMPT = "you> "
 REPLY_LABEL = "model: "
-COMMANDS = ("/reset  clear the history (the transcript so far)",
-            "/help   list these commands",
-            "Ctrl-C  clear the line at the prompt; stop a reply while it is being written",
-            "Ctrl-D  leave")
+COMMANDS = ("/reset          clear the history (the transcript so far)",
+            "/temperature T  sample the next replies at temperature T (0: greedy)",
+            "/top-p P        keep the smallest set of top tokens whose mass reaches P (1: off)",
+            "/show           print the exact text the model reads next (the template applied)",
+            "/save FILE      write the conversation to FILE (a new file; JSON messages, or the transcript)",
+            "/help           list these commands",
+            "Ctrl-C          clear the line at the prompt; stop a reply while it is being written",
+            "Ctrl-D          leave")
 OPENING = "Chat with the model: type a message and press Enter. /reset clears the history, /help lists " \
           "the commands, Ctrl-D leaves."
 
@@ -100,12 +109,27 @@ def _write_reply(pieces) -> tuple[str, bool]:
     return "".join(shown), False
 
 
+@dataclasses.dataclass
+class _Session:
+    """What a chat keeps between turns: the sampling settings (which /temperature and /top-p
+    change), the conversation (a transcript, or a messages list with a template) and how it is shown
+    (/show) and saved (/save)."""
+
+    cfg: object
+    state: object
+    start: object
+    show: object            # state -> the exact text the model reads next
+    save: object            # state -> (bytes to write, what they are)
+
+
 def _chat(args) -> int:
-    from logitlab.cli.common import console
+    from logitlab.cli.common import console, error_console
+    from logitlab.cli.models import load
     from logitlab.generate.loop import make_generator
 
     m = load(args)
-    cfg = sample_config(args, m.end_ids[1:])
+    prepare(args, m, error_console())
+    cfg = sample_config(args, m.end_ids[1:], m.generation)
     cfg = dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + (b"\nUser:",))
     generator = make_generator(cfg.seed)
     room = m.model.config.context_length - cfg.max_new_tokens
@@ -116,15 +140,16 @@ def _chat(args) -> int:
     if _uses_template(m.tokenizer):
         return _chat_with_template(args, m, cfg, generator, room, out)
     start = (args.system.strip() + "\n") if args.system.strip() else ""
-    return _repl(start, lambda history, line: _turn(args, m, cfg, generator, room, out,
-                                                   history + f"User: {line}\nAssistant:"))
+    session = _Session(cfg, start, start, show=lambda history: history,
+                       save=lambda history: (history.encode(), "the transcript"))
+    return _repl(session, lambda history, line: _turn(args, m, session.cfg, generator, room, out,
+                                                      history + f"User: {line}\nAssistant:"))
 
 
-def _repl(start, turn) -> int:
-    """The loop both chat forms share: read a line, handle /reset, /help and empty lines, else
-    state = turn(state, line), starting from `start` (a transcript or a messages list). Ctrl-C
-    outside the reply itself (encoding, timings) drops the turn; Ctrl-D leaves with 0."""
-    state = start
+def _repl(session: _Session, turn) -> int:
+    """The loop both chat forms share: read a line, handle the /commands and empty lines, else
+    session.state = turn(state, line). Ctrl-C outside the reply itself (encoding, timings) drops the
+    turn; Ctrl-D leaves with 0."""
     _line_editing()
     print(OPENING)
     while True:
@@ -132,23 +157,57 @@ def _repl(start, turn) -> int:
         if line is None:
             return 0
         command = line.strip()
-        if command == "/reset":
-            state = start
-            print("history cleared")
-        elif command == "/help":
-            print("\n".join(COMMANDS))
+        if command.startswith("/"):
+            _command(session, command)
         elif command:
             try:
-                state = turn(state, line)
+                session.state = turn(session.state, line)
             except KeyboardInterrupt:
                 print("\n[reply stopped]")
+
+
+def _command(session: _Session, command: str) -> None:
+    """One /command of the REPL; a mistake is one line and the chat goes on."""
+    name, _, rest = command.partition(" ")
+    rest = rest.strip()
+    try:
+        if name == "/reset":
+            session.state = session.start
+            print("history cleared")
+        elif name == "/help":
+            print("\n".join(COMMANDS))
+        elif name in ("/temperature", "/top-p") and rest:
+            field = "temperature" if name == "/temperature" else "top_p"
+            try:
+                value = float(rest)
+            except ValueError:
+                raise ValueError(f"{name} needs a number, got {rest!r}") from None
+            session.cfg = dataclasses.replace(session.cfg, **{field: value})   # SampleConfig checks its range
+            print(f"{field} = {getattr(session.cfg, field)}")
+        elif name == "/show":
+            text = session.show(session.state)
+            print(text, end="" if text.endswith("\n") else "\n")
+        elif name == "/save" and rest:
+            from pathlib import Path
+
+            from logitlab.io.files import atomic_write_bytes
+
+            data, what = session.save(session.state)
+            if Path(rest).exists():
+                raise ValueError(f"{rest} exists; /save writes a new file (nothing is overwritten)")
+            atomic_write_bytes(rest, data)
+            print(f"saved {what} to {rest}")
+        else:
+            print(f"unknown command {command!r} (or its value is missing); /help lists the commands")
+    except ValueError as exc:
+        print(f"error: {exc}")
 
 
 def _turn(args, m, cfg, generator, room, out, history: str) -> str:
     """One reply to the transcript `history`, written as it comes; returns the transcript with it."""
     from logitlab.generate.loop import stream
 
-    ids = m.tokenizer.encode(history, allowed_special="none" if args.ordinary else "all")[-room:]
+    ids = m.tokenizer.encode(history, allowed_special="none" if args.ordinary else "all", add_bos=True)[-room:]
     s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
                generator=generator, step=_decode_step(args, m.model))
     reply, stopped = _write_reply(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes))
@@ -172,14 +231,21 @@ def _uses_template(tok) -> bool:
 def _chat_with_template(args, m, cfg, generator, room, out) -> int:
     """The loop over a messages list rendered by the tokenizer's chat template; each reply stops at
     the end-of-turn token, and the oldest turns are dropped (and said to be) when the context is full."""
+    import json
+
     from logitlab.tokenizer.chat import end_of_turn_id
 
     end = end_of_turn_id(m.tokenizer)
     cfg = dataclasses.replace(cfg, stop_ids=tuple(cfg.stop_ids) + ((end,) if end is not None else ()),
                               stop_bytes=tuple(b for b in cfg.stop_bytes if b != b"\nUser:"))
     start = [{"role": "system", "content": args.system.strip()}] if args.system.strip() else []
-    return _repl(start, lambda messages, line: _template_turn(
-        args, m, cfg, generator, room, out, messages + [{"role": "user", "content": line}]))
+    session = _Session(cfg, start, start,
+                       show=lambda messages: m.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                             tokenize=False),
+                       save=lambda messages: ((json.dumps({"messages": messages}, ensure_ascii=False) + "\n").encode(),
+                                              "the messages (one JSON line, as sft reads)"))
+    return _repl(session, lambda messages, line: _template_turn(
+        args, m, session.cfg, generator, room, out, messages + [{"role": "user", "content": line}]))
 
 
 def _template_turn(args, m, cfg, generator, room, out, messages: list) -> list:

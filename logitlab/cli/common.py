@@ -73,12 +73,15 @@ def flag_name(field_name: str, prefix: str = "") -> str:
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
                      skip: tuple[str, ...] = (), shown_defaults: dict[str, Any] | None = None,
-                     description: str | None = None) -> None:
+                     description: str | None = None, renamed: dict[str, str] | None = None) -> None:
     """Add one flag per field of dataclass `cls`; defaults stay SUPPRESSED so that only the flags
     a user typed override the TOML file and the dataclass defaults. Each help line states its
-    default once: the field help's own "default ..." wording when it has one, else "(default: X)".
+    default once: the field help's own "default ..." wording when it has one, else "(default: X)";
+    a default of None or an empty tuple is not shown ("(default: None)" tells a reader nothing).
     `shown_defaults` (help text only) replaces the dataclass defaults a command does not use
-    (train's model fields come from the tiny preset); `description` heads the flag group."""
+    (train's model fields come from the tiny preset); `description` heads the flag group.
+    `renamed` gives a field the flag the whole command line uses for its concept (out_dir ->
+    --out); the flag made from the field's name stays as a hidden alias (its old spelling)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} fields", description)
     for field in dataclasses.fields(cls):
@@ -91,11 +94,11 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             default = field.default_factory()  # type: ignore[misc]
         if shown_defaults is not None and field.name in shown_defaults:
             shown = shown_defaults[field.name]
-            if "default" not in help_text:
+            if "default" not in help_text and shown not in (None, ()):
                 help_text = f"{help_text} (default: {shown})"
             elif shown is not None:  # the field's own rule, which the preset replaces
                 help_text = f"{help_text} (preset: {shown})"
-        elif "default" not in help_text:
+        elif "default" not in help_text and default not in (None, ()):
             help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
         kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, dest=prefix + field.name,
                                       help=help_text)
@@ -107,14 +110,41 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             kwargs.update(type=_none_or(str) if optional else str, choices=choices + ([None] if optional else []))
         elif origin in (tuple, list):
             (inner,) = {a for a in get_args(tp) if a is not Ellipsis} or {str}
-            kwargs.update(type=inner, nargs="*")
+            kwargs.update(type=inner, nargs="*", action="extend")       # repeated flags add up
+            if get_origin(inner) is Literal:                            # a tuple of choices (layer_types)
+                kwargs.update(type=str, choices=list(get_args(inner)))
         elif tp in (int, float, str):
             kwargs.update(type=_none_or(tp) if optional else tp)
         elif dataclasses.is_dataclass(tp):
             continue  # nested configs come from TOML tables only
         else:
             kwargs.update(type=str)
+        if renamed and field.name in renamed:
+            group.add_argument(renamed[field.name], **kwargs)
+            kwargs["help"] = argparse.SUPPRESS
         group.add_argument(flag_name(field.name, prefix), **kwargs)
+
+
+class ExamplesFormatter(argparse.HelpFormatter):
+    """argparse's formatter, but an epilog of examples keeps its lines (one command per line, never
+    re-wrapped: each is meant to be copied) while the description still wraps to the terminal."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("example"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def add_examples(parser: argparse.ArgumentParser, *commands: str) -> None:
+    """An "examples:" epilog for `parser`'s --help, one command per line (after `logitlab `)."""
+    lines = "\n".join(f"  logitlab {c}" for c in commands)
+    parser.epilog = f"example{'s' if len(commands) > 1 else ''}:\n{lines}"
+    parser.formatter_class = ExamplesFormatter
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """"1 doc", "2 docs", "1,024 tokens": a count with its noun in the right number."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
 
 
 def add_progress_flag(parser: argparse.ArgumentParser) -> None:
@@ -193,32 +223,36 @@ def quote_token(token: str | bytes) -> str:
 
 
 def print_table(out, title: str, columns: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> None:
-    """A rich table whose cells are never cut: the title on a line of its own (never wrapped
-    into the table's width), and when the table is wider than the console, its value columns
-    split into several narrower tables, each with the first (key) column again. Columns whose
-    index is in `right` are right-aligned (numbers)."""
+    """One rich table whose cells are never cut, at any console width. The title stands on a line
+    of its own (never wrapped). A table too wide for the console folds: its borders become a single
+    rule under the header and its headers and text cells wrap at spaces, while numbers (the
+    columns whose index is in `right`, right-aligned) keep their whole width. Where even that does
+    not fit, each row is printed as a record: its key, then one `column: value` line per cell."""
+    from rich import box
     from rich.table import Table
 
-    def build(cols: list[int]) -> Table:
-        t = Table()
-        for i in cols:
-            t.add_column(columns[i], justify="right" if i in right else "left", no_wrap=True)
-        for row in rows:
-            t.add_row(*(row[i] for i in cols))
-        return t
+    def width(i: int, longest) -> int:
+        return max([longest(columns[i])] + [longest(row[i]) for row in rows])
 
-    def natural_width(cols: list[int]) -> int:  # cells + one space each side + the borders
-        return sum(max(len(columns[i]), *(len(row[i]) for row in rows)) + 3 for i in cols) + 1
+    def word(text: str) -> int:
+        return max((len(w) for w in text.split()), default=0)
 
+    natural = sum(width(i, len) + 3 for i in range(len(columns))) + 1      # cells, padding, borders
+    narrowest = sum(width(i, len if i in right else word) + 2 for i in range(len(columns)))
     out.print(title, soft_wrap=True, markup=False, highlight=False)
-    groups, current = [], []
-    for i in range(1, len(columns)):
-        trial = current + [i]
-        if current and natural_width([0, *trial]) > out.width:
-            groups.append(current)
-            trial = [i]
-        current = trial
-    groups.append(current)
-    for cols in groups:
-        out.print(build([0, *cols]))
+    if narrowest > out.width:
+        for row in rows:
+            out.print(row[0], soft_wrap=True, markup=False, highlight=False)
+            for name, cell in zip(columns[1:], row[1:]):
+                if cell:
+                    out.print(f"  {name}: {cell}", soft_wrap=True, markup=False, highlight=False)
+        return
+    compact = natural > out.width
+    table = Table(box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD, show_edge=not compact)
+    for i, name in enumerate(columns):
+        numbers = width(i, len) if i in right else None                   # never folded
+        table.add_column(name, justify="right" if i in right else "left", overflow="fold", min_width=numbers)
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
 

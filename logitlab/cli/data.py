@@ -3,21 +3,22 @@ preparation with their progress displays, the data report, and the loss plot of 
 
 `_add_data_flags` holds the flags `prepare` shares with `train` (readers, filters, dedup,
 mixture, shards); `register` adds `prepare` with its scale-out flags and `prepare merge`, and
-`data stats`. `logitlab train` and `logitlab demo` reuse `_train_tokenizer`, `_prepare` and
-`plot_run`; the work itself lives in logitlab.data and logitlab.tokenizer.
+`data stats` (whose tables and plot are cli/data_stats.py's). `logitlab train` and `logitlab
+demo` reuse `_train_tokenizer`, `_prepare` and `plot_run`; the work itself lives in
+logitlab.data and logitlab.tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
+import functools
 import json
 import time
 from pathlib import Path
 
 from logitlab.cli import common as cli
-from logitlab.io.files import atomic_write_bytes
+from logitlab.cli.data_stats import cmd_data_stats
 
 EOT = "<|endoftext|>"
 
@@ -29,10 +30,10 @@ EOT = "<|endoftext|>"
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
     from logitlab.data.filters import FilterConfig
 
-    p.add_argument("--data", nargs="+", metavar="[NAME=]PATH",
+    p.add_argument("--data", nargs="+", action="extend", metavar="[NAME=]PATH",
                    help="text files, directories, globs, .jsonl(.gz/.zst) or .parquet, each optionally named "
                    "NAME=PATH (a source's name, for --mix and the report; default: the path itself; default "
-                   "data: the Python stdlib source, named stdlib)")
+                   "data: the Python stdlib source, named stdlib); repeatable")
     p.add_argument("--text-field", default="text", help=".jsonl field holding the text (default: text)")
     p.add_argument("--column", default="text", help=".parquet column holding the text (default: text)")
     p.add_argument("--val-fraction", type=float, default=0.01,
@@ -45,9 +46,8 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
                              "val-NNNNN.bin and an index in manifest.json) through the clean/dedup/mix pipeline; "
                              "without them the single train.bin / val.bin layout is written.")
     g.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default: 134217728)")
-    g.add_argument("--filter", action="store_true", help="apply the cleaning filters (thresholds below; "
-                   "default: off)")
-    g.add_argument("--dedup", nargs="+", choices=["exact", "near"], default=None,
+    g.add_argument("--filter", action="store_true", help="apply the cleaning filters (default: off)")
+    g.add_argument("--dedup", nargs="+", action="extend", choices=["exact", "near"], default=None,
                    help="remove exact duplicates (hash of the normalised text) and/or near duplicates (MinHash "
                    "LSH); the first occurrence in input order is kept (default: none)")
     g.add_argument("--dedup-bands", type=int, default=16, help="LSH bands (default: 16)")
@@ -58,8 +58,10 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
                    help="weights per source by tokens, e.g. web=0.7,code=0.3, or a TOML file with a [mix] table "
                    "(default: the sources as read)")
     g.add_argument("--mix-seed", type=int, default=0, help="seed of the mixture's sampling (default: 0)")
-    cli.add_config_flags(p, FilterConfig, prefix="filter_", skip=("enabled",),
+    cli.add_config_flags(p, FilterConfig, prefix="filter_", skip=("enabled", "code_sources"),
                          description="Thresholds of --filter's rules (none: switch a rule off).")
+    g.add_argument("--filter-code-sources", nargs="+", action="extend", default=argparse.SUPPRESS, metavar="NAME",
+                   help="sources the code rules apply to (the prose rules to the others); repeatable")
 
 
 def _sharded(args) -> bool:
@@ -98,11 +100,11 @@ def _progress_bar(con, label: str):
     """A transient bar of documents and tokens; yields the progress(documents, tokens) callback."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn(label), BarColumn(bar_width=None), TextColumn("{task.fields[docs]} docs"),
-                  TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), console=con,
+    with Progress(TextColumn(label), BarColumn(bar_width=None), TextColumn("{task.fields[docs]}"),
+                  TextColumn("{task.fields[tokens]}"), TimeElapsedColumn(), console=con,
                   transient=True) as bar:
-        task = bar.add_task(label, total=None, docs=0, tokens=0)
-        yield lambda d, t: bar.update(task, docs=d, tokens=t)
+        task = bar.add_task(label, total=None, docs=cli.plural(0, "doc"), tokens=cli.plural(0, "token"))
+        yield lambda d, t: bar.update(task, docs=cli.plural(d, "doc"), tokens=cli.plural(t, "token"))
 
 
 def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
@@ -120,8 +122,10 @@ def _prepare(args, tokenizer, out_dir: Path, con) -> dict:
 def _print_prepared(con, out_dir: Path, manifest: dict) -> dict:
     s = manifest["splits"]
     shards = f", {len(s['train']['shards'])} train shard(s)" if "shards" in s["train"] else ""
-    con.print(f"prepared {out_dir}: train {s['train']['tokens']:,} tokens / {s['train']['documents']} docs, "
-              f"val {s['val']['tokens']:,} tokens / {s['val']['documents']} docs ({manifest['dtype']}{shards})")
+    train, val = s["train"], s["val"]
+    con.print(f"prepared {out_dir}: train {cli.plural(train['tokens'], 'token')} / "
+              f"{cli.plural(train['documents'], 'doc')}, val {cli.plural(val['tokens'], 'token')} / "
+              f"{cli.plural(val['documents'], 'doc')} ({manifest['dtype']}{shards})")
     if (dedup := manifest.get("dedup")) and (dedup["exact"] or dedup["near"]):
         near = (f"; near: {dedup['bands']} bands x {dedup['rows']} rows over {dedup['ngram']}-grams imply a "
                 f"Jaccard threshold of about {dedup['threshold']:.2f}") if dedup["near"] else ""
@@ -143,17 +147,20 @@ def _prepare_sharded(args, tokenizer, out_dir: Path, con) -> dict:
     from logitlab.data import merge, parts
 
     prep, merge_cfg = _configs(args)
+    notice = functools.partial(con.print, markup=False, highlight=False, soft_wrap=True)  # "resuming ..."
     if getattr(args, "num_shards", None):  # one worker of N: its part only; `prepare merge` joins them
         with _progress_bar(con, f"part {args.shard_index} of {args.num_shards}") as progress:
             info = parts.prepare_part(args.data, tokenizer, out_dir, prep, shard_index=args.shard_index,
-                                      num_shards=args.num_shards, workers=args.workers, progress=progress)
+                                      num_shards=args.num_shards, workers=args.workers, progress=progress,
+                                      notice=notice)
         con.print(f"part {info['shard_index']} of {info['num_shards']} in {out_dir}: {info['files']} files, "
-                  f"{info['documents']} docs, {info['tokens']:,} tokens; when every part is done: "
+                  f"{cli.plural(info['documents'], 'doc')}, {cli.plural(info['tokens'], 'token')}; when every part "
+                  f"is done: "
                   f"logitlab prepare merge PART_DIRS... --out DIR", markup=False, soft_wrap=True)
         return info
     with _progress_bar(con, "cleaning, hashing, tokenizing") as progress:
         manifest = merge.prepare_sharded(args.data, tokenizer, out_dir, prep, merge_cfg, workers=args.workers,
-                                         progress=progress)
+                                         progress=progress, notice=notice)
     return _print_prepared(con, out_dir, manifest)
 
 
@@ -224,79 +231,6 @@ def cmd_prepare_merge(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# data stats
-# --------------------------------------------------------------------------------------------
-
-def cmd_data_stats(args) -> int:
-    from logitlab.data.stats import data_stats
-
-    con = cli.console()
-    report = data_stats(args.dir, top=args.top, max_tokens=args.max_tokens)
-    decode = _token_decoder(Path(args.dir) / (report["tokenizer_file"] or ""))
-    rows = [[name, f"{v.get('documents', 0):,}", f"{v.get('tokens', 0):,}", f"{v.get('train_tokens', 0):,}",
-             f"{v.get('duplicates', 0):,}"] for name, v in report["per_source"].items()]
-    cli.print_table(con, f"{args.dir}: {report['layout']}", ["source", "documents", "tokens read", "train tokens",
-                    "duplicates"], rows, right=(1, 2, 3, 4))
-    rows = [[s, f"{v['documents']:,}", f"{v['tokens']:,}", str(v["files"])] for s, v in report["splits"].items()]
-    cli.print_table(con, "splits", ["split", "documents", "tokens", "files"], rows, right=(1, 2, 3))
-    for name, st in (report["filters"] or {}).items():
-        rows = [[r, f"{n:,}"] for r, n in st["removed"].items()]
-        rows.append(["boilerplate lines", f"{st['boilerplate_lines']:,}"])
-        cli.print_table(con, f"filters [{name}]: kept {st['documents_kept']:,} of {st['documents_in']:,}",
-                        ["removed by", "count"], rows, right=(1,))
-    for key, label, fmt in (("duplicate_rate", "duplicate rate", ".2%"), ("bytes_per_token", "bytes per token", ".3f")):
-        if report[key] is not None:
-            con.print(f"{label}: {report[key]:{fmt}}")
-    rows = [[str(i), decode([i]), f"{n:,}", f"{share:.2%}"] for i, n, share in report["top_tokens"]]
-    cli.print_table(con, f"most frequent tokens (of {report['tokens_counted']:,} train tokens)",
-                    ["id", "text", "count", "share"], rows, right=(0, 2, 3))
-    for key, title in (("top_bigrams", "token pairs"), ("top_trigrams", "token triples")):
-        rows = [[" ".join(map(str, g)), decode(list(g)), f"{n:,}"] for g, n in report[key]]
-        cli.print_table(con, f"most frequent {title}", ["ids", "text", "count"], rows, right=(2,))
-    if args.plot != "none":
-        out = plot_stats(report, Path(args.plot) if args.plot else Path(args.dir) / "stats.png")
-        con.print(f"wrote {out}")
-    return 0
-
-
-def _token_decoder(path: Path):
-    """ids -> a printable string (repr, no quotes) through the directory's tokenizer, if readable."""
-    try:
-        from logitlab.tokenizer.core import Tokenizer
-
-        tok = Tokenizer.load(path)
-    except (OSError, ValueError):
-        return lambda ids: "?"
-    return lambda ids: repr(tok.decode(ids))[1:-1]
-
-
-def plot_stats(report: dict, out: Path) -> Path:
-    """PNG: tokens per source and the document-length histogram."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(report["per_source"])
-    axes[0].barh(names, [report["per_source"][n].get("train_tokens", report["per_source"][n].get("tokens", 0))
-                         for n in names])
-    axes[0].set_xlabel("training tokens")
-    hist = report["doc_length_histogram"] or {"edges": [], "counts": []}
-    if hist["edges"]:
-        axes[1].bar(range(len(hist["counts"])), hist["counts"])
-        axes[1].set_xticks(range(len(hist["edges"])), [f"{e:,}" for e in hist["edges"]], rotation=60)
-    axes[1].set_xlabel("document length (tokens, bins [2^k, 2^(k+1)))")
-    axes[1].set_ylabel("documents")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(out, buf.getvalue())
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------------------------
 
@@ -307,7 +241,7 @@ def register(subparsers) -> None:
         description="Tokenize text files, directories, globs, .jsonl(.gz/.zst) or .parquet into train/val token "
         "files and manifest.json (the input of `logitlab train --data-dir`). Cleaning, dedup, mixture or shard "
         "flags write the sharded layout; --shard-index/--num-shards prepare one worker's part, and `prepare "
-        "merge` joins the parts.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "merge` joins the parts.", formatter_class=cli.ExamplesFormatter,
         epilog="examples:\n  logitlab prepare --data corpus/ notes.jsonl --tokenizer tok.json --out data/\n"
         "  logitlab prepare --data web=crawl/ code=src/ --filter --filter-code-sources code --dedup exact near "
         "--mix web=0.7,code=0.3 --tokenizer tok.json --out data/\n"
@@ -326,6 +260,8 @@ def register(subparsers) -> None:
                        description="Deduplicate across all parts (first occurrence in input order kept), split "
                        "validation by the document rule, apply the mixture and write train-/val-NNNNN.bin and the "
                        "global manifest.json. The result does not depend on how many workers made the parts.")
+    cli.add_examples(m, "prepare merge parts/0 parts/1 parts/2 --out data/", "prepare merge parts/* --out data/ "
+                     "--mix web=0.7,code=0.3")
     m.add_argument("parts", nargs="+", metavar="PART_DIR", help="the part directories (any order)")
     m.add_argument("--out", dest="merge_out", metavar="DIR", required=True, help="output token directory (required)")
     m.add_argument("--val-fraction", type=float, default=0.01, help="as for prepare (default: 0.01)")
@@ -335,11 +271,13 @@ def register(subparsers) -> None:
     m.set_defaults(func=cmd_prepare_merge)
 
     p = subparsers.add_parser("data", help="reports on token directories", description="Reports on token directories.")
+    cli.add_examples(p, "data stats data/", "data stats data/ --top 40 --plot none")
     sub = p.add_subparsers(dest="data_command", metavar="stats", required=True)
     s = sub.add_parser("stats", help="documents and tokens per source, lengths, filters, duplicates, top tokens",
                        description="Print (and plot) what a token directory holds: documents and tokens per "
                        "source, the document-length histogram, removed-by-filter counts, the duplicate rate, "
                        "bytes per token and the most frequent tokens and token n-grams.")
+    cli.add_examples(s, "data stats data/", "data stats runs/demo/data --top 40 --plot stats.png")
     s.add_argument("dir", help="token directory (holds manifest.json)")
     s.add_argument("--top", type=int, default=20, help="how many frequent tokens and n-grams (default: 20)")
     s.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens counted (default: 2000000)")

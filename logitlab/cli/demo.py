@@ -17,7 +17,6 @@ from pathlib import Path
 
 from logitlab.cli import common as cli
 from logitlab.cli.train import _prepare, _run_training, _train_tokenizer, exit_code, plot_run
-from logitlab.train import budget, runtime
 
 # The demo's sizes. The full demo tokenizes 12 MB spread over the default corpus and sets its step
 # count from a short timing of the model, so that training takes about `train_seconds` on the machine at hand.
@@ -30,6 +29,10 @@ _DEMO = {
                   train=dict(steps=60, warmup_steps=5, eval_every=20, batch_size=8, lr=3e-3, eval_tokens=4096)),
 }
 DEMO_PROMPT = "def main(argv=None):\n    "
+# The full demo measured on an idle 2-core machine from a fresh clone (docs/training.md): the number a
+# run is compared with at the end. `demo --steps 1016` does the same work on any machine.
+REFERENCE = {"steps": 1016, "val_loss": 3.63, "machine": "an idle 2-core machine"}
+FEW_STEPS = 300   # below this the demo's model is far from the reference: the end of the run says so
 
 
 # What a demo run directory holds that the demo itself wrote; a rerun removes these and nothing
@@ -71,6 +74,7 @@ def _demo(args, out: Path) -> int:
 
     from logitlab.model.families import get_preset
     from logitlab.model.transformer import Transformer
+    from logitlab.train import budget, runtime
     from logitlab.train.loop import TrainConfig
 
     con = cli.console()
@@ -96,7 +100,13 @@ def _demo(args, out: Path) -> int:
     threads, per_step = budget.time_training_step(model, train_kw["batch_size"], model_cfg.context_length,
                                                   threads=(torch.get_num_threads(), 1), repeats=3)
     con.print(f"a training step takes {per_step:.2f} s here with {threads} thread(s)")
-    if "steps" not in train_kw:
+    if args.steps is not None:                                  # fixed work: the reference's number of steps
+        if args.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        train_kw.update(steps=args.steps, warmup_steps=max(1, args.steps // 20),
+                        eval_every=max(1, args.steps // 6))
+        con.print(f"{args.steps} steps (fixed: --steps), however long they take here")
+    elif "steps" not in train_kw:
         seconds = args.train_seconds or spec["train_seconds"]
         eval_s = budget.eval_seconds(per_step, 1, train_kw["batch_size"], model_cfg.context_length,
                                      train_kw["eval_tokens"])
@@ -126,9 +136,25 @@ def _demo(args, out: Path) -> int:
     if start_val is not None:
         val = f"{start_val:.3f} -> {val}"
     con.print(f"\nvalidation loss {val} nats/token (uniform guess: ln V = {ln_v:.3f}); "
-              f"total wall time {wall:.0f} s. Run directory: {out} (loss plot {png})")
-    con.print(f"next: logitlab generate --checkpoint {out} 'def '   |   logitlab export {out} --out {out}/hf")
+              f"total wall time {wall:.0f} s. Run directory: {out} (loss plot {png})", soft_wrap=True)
+    if not args.quick:
+        con.print(_against_reference(result.step, result.val_loss, args.steps is not None), soft_wrap=True)
+    # soft_wrap: a command meant to be copied is never broken across lines by the console
+    con.print(f"next: logitlab generate {out} 'def '", soft_wrap=True, markup=False)
+    con.print(f"      logitlab export {out} --out {out}/hf", soft_wrap=True, markup=False)
     return 0
+
+
+def _against_reference(steps: int, val_loss: float | None, fixed: bool) -> str:
+    """The demo's result beside the reference run's, and what to do about a short run."""
+    ref = REFERENCE
+    reached = f" -> {val_loss:.2f}" if val_loss is not None else ""
+    line = (f"reference: {ref['steps']:,} steps -> {ref['val_loss']:.2f} on {ref['machine']}; this run "
+            f"{'took' if fixed else 'fitted'} {steps:,} steps{reached}")
+    if not fixed and steps < FEW_STEPS:
+        line += (f". Only {steps} steps fitted the time budget (a busy machine?): the loss is far from the "
+                 f"reference; `logitlab demo --steps {ref['steps']}` does the reference's work however long it takes")
+    return line
 
 
 def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
@@ -152,10 +178,13 @@ def _show_sample(model, tok, prompt: str, con, seed: int) -> None:
 def register(subparsers) -> None:
     """Add demo to `subparsers`."""
     p = subparsers.add_parser("demo", help="train a tokenizer and a small model on the stdlib, then sample")
+    cli.add_examples(p, "demo", "demo --quick                 # about 30 s", "demo --out runs/demo2 --seed 1")
     p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced if a demo)")
     p.add_argument("--quick", action="store_true", help="a ~30 s version")
     p.add_argument("--train-seconds", type=float, default=None,
                    help="about how long training may take (default 240; sets the step count)")
+    p.add_argument("--steps", type=int, default=None, help="train exactly this many steps instead of fitting a "
+                   f"time budget: {REFERENCE['steps']} is the reference run's work (docs/training.md)")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="text the trained model continues at the end "
                    "(default: a Python function header)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the model, data order and sampling (default 1337)")

@@ -3,8 +3,8 @@
 (perplexity against evaluation length under each RoPE scaling, eval.long) and `eval harness`
 (lm-evaluation-harness's own command line, with the `logitlab` model type registered).
 
-MODEL is a run directory, a checkpoint directory, a logitlab model directory or a Hugging Face
-directory; `load_path` tells them apart (serve.py loads the same way)."""
+MODEL is any model a command can name (cli/models.py: a run, checkpoint, logitlab or Hugging Face
+directory, or a hub id); `load_path` loads it (serve.py loads the same way)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     """Add `eval` with its sub-subcommands to `subparsers`."""
-    from logitlab.cli.common import add_dtype_flag
+    from logitlab.cli.common import add_dtype_flag, add_examples
 
     parser = subparsers.add_parser("eval", help="bits per byte, multiple choice, length, lm-evaluation-harness",
                                    description="Evaluate a model: `eval bpb` on any text, `eval mc` on tasks "
                                    "made from the Python standard library, `eval long` perplexity against "
                                    "length, `eval harness` through lm-evaluation-harness.")
+    add_examples(parser, "eval bpb runs/a --data notes.txt", "eval mc runs/a", "eval long runs/a --plot long.png",
+                 "eval harness run --model logitlab --model_args path=runs/a --tasks hellaswag")
     sub = parser.add_subparsers(dest="eval_command", metavar="EVAL")
     sub.required = True
 
@@ -30,7 +32,8 @@ def register(subparsers) -> None:
                        "the model's context, special tokens masked) and report the summed nats over the "
                        "summed UTF-8 bytes in bits, so models with different tokenizers compare fairly.")
     _model_arg(b)
-    b.add_argument("--data", nargs="+", required=True, metavar="FILE", help="text files (UTF-8), or "
+    add_examples(b, "eval bpb runs/a --data notes.txt docs/", "eval bpb gpt2 --data essay.txt --json")
+    b.add_argument("--data", nargs="+", action="extend", required=True, metavar="FILE", help="text files (UTF-8), or "
                    "directories: every *.txt, *.md and *.py file under them")
     b.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
@@ -42,6 +45,7 @@ def register(subparsers) -> None:
                        "the standard library's source with a fixed seed; accuracy is centred so chance is 0 "
                        "and perfect is 1 (as in the CORE metric).")
     _model_arg(m)
+    add_examples(m, "eval mc runs/a", "eval mc runs/a --examples 500 --seed 1 --json")
     m.add_argument("--examples", type=int, default=200, help="questions (default 200)")
     m.add_argument("--seed", type=int, default=0, help="which questions (default 0)")
     m.add_argument("--batch-size", type=int, default=16, help="pairs per forward pass (default 16)")
@@ -57,29 +61,25 @@ def register(subparsers) -> None:
                        "`logitlab eval harness run --model logitlab --model_args path=runs/demo --tasks "
                        "hellaswag`. Extra model_args: dtype, batch_size, max_length, max_gen_toks, seed.",
                        add_help=False, prefix_chars="\0")  # every argument, --options too, is lm_eval's
+    add_examples(h, "eval harness run --model logitlab --model_args path=runs/a --tasks hellaswag --limit 50")
     h.add_argument("harness_args", nargs=argparse.REMAINDER, help="lm_eval's arguments")
     h.set_defaults(func=_harness)
 
 
 def _model_arg(p) -> None:
-    p.add_argument("model", metavar="MODEL", help="run directory, checkpoint directory, logitlab model "
-                   "directory or Hugging Face directory")
+    from logitlab.cli.models import add_model_argument
+
+    add_model_argument(p, dtype=False)      # each subcommand adds --dtype where its flags read best
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 # -------------------- Loading
 
-def load_path(path: str | Path, dtype: str | None = None):
-    """generate.Loaded (model in eval mode, tokenizer, end ids) from any model directory: a Hugging
-    Face one (config.json that is not logitlab's) through --hf's loader, else --checkpoint's."""
-    from logitlab.cli.generate import load
-    from logitlab.io import checkpoint
+def load_path(path: str | Path, dtype: str | None = None, revision: str | None = None):
+    """models.Loaded (model in eval mode, tokenizer, end ids) from any MODEL (cli/models.py)."""
+    from logitlab.cli.models import load_model
 
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"no such run or model directory: {p}")
-    hf = p.is_dir() and (p / "config.json").is_file() and not checkpoint.is_logitlab_dir(p)
-    return load(argparse.Namespace(checkpoint=None if hf else str(p), hf=str(p) if hf else None, dtype=dtype))
+    return load_model(str(path), revision, dtype)
 
 
 def _harness_loader(path: str, dtype: str | None):
@@ -127,7 +127,7 @@ def _bpb(args) -> int:
     from logitlab.cli.common import console, print_table
     from logitlab.eval.bpb import evaluate_bpb
 
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.revision)
     files = data_files(args.data)
     result = evaluate_bpb(m.model, m.tokenizer, (_read_text(f) for f in files), batch_size=args.batch_size)
     report = dict(model=str(args.model), files=len(files), documents=result.documents, tokens=result.tokens,
@@ -147,7 +147,7 @@ def _mc(args) -> int:
     from logitlab.cli.common import console
     from logitlab.eval.stdlib_mc import evaluate_mc, stdlib_next_line_tasks
 
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.revision)
     tasks = stdlib_next_line_tasks(args.examples, seed=args.seed)
     r = evaluate_mc(m.model, m.tokenizer, tasks, batch_size=args.batch_size)
     report = dict(model=str(args.model), examples=r.examples, choices=r.choices, accuracy=r.accuracy,
@@ -163,10 +163,14 @@ def _mc(args) -> int:
 
 # -------------------- long
 
+# eval.long.DEFAULT_SCALINGS and model.positions.EXTENSIONS, written here so that building the parser
+# imports no torch (tests/test_cli_doctor.py checks they agree)
+DEFAULT_SCALINGS = ("none", "linear", "ntk", "yarn")
+EXTENSIONS = ("none", "linear", "ntk", "dynamic", "yarn")
+
+
 def _register_long(sub) -> None:
-    from logitlab.cli.common import add_dtype_flag
-    from logitlab.eval.long import DEFAULT_SCALINGS
-    from logitlab.model.positions import EXTENSIONS
+    from logitlab.cli.common import add_dtype_flag, add_examples
 
     e = sub.add_parser("long", help="perplexity against evaluation length, with each RoPE scaling",
                        description="Score the same held-out tokens in consecutive windows of each length and "
@@ -175,11 +179,13 @@ def _register_long(sub) -> None:
                        "when given, else the run's validation split. Learned positions past their table are "
                        "reported as not evaluable; schemes without RoPE are measured with 'none' only.")
     _model_arg(e)
+    add_examples(e, "eval long runs/a --plot long.png", "eval long runs/a --lengths 128,256,512 --scaling none,yarn")
     e.add_argument("--lengths", default=None, help="comma-separated window lengths (default: 1, 2, 4 and 8 "
                    "times the training length)")
     e.add_argument("--scaling", default=",".join(DEFAULT_SCALINGS), help="comma-separated scalings: "
                    f"{', '.join(EXTENSIONS)} (default {','.join(DEFAULT_SCALINGS)})")
-    e.add_argument("--data", nargs="+", metavar="FILE", help="held-out text files or directories (default: "
+    e.add_argument("--data", nargs="+", action="extend", metavar="FILE", help="held-out text files or directories "
+                   "(repeatable; default: "
                    "the run's validation data)")
     e.add_argument("--tokens", type=int, default=32768, help="held-out targets scored at every length "
                    "(default 32768, rounded down to a multiple of the longest length)")
@@ -250,7 +256,8 @@ def _held_out_tokens(args, loaded, limit: int):
         eot = loaded.tokenizer.eot_id
         ids: list[int] = []
         for f in files:
-            ids += ([eot] if eot is not None else []) + loaded.tokenizer.encode(_read_text(f))
+            first = [] if eot is None or loaded.tokenizer.bos_id is not None else [eot]  # <s> by add_bos
+            ids += first + loaded.tokenizer.encode(_read_text(f), add_bos=True)
             if len(ids) > limit:
                 break
         return np.asarray(ids[:limit + 1], dtype=np.int64), f"{len(files)} file(s) from --data"
@@ -278,7 +285,7 @@ def _long(args) -> int:
         raise ValueError(f"--tokens ({args.tokens}) and --batch-tokens ({args.batch_tokens}) must be positive")
     if args.plot:
         _check_plotting()
-    m = load_path(args.model, args.dtype)
+    m = load_path(args.model, args.dtype, args.revision)
     trained = _trained_length(Path(args.model), m.model.config)
     lengths = check_lengths(lengths or [trained * k for k in (1, 2, 4, 8)])
     tokens, source = _held_out_tokens(args, m, args.tokens)

@@ -51,7 +51,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a Hugging Face directory (model + tokenizer)",
                               description="Write a Hugging Face directory (config.json, model.safetensors, "
                               "tokenizer.json) that AutoModelForCausalLM / AutoTokenizer load.",
-                              epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              epilog=EXAMPLE, formatter_class=cli.ExamplesFormatter)
     p.add_argument("run_dir", help="run directory or checkpoint directory")
     p.add_argument("--out", metavar="OUT_DIR", help="the Hugging Face directory to write (required)")
     p.add_argument("--hf", dest="hf_out", metavar="OUT_DIR", help=argparse.SUPPRESS)  # deprecated: --out

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import sys
-from pathlib import Path
 
 # SampleConfig fields with no flag of their own: --stop and --logit-bias fill them from text.
 # --stop-ids and --banned-ids have flags of their own: a list flag with nargs would swallow the
@@ -23,6 +22,7 @@ _ID_LISTS = {"stop_ids": "stop_id_lists", "banned_ids": "banned_id_lists"}  # fi
 
 def register(subparsers) -> None:
     """Add `generate` to `subparsers` (`inspect` is inspect.py's, `chat` chat.py's)."""
+    from logitlab.cli.common import add_examples
     g = subparsers.add_parser("generate", help="continue a prompt, streaming the text",
                               description="Continue PROMPT with a model, printing text as it is generated, "
                               "then (on stderr, so `> out.txt` holds only the text) the prompt's token count, the "
@@ -36,8 +36,19 @@ def register(subparsers) -> None:
     g.add_argument("--ordinary", action="store_true", help="encode PROMPT as plain text: special-token text "
                    "such as <|endoftext|> stays text (default: it becomes the special token's id)")
     _sample_flags(g)
+    _inference_flags(g, draft=True)
+    g.add_argument("--compare-plain", action="store_true", help="with --draft: also generate without it, and report "
+                   "the speed-up (and, greedy, whether the text is the same)")
+    add_examples(g, 'generate runs/a "def parse(" --max-new-tokens 48 --temperature 0.8',
+                 'generate Qwen/Qwen3-0.6B "The capital of France is" --temperature 0 --verbose',
+                 'generate runs/a "" --num-samples 3 --seed 0            # three unconditional samples',
+                 'generate runs/a "import os" --stop "\\n\\n" --json',
+                 'generate runs/a "def parse(" --quantize int8 --dtype bf16 --draft ngram --draft-k 4')
     g.add_argument("--json", action="store_true",
-                   help="print one JSON object at the end instead of streaming")
+                   help="print one JSON object at the end instead of streaming (one line per sample)")
+    g.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="generate N continuations of PROMPT, one after another (with --seed S, sample i draws "
+                   "from seed S + i; default 1)")
     g.set_defaults(func=_generate)
 
 
@@ -66,20 +77,35 @@ def _id_list(text: str) -> tuple[int, ...]:
 
 
 def _model_flags(p) -> None:
-    from logitlab.cli.common import add_dtype_flag
+    """MODEL (any kind, cli/models.py), --revision, --dtype, --debug."""
+    from logitlab.cli.models import add_model_argument
 
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="run directory, checkpoint directory or logitlab "
-                     "model directory (with tokenizer.logitlab.json)")
-    src.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json, safetensors, and "
-                     "tokenizer.json or GPT-2 vocab.json + merges.txt)")
-    add_dtype_flag(p)
+    add_model_argument(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _inference_flags(p, draft: bool = False) -> None:
+    from logitlab.cli.models import add_inference_flags
+
+    add_inference_flags(p, draft=draft)
+
+
+def prepare(args, m, err) -> object:
+    """--quantize (and the quantized kernels) on the loaded model, said on stderr; -> the --draft
+    drafter or None."""
+    from logitlab.cli.models import load_draft, prepare_model
+
+    for line in prepare_model(args, m.model):
+        err.print(line, style="dim", markup=False, highlight=False, soft_wrap=True)
+    draft = load_draft(args, m.model)
+    if draft is not None and getattr(args, "compile", False):
+        raise ValueError("--compile compiles the one-token decode step, which --draft does not use: give one of them")
+    return draft
 
 
 def _sample_flags(p) -> None:
     from logitlab.cli.common import add_config_flags
-    from logitlab.generate.loop import SampleConfig
+    from logitlab.generate.config import SampleConfig
 
     add_config_flags(p, SampleConfig, skip=_SKIP)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -96,6 +122,8 @@ def _sample_flags(p) -> None:
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--config", metavar="FILE", help="TOML file; its [sample] table sets SampleConfig fields")
+    p.add_argument("--verbose", action="store_true", help="print each sampling setting and where it came from: a "
+                   "flag, --config, the model's generation_config.json or logitlab's default (on stderr)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
     p.add_argument("--autotune", choices=["auto", "on", "template", "off"], default="auto",
                    help="with --compile on a CPU: inductor's max-autotune over the matrix products (on: each "
@@ -108,50 +136,19 @@ def _sample_flags(p) -> None:
                    "cache serve a later run in seconds; kernels.decode)")
 
 
-# -------------------- Loading
+# -------------------- Settings
 
-@dataclasses.dataclass
-class Loaded:
-    model: object
-    tokenizer: object
-    end_ids: tuple[int, ...]  # ids that end generation: end-of-text first, then the model's eos ids
+def sample_config(args, end_ids: tuple[int, ...] = (), generation: dict | None = None):
+    """SampleConfig from logitlab's defaults < the model's generation_config.json (`generation`) <
+    TOML [sample] < flags; --stop and --logit-bias parsed here. --verbose prints each setting with
+    where it came from (on stderr)."""
+    from logitlab.cli.common import build_config, error_console, read_toml
+    from logitlab.cli.models import describe_settings, generation_defaults, sample_sources
+    from logitlab.generate.config import SampleConfig
 
-    @property
-    def eot_id(self) -> int | None:
-        return self.end_ids[0] if self.end_ids else None
-
-
-def load(args) -> Loaded:
-    """The model and tokenizer named by --checkpoint or --hf, cast to --dtype."""
-    from logitlab.io import checkpoint, hf
-
-    dtype = hf.parse_dtype(args.dtype)
-    eos: list[int] = []
-    if args.checkpoint:
-        model, tok = checkpoint.load_for_inference(args.checkpoint, dtype=dtype)
-        if tok is None:
-            raise FileNotFoundError(f"{args.checkpoint}: no {checkpoint.TOKENIZER_FILE} beside the model")
-    else:
-        d = Path(args.hf)
-        model = hf.load_pretrained(d, dtype=dtype)
-        tok = hf.load_tokenizer(d)
-        if tok is None:
-            raise FileNotFoundError(f"{d}: no tokenizer.json, vocab.json + merges.txt, or "
-                                    f"{checkpoint.TOKENIZER_FILE}")
-        if not checkpoint.is_logitlab_dir(d):
-            value = hf.read_hf_config(d).get("eos_token_id")
-            eos = [value] if isinstance(value, int) else list(value or [])
-    end = [tok.eot_id] if tok.eot_id is not None else []
-    end += [i for i in eos if i not in end and 0 <= i < model.config.vocab_size]
-    return Loaded(model.eval(), tok, tuple(end))
-
-
-def sample_config(args, end_ids: tuple[int, ...] = ()):
-    """SampleConfig from defaults < TOML [sample] < flags; --stop and --logit-bias parsed here."""
-    from logitlab.cli.common import build_config, read_toml
-    from logitlab.generate.loop import SampleConfig
-
-    table = read_toml(args.config).get("sample", {}) if getattr(args, "config", None) else {}
+    toml = read_toml(args.config).get("sample", {}) if getattr(args, "config", None) else {}
+    defaults = generation_defaults(generation or {})
+    table = {**defaults, **toml}
     bias = {}
     for item in args.logit_bias:
         key, _, value = item.partition("=")
@@ -165,8 +162,15 @@ def sample_config(args, end_ids: tuple[int, ...] = ()):
         if getattr(args, dest, None):
             overrides[name] = tuple(i for group in getattr(args, dest) for i in group)
     cfg = build_config(SampleConfig, args, table, **overrides)
-    return dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + stops,
-                               stop_ids=cfg.stop_ids + tuple(i for i in end_ids if i not in cfg.stop_ids))
+    cfg = dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + stops,
+                              stop_ids=cfg.stop_ids + tuple(i for i in end_ids if i not in cfg.stop_ids))
+    if getattr(args, "verbose", False):
+        sources = sample_sources(args, toml, defaults)
+        if end_ids:
+            sources["stop_ids"] += " + the model's end-of-sequence ids"
+        for line in describe_settings(cfg, sources):
+            error_console().print(line, markup=False, highlight=False, soft_wrap=True)
+    return cfg
 
 
 def _unescape(text: str) -> str:
@@ -178,38 +182,11 @@ def _unescape(text: str) -> str:
 
 # -------------------- Streaming text
 
-class StopHoldBack:
-    """Passes text through, holding back a tail that could be the start of a stop string, and
-    cutting the text where a stop string appears (the stop string itself is not shown)."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.buf, self.done = [s for s in stops if s], "", False
-
-    def feed(self, piece: str) -> str:
-        if self.done:
-            return ""
-        self.buf += piece
-        hits = [self.buf.find(s) for s in self.stops if s in self.buf]
-        if hits:
-            self.done = True
-            out, self.buf = self.buf[:min(hits)], ""
-            return out
-        keep = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.buf)), keep, -1):
-                if self.buf.endswith(s[:n]):
-                    keep = n
-                    break
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return out
-
-    def flush(self) -> str:
-        out, self.buf = ("" if self.done else self.buf), ""
-        return out
-
-
 def stream_text(tokenizer, ids, hidden_ids=(), stops=()):
-    """Ids -> text pieces: UTF-8-safe (decode_stream), without end/stop ids, cut at stop strings."""
+    """Ids -> text pieces: UTF-8-safe (decode_stream), without end/stop ids, cut at stop strings
+    (a tail that could start one held back: generate.stops.StopHoldBack)."""
+    from logitlab.generate.stops import StopHoldBack
+
     hold = StopHoldBack([s.decode("utf-8", errors="replace") for s in stops])
     hidden = set(hidden_ids)
     for piece in tokenizer.decode_stream(i for i in ids if i not in hidden):
@@ -261,29 +238,98 @@ def _write_prompt(out, prompt: str) -> None:
 
 def _generate(args) -> int:
     from logitlab.cli.common import console, error_console
-    from logitlab.generate.loop import stream
+    from logitlab.cli.models import load
 
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     m = load(args)
-    cfg = sample_config(args, m.end_ids[1:])
+    draft = prepare(args, m, error_console())
+    cfg = sample_config(args, m.end_ids[1:], m.generation)
     prompt = _unescape(args.prompt)
-    ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all")
+    ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all", add_bos=True)
     if not ids and m.eot_id is not None:
         ids = [m.eot_id]  # an empty prompt starts from end-of-text, as GPT-2 samples unconditionally
-    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes,
-               step=_decode_step(args, m.model))
-    out = console()
+    out, step = console(), _decode_step(args, m.model)
+    for i in range(args.num_samples):
+        # sample i draws from seed + i, so --seed S --num-samples N is N different, repeatable samples
+        this = cfg if cfg.seed is None or i == 0 else dataclasses.replace(cfg, seed=cfg.seed + i)
+        if args.num_samples > 1 and not args.json:
+            out.print(f"--- sample {i + 1} of {args.num_samples}", style="dim", markup=False, highlight=False)
+        _one_sample(args, m, ids, prompt, this, step, out, error_console(), draft)
+    return 0
+
+
+def _stream(args, m, ids, cfg, step, draft):
+    from logitlab.generate.loop import stream
+    from logitlab.generate.speculative import SpeculativeStream
+
+    if draft is None:
+        return stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes, step=step)
+    return SpeculativeStream(m.model, ids, cfg, draft=draft, k=args.draft_k, eot_id=m.eot_id,
+                             token_bytes=m.tokenizer.token_bytes)
+
+
+def _one_sample(args, m, ids, prompt, cfg, step, out, err, draft=None) -> None:
+    """Stream one continuation to stdout (text, then a newline where a terminal or a pipe reads it)
+    and the timings to stderr; with --json, one JSON object per line instead."""
+    s = _stream(args, m, ids, cfg, step, draft)
     if not args.json:
         _write_prompt(out, prompt)
     text = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), not args.json)
     r = s.result
+    speculative = _speculative_report(args, m, ids, cfg, step, r) if draft is not None else None
     if args.json:
-        print(json.dumps(dict(prompt=prompt, prompt_ids=ids, text=text, ids=r.tokens[0],
+        print(json.dumps(dict(prompt=prompt, prompt_ids=ids, text=text, ids=r.tokens[0], seed=cfg.seed,
                               stop_reason=r.stop_reasons[0], prefill_seconds=r.prefill_seconds,
                               decode_tokens=r.decode_tokens, decode_seconds=r.decode_seconds,
-                              decode_tokens_per_second=r.decode_tokens_per_second), ensure_ascii=False))
-    else:
-        _timings(error_console(), r, len(ids), newline=out.is_terminal)  # stderr: `> out.txt` is the text
-    return 0
+                              decode_tokens_per_second=r.decode_tokens_per_second,
+                              **({"speculative": speculative} if speculative else {})), ensure_ascii=False))
+        return
+    if _reader_wants_newline():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    _timings(err, r, len(ids), newline=False)  # stderr: `> out.txt` is the text alone
+    if speculative:
+        _speculative_line(err, speculative)
+
+
+def _speculative_report(args, m, ids, cfg, step, r) -> dict:
+    """The drafting record of a speculative run; with --compare-plain, the same prompt generated
+    without the drafter and the speed-up of decode tok/s."""
+    out = dict(draft=args.draft, k=args.draft_k, drafted=r.drafted, accepted=r.accepted,
+               acceptance_rate=r.acceptance_rate if r.drafted else None, target_passes=r.target_passes,
+               tokens_per_pass=r.tokens_per_pass if r.target_passes else None)
+    if getattr(args, "compare_plain", False):
+        s = _stream(args, m, ids, cfg, step, None)
+        plain = list(s)
+        out.update(plain_decode_tokens_per_second=s.result.decode_tokens_per_second,
+                   speedup=r.decode_tokens_per_second / s.result.decode_tokens_per_second,
+                   same_tokens=plain == r.tokens[0])
+    return out
+
+
+def _speculative_line(err, sp: dict) -> None:
+    rate = f"{sp['acceptance_rate']:.0%}" if sp["acceptance_rate"] is not None else "-"
+    per = f"{sp['tokens_per_pass']:.2f}" if sp["tokens_per_pass"] is not None else "-"
+    line = (f"speculative ({sp['draft']}, k {sp['k']}): {sp['accepted']} of {sp['drafted']} drafts accepted ({rate}) "
+            f"· {per} tokens per pass of the model")
+    if "speedup" in sp:
+        line += (f" · without the draft {sp['plain_decode_tokens_per_second']:.1f} tok/s: speed-up "
+                 f"{sp['speedup']:.2f}x · same tokens: {'yes' if sp['same_tokens'] else 'no'}")
+    err.print(line, style="dim", markup=False, highlight=False, soft_wrap=True)
+
+
+def _reader_wants_newline() -> bool:
+    """A newline after the text when stdout is a terminal or a pipe (the next prompt or line starts
+    clean); a redirected file keeps the text exactly as generated."""
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):   # no real file descriptor (captured output)
+        return True
+    return sys.stdout.isatty() or stat.S_ISFIFO(mode)
 
 
 def _decode_step(args, model):

@@ -1,17 +1,17 @@
 """Subcommand `inspect` (registered by main.py): score a text token by token and show what the
 model computes at one position (inspect.core), attention patterns with induction and previous-token
-scores (inspect.patterns), attention sinks and the Gated DeltaNet state (inspect.mixers), as tables
-and text grids or, with --json, one JSON object."""
+scores (inspect.patterns), attention sinks and the Gated DeltaNet state (inspect.mixers), a mixture
+of experts' routing (inspect.experts), as tables and text grids or, with --json, one JSON object."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
+from logitlab.cli.common import add_examples
 from logitlab.cli.generate import _model_flags as model_flags
 from logitlab.cli.generate import _number as number
 from logitlab.cli.generate import _unescape as unescape
-from logitlab.cli.generate import load
 
 
 def register(subparsers) -> None:
@@ -23,8 +23,11 @@ def register(subparsers) -> None:
                               "lens at that position, --neighbours TOKEN the most cosine-similar embedding "
                               "rows.")
     model_flags(i)
-    i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); special-token text "
-                   "in it such as <|endoftext|> becomes its id unless --ordinary is given")
+    add_examples(i, 'inspect runs/a "import os" --position 0 --lens',
+                 'inspect runs/a "def main():\\n    return" --rows 5 --temperature 0.7 --top-p 0.9',
+                 'inspect gpt2 " the bank of the river" --neighbours " bank"')
+    i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); "
+                   "special-token text in it such as <|endoftext|> becomes its id unless --ordinary is given")
     i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "
                    "text (default: it becomes the special token's id)")
     i.add_argument("--position", type=int, default=-1, help="token index for the next-token table and the "
@@ -50,8 +53,10 @@ def register(subparsers) -> None:
                    "by key columns, with each head's induction and previous-token scores")
     i.add_argument("--linear", action="store_true", help="Gated DeltaNet layers: decay exp(g), beta and the "
                    "state norm per head over the text (mean over heads per position)")
-    i.add_argument("--bos", action="store_true", help="put the end-of-text token first, so the first token "
-                   "of TEXT is scored too (GPT-2 style)")
+    i.add_argument("--experts", action="store_true", help="mixture of experts: per MoE layer, the experts each "
+                   "token goes to with their weights, and each expert's load over the text")
+    i.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token (<s>) first, or byte-level "
+                   "BPE's end-of-text token, so the first token of TEXT is scored too (GPT-2 style)")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     i.set_defaults(func=_inspect)
 
@@ -95,17 +100,19 @@ def _patterns(model, ids, layer: int, head: int | None) -> dict:
 
 
 def _inspect(args) -> int:
-    from logitlab.generate.loop import SampleConfig
+    from logitlab.cli.models import load
+    from logitlab.generate.config import SampleConfig
     from logitlab.inspect import core as ins
 
     tok = (m := load(args)).tokenizer
     ids = tok.encode(unescape(args.text), allowed_special="none" if args.ordinary else "all")
-    if args.bos and tok.eot_id is None:
-        raise ValueError("--bos needs a tokenizer with <|endoftext|>")
-    ids = [tok.eot_id] + ids if args.bos else ids
+    first = tok.bos_id if tok.bos_id is not None else tok.eot_id  # <s>, or byte-level BPE's <|endoftext|>
+    if args.bos and first is None:
+        raise ValueError("--bos needs a tokenizer with a BOS token or <|endoftext|>")
+    ids = [first] + ids if args.bos else ids
     if not ids:
         raise ValueError("the text encodes to no tokens")
-    label = lambda i: tok.decode([i])  # noqa: E731
+    label = lambda i: tok.token_bytes(i).decode("utf-8", errors="replace")  # noqa: E731  (what i adds: "▁a" -> " a")
     cfg = SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     report = dict(ids=ids, bos=bool(args.bos))
     if len(ids) >= 2:
@@ -125,6 +132,10 @@ def _inspect(args) -> int:
         report["linear"] = linear_trace(m.model, ids)
         if not report["linear"]:
             raise ValueError("--linear: this model has no Gated DeltaNet (linear_attention) layer")
+    if args.experts:
+        from logitlab.inspect.experts import expert_routing
+
+        report["experts"] = expert_routing(m.model, ids)
     if args.neighbours is not None:
         token = _token_id(tok, args.neighbours)
         nearest = ins.embedding_neighbours(m.model, token, args.rows, label)  # checks the id
@@ -162,9 +173,9 @@ def _print_inspect(report: dict, token_bytes) -> None:
         scored = f"{s.scored} token{'' if s.scored == 1 else 's'} scored"
         out.print(f"{scored}: total {s.total_nats:.2f} nats, cross-entropy {s.mean_nats:.3f} "
                   f"nats ({s.mean_bits:.3f} bits) per token, perplexity {s.perplexity:.2f}", markup=False)
-    out.print("token 0 is the end-of-text token added by --bos: it is context, so the text's first token is "
+    out.print("token 0 is the start token added by --bos: it is context, so the text's first token is "
               "scored" if report.get("bos") else "token 0 is not scored: nothing before it predicts it (pass "
-              "--bos to put the end-of-text token first and score it too)", markup=False, highlight=False)
+              "--bos to put a start token first and score it too)", markup=False, highlight=False)
     n = report["next"]
     settings = " ".join(f"{k.replace('_', '-')}={v}" for k, v in n.settings.items())
     columns = ["rank", "id", "token", "logit", "model: softmax(logits)", "sampler: what is drawn from"]
@@ -186,6 +197,8 @@ def _print_inspect(report: dict, token_bytes) -> None:
         _print_patterns(out, report["patterns"], report["ids"], token_bytes)
     if "linear" in report:
         _print_linear(out, report["linear"], report["ids"], token_bytes)
+    if "experts" in report:
+        _print_experts(out, report["experts"], report["ids"], token_bytes)
     if "neighbours" in report:
         nb = report["neighbours"]
         name = quote_token(token_bytes(nb["id"]))
@@ -221,6 +234,23 @@ def _print_linear(out, traces, ids, token_bytes) -> None:
                     ["pos", "token", "decay exp(g)", "beta", "||S||"], rows, right=(0, 2, 3, 4))
     out.print("decay near 1 keeps the state, near 0 forgets it; beta is how far the state moves towards "
               "the new value for each key", markup=False, highlight=False)
+
+
+def _print_experts(out, routing, ids, token_bytes) -> None:
+    from logitlab.cli.common import print_table
+
+    for r in routing:
+        rows = [[str(t), _cell(token_bytes, ids[t]), "  ".join(f"{e}: {w:.2f}" for e, w in zip(es, ws)),
+                 f"{h:.2f}"] for t, (es, ws, h) in enumerate(zip(r.experts, r.weights, r.entropy))]
+        print_table(out, f"MoE layer {r.layer}: each token's experts, heaviest first (expert: weight)",
+                    ["pos", "token", "experts", "router entropy"], rows, right=(0, 3))
+        E, n = len(r.load), sum(r.load)
+        load = ", ".join(f"{e}: {c}" for e, c in enumerate(r.load))
+        dropped = f"; {r.dropped:.1%} of them over capacity, dropped" if r.dropped else ""
+        out.print(f"layer {r.layer} load over the text ({n} assignments, {n / E:.1f} per expert if balanced): "
+                  f"{load}{dropped}", markup=False, highlight=False)
+    out.print("the router's entropy is ln E when it cannot tell experts apart, 0 when it is sure; a token's "
+              "output is the weighted sum of its experts' outputs", markup=False, highlight=False)
 
 
 SHADES = ".:-=+*#%@"   # a weight in [k/9, (k+1)/9) shows as SHADES[k]; exactly 0 (a masked key) as a space

@@ -10,27 +10,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from logitlab.cli.common import ExamplesFormatter
+
 
 def register(subparsers) -> None:
     """Add `params` and `convert` to `subparsers`."""
     import argparse
 
-    from logitlab.cli.common import add_dtype_flag
 
     p = subparsers.add_parser("params", help="parameter counts, FLOPs, memory and a training planner",
                               description="Exact parameter counts (model built on the meta device) beside "
                               "the back-of-envelope formula, FLOPs per token, weight and KV-cache memory, "
                               "and a training memory/time planner: when a step does not fit --memory-gb, the "
                               "largest batch and context that do, and how many fully sharded ranks it needs.",
-                              epilog="example:\n  logitlab params gpt2 --batch 64 --context 1024 --dtype bf16 "
-                              "--memory-gb 24 --tflops 989",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", metavar="PRESET|CONFIG.json|MODEL_DIR",
-                   help="a preset name, a config JSON (Hugging Face or logitlab) or a model directory")
+                              epilog="examples:\n  logitlab params gpt2 --batch-size 64 --seq-len 1024 --dtype bf16 "
+                              "--memory-gb 24 --tflops 989\n  logitlab params runs/a             # the model a run "
+                              "trained\n  logitlab params Qwen/Qwen3-0.6B    # a hub id (its config.json only)",
+                              formatter_class=ExamplesFormatter)
+    p.add_argument("target", metavar="PRESET|CONFIG.json|MODEL",
+                   help="a preset name, a config JSON (Hugging Face or logitlab), or a MODEL: a run, checkpoint or "
+                   "model directory, or a hub id ORG/NAME[@REVISION]")
+    p.add_argument("--revision", help="with a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--batch", type=int, default=1, help="planner: sequences per step (default 1)")
-    p.add_argument("--context", type=int, default=None, help="planner and FLOPs: tokens per sequence "
+    p.add_argument("--batch-size", type=int, default=1, help="planner: sequences per step (default 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="planner and FLOPs: tokens per sequence "
                    "(default: the model's context_length)")
+    p.add_argument("--batch", dest="batch_size", type=int, help=argparse.SUPPRESS)   # old spelling
+    p.add_argument("--context", dest="seq_len", type=int, help=argparse.SUPPRESS)    # old spelling
     p.add_argument("--dtype", default="bf16", help="planner compute dtype and KV-cache dtype (default bf16)")
     p.add_argument("--memory-gb", type=float, default=None, help="planner: memory available, GiB")
     p.add_argument("--tflops", type=float, default=None,
@@ -44,38 +50,38 @@ def register(subparsers) -> None:
                    help="with --world-size: what the backward recomputes (default none)")
     p.set_defaults(func=_params)
 
-    c = subparsers.add_parser("convert", help="Hugging Face <-> logitlab model directories",
-                              description="--hf DIR: read a Hugging Face directory (an architecture "
-                              "logitlab.families.SUPPORTED_ARCHITECTURES lists), write a logitlab directory "
-                              "to --out. --to-hf DIR: read a "
-                              "logitlab directory, write a Hugging Face directory to --out. --verify "
-                              "compares every hidden state and the logits with transformers.")
-    src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", metavar="DIR", help="Hugging Face directory to import")
-    src.add_argument("--to-hf", metavar="DIR", help="logitlab directory to export")
-    c.add_argument("--out", metavar="DIR", help="directory to write (required with --to-hf)")
-    c.add_argument("--overwrite", action="store_true", help="replace an --out directory that logitlab "
-                   "wrote before (only its own files; anything else there is kept). Without it --out must "
-                   "be new or empty")
-    c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
-                   "largest difference per layer and of the logits; exit 1 above tolerance")
-    add_dtype_flag(c)
-    c.set_defaults(func=_convert)
+    from logitlab.cli import convert
+
+    convert.register(subparsers)
 
 
 # --------------------------------------------------------------------------------------------
 # params
 # --------------------------------------------------------------------------------------------
 
-def resolve_config(target: str):
-    """A ModelConfig from a preset name, a config JSON file, or a model / checkpoint / run directory."""
-    from logitlab.io import checkpoint
+def resolve_config(target: str, revision: str | None = None):
+    """A ModelConfig from a preset name, a config JSON file, a model / checkpoint / run directory, or
+    a hub id (only its config.json is fetched). A near-miss of a preset name is answered with the
+    closest ones, not looked up on the hub."""
+    import difflib
+
+    from logitlab.io import checkpoint, hub
     from logitlab.model import families
-    from logitlab.model.transformer import ModelConfig
+    from logitlab.model.config import ModelConfig
 
     if target in families.PRESETS:
         return families.PRESETS[target]
     path = Path(target)
+    if not path.exists() and "/" not in target and difflib.get_close_matches(target, families.PRESETS, cutoff=0.8):
+        raise ValueError(families.unknown_preset(target))
+    if not path.exists() and hub.looks_like_hub_id(target):
+        try:
+            path = hub.resolve_model(target, revision, files=["config.json"]).directory
+        except ValueError as exc:
+            if "/" in target:                                   # ORG/NAME: a hub id, not a preset's name
+                raise
+            raise ValueError(f"{target!r} is neither a preset (logitlab.model.PRESETS), a config file or model "
+                             f"directory, nor a hub model: {exc}") from None
     if path.is_dir() and not (path / "config.json").is_file():
         path = checkpoint.resolve_model_dir(path)   # a run directory: its latest checkpoint
     if path.is_dir():
@@ -104,6 +110,8 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
     """Everything `logitlab params` shows, as one JSON-ready dict."""
     from logitlab.model import accounting as acc
     from logitlab.model import planner
+    from logitlab.model.accounting_moe import moe_summary
+    from logitlab.quant import apply as quant
 
     exact = acc.count_parameters(config)
     formula = acc.formula_count(config)
@@ -115,7 +123,9 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
             "classic_table": planner.classic_table(config),
             "flops_per_token": acc.flops_per_token(config, plan.context),
             "weight_bytes": acc.weight_bytes(exact.total),
+            "quantized_weight_bytes": quant.quantized_sizes(config),
             "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
+            "moe": moe_summary(config, exact, acc.matmul_params(config)),
             "fits_instead": advice.as_dict() if advice is not None else None,
             "weights_in_training": planner.weights_note(dtype, exact.total),
             "matmul_rate_source": "given" if tflops else "measured",
@@ -157,15 +167,16 @@ def _bytes(x: float) -> str:
 def _params(args) -> int:
     from logitlab.cli.common import console, print_table
 
-    config = resolve_config(args.target)
-    r = params_report(config, args.batch, args.context, args.dtype, args.memory_gb, args.tflops)
+    config = resolve_config(args.target, args.revision)
+    r = params_report(config, args.batch_size, args.seq_len, args.dtype, args.memory_gb, args.tflops)
     out = console()
     if args.json:
         out.print_json(json.dumps(r))
         return 0
     e, f, c = r["exact"], r["formula"], config
     title = (f"{args.target}: D {c.d_model}, L {c.n_layers}, H {c.n_heads}, Hkv {c.n_kv_heads}, "
-             f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, {'tied' if c.tie_embeddings else 'untied'}")
+             f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, {'tied' if c.tie_embeddings else 'untied'}"
+             + (f", {c.n_experts} experts of F {c.moe_d_ff}, {c.n_experts_per_token} per token" if c.is_moe else ""))
     L = c.n_layers
     rows = [["embeddings", "", _n(e["embeddings"]), "", _n(c.vocab_size * c.d_model)]]
     if e["positions"]:
@@ -180,8 +191,8 @@ def _params(args) -> int:
                      _n(e["linear_attention"]), _n(f["linear_per_layer"]),
                      _n(f["linear_per_layer"] * e["n_linear_layers"])])
         rows += [[f"  {name}", _n(n), _n(n * e["n_linear_layers"]), "", ""] for name, n in e["linear_items"].items()]
-    rows += [["MLP", _n(e["mlp_per_layer"]), _n(e["mlp"]), _n(f["mlp_per_layer"]), _n(f["mlp_per_layer"] * L)],
-             ["norms", _n(e["norms_per_layer"]), _n(e["norms"]), "", ""],
+    rows += _mlp_rows(e, f, c, r["moe"])
+    rows += [["norms", _n(e["norms_per_layer"]), _n(e["norms"]), "", ""],
              ["LM head", "", _n(e["lm_head"]) + (" (tied)" if e["tied"] else ""), "",
               _n(0 if c.tie_embeddings else c.vocab_size * c.d_model)],
              ["total", _n(e["per_layer"]), _n(e["total"]), _n(f["per_layer"]), _n(f["total"])]]
@@ -189,6 +200,8 @@ def _params(args) -> int:
                 rows, right=(1, 2, 3, 4))
     diff = ", ".join(f"{k} {_n(v)}" for k, v in r["difference"].items()) or "nothing"
     out.print(f"exact - formula = {_n(e['total'] - f['total'])}: {diff}")
+    if r["moe"]:
+        _print_moe(out, r["moe"])
     print_table(out, "the classic estimate 12·D²·L beside this model's formula",
                 ["part", "classic", "rule", "this model", "why they differ"],
                 [[row["part"], _n(row["classic"]), row["classic_rule"], _n(row["formula"]), row["why"]]
@@ -199,7 +212,11 @@ def _params(args) -> int:
               f"{si(fl['dense'], 'FLOP')} + attention 4·H·Dh per key read {si(fl['attention'], 'FLOP')}{state}), "
               f"training {si(fl['training'], 'FLOP')} (3x: forward + backward)")
     w = r["weight_bytes"]
-    out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])}")
+    out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])} "
+              "(1 byte a parameter)")
+    quantized = ", ".join(f"{name} {_bytes(n)}" for name, n in r["quantized_weight_bytes"].items())
+    out.print(f"quantized (--quantize: linear layers int8 per row or int4 in groups of G, with their scales and "
+              f"zero points; the rest bf16): {quantized}", soft_wrap=True)
     kv = r["kv_cache"]
     out.print(f"KV cache ({args.dtype}): {_bytes(kv['per_token'])} per token, {_bytes(kv['total'])} "
               f"at {kv['tokens']:,} tokens")
@@ -213,12 +230,46 @@ def _params(args) -> int:
     return 0
 
 
+def _mlp_rows(e: dict, f: dict, c, moe: dict | None) -> list[list[str]]:
+    """The MLP rows of params' table: one for a dense model; for an MoE, the dense and MoE layers'
+    formulas, the exact count of all of them, and the routed experts within it."""
+    L = c.n_layers
+    if moe is None:
+        return [["MLP", _n(e["mlp_per_layer"]), _n(e["mlp"]), _n(f["mlp_per_layer"]), _n(f["mlp_per_layer"] * L)]]
+    n_moe, rows = moe["n_moe_layers"], []
+    if n_moe < L:
+        rows.append([f"MLP ({L - n_moe} dense layers)", "", "", _n(f["mlp_per_layer"]),
+                     _n(f["mlp_per_layer"] * (L - n_moe))])
+    rows += [[f"MoE ({n_moe} layers)", "", "", _n(moe["layer_formula"]), _n(moe["layer_formula"] * n_moe)],
+             ["MLP, all layers", _n(e["mlp_per_layer"]), _n(e["mlp"]), "", ""],
+             ["  experts", "", _n(moe["routed_experts"]), "", ""]]
+    return rows
+
+
+def _print_moe(out, moe: dict) -> None:
+    """Total against active parameters (accounting_moe.moe_summary)."""
+    K, E = moe["experts_per_token"], moe["n_experts"]
+    shared = " and a shared expert" if moe["shared_expert_d_ff"] else ""
+    out.print(f"mixture of experts: each MoE layer is a router{shared} and {E} experts of "
+              f"{_n(moe['per_expert'])} parameters; a token uses {K} of them in each of {moe['n_moe_layers']} "
+              f"MoE layers, so {_n(moe['inactive'])} parameters are idle for it", markup=False, highlight=False)
+    out.print(f"total {_n(moe['total'])} ({_short(moe['total'])}), active per token {_n(moe['active'])} "
+              f"({_short(moe['active'])}, {moe['active_share']:.1%}); weights multiplied per token "
+              f"{_n(moe['active_matmul'])} ({_short(moe['active_matmul'])}: blocks and LM head, not the embedding "
+              "lookup; FLOPs count these, memory counts the total)", markup=False, highlight=False)
+
+
+def _short(n: int) -> str:
+    """A parameter count as people write it: 46.7B, 3.61B, 12.5M."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def _print_ranks(out, config, args) -> None:
     """Per-rank memory of each ZeRO stage on --world-size ranks (parallel.planner)."""
     from logitlab.cli.common import print_table
     from logitlab.parallel.planner import plan_all_stages
 
-    ranks = plan_all_stages(config, args.world_size, micro_batch=args.batch, context=args.context,
+    ranks = plan_all_stages(config, args.world_size, micro_batch=args.batch_size, context=args.seq_len,
                             mixed_precision=args.dtype != "fp32", tp=args.tp, pp=args.pp,
                             activation_checkpointing=args.activation_checkpointing)
     rows = [[r.parallel, _bytes(r.weights), _bytes(r.gradients), _bytes(r.optimizer), _bytes(r.activations),
@@ -280,78 +331,3 @@ def _print_fits_instead(out, advice: dict, p: dict) -> None:
                   f"each, {advice['sharded_micro_batch']} sequence(s) per rank")
     else:
         out.print("fully sharded training does not fit either at up to 4096 ranks: lower the batch or context")
-
-
-# --------------------------------------------------------------------------------------------
-# convert
-# --------------------------------------------------------------------------------------------
-
-def _print_report(report: dict) -> None:
-    from rich.table import Table
-
-    from logitlab.cli.common import console
-
-    t = Table(title=f"logitlab vs transformers ({report['dtype']}, ids {report['ids_shape']})")
-    t.add_column("output")
-    t.add_column("max |diff|", justify="right")
-    L = len(report["hidden"]) - 1
-    for i, d in enumerate(report["hidden"]):
-        label = "embeddings" if i == 0 else (f"block {i - 1}" if i < L else f"block {i - 1} + final norm")
-        t.add_row(label, f"{d:.2e}")
-    t.add_row("logits", f"{report['logits']:.2e}")
-    out = console()
-    out.print(t)
-    ok = "[green]OK[/green]" if report["ok"] else "[red]MISMATCH[/red]"
-    out.print(f"{ok} (tolerance {report['tolerance']:.0e} relative to max(1, |reference|))")
-
-
-def _hf_tokenizer(directory: Path):
-    """The directory's tokenizer (hf.load_tokenizer) or None: absent, or not byte-level BPE (a
-    note says why; the model is converted without it)."""
-    from logitlab.cli.common import error_console
-    from logitlab.io import hf
-
-    try:
-        return hf.load_tokenizer(directory)
-    except ValueError as exc:
-        error_console().print(f"note: tokenizer not converted: {exc}")
-        return None
-
-
-def _convert(args) -> int:
-    from logitlab.cli.common import console
-    from logitlab.io import checkpoint, files, hf
-
-    out = console()
-    if args.to_hf:
-        if not args.out:
-            raise ValueError("--to-hf needs --out DIR (the Hugging Face directory to write)")
-        files.check_output_dir(args.out, hf.HF_KIND, overwrite=args.overwrite, source=args.to_hf)
-        model, tokenizer = checkpoint.load_for_inference(args.to_hf,    # model dir, checkpoint or run
-                                                         dtype=hf.parse_dtype(args.dtype))
-        hf.save_pretrained(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, source=args.to_hf)
-        arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
-        out.print(f"wrote Hugging Face directory {args.out} ({arch}"
-                  f"{', tokenizer.json' if tokenizer is not None else ''})")
-        reference = args.out
-    else:
-        legacy = checkpoint.model_dir_entries(args.out) if args.out else None
-        if args.out:  # refused before the (possibly large) model is read
-            files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=args.hf,
-                                   legacy=legacy)
-        model = hf.load_pretrained(args.hf, dtype=args.dtype)
-        if args.out:
-            tokenizer = _hf_tokenizer(Path(args.hf))
-            with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
-                                        source=args.hf, legacy=legacy) as tmp:
-                checkpoint.write_model_files(model, tmp)
-                if tokenizer is not None:
-                    tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
-            out.print(f"wrote logitlab directory {args.out}"
-                      f"{' with its tokenizer' if tokenizer is not None else ''}")
-        reference = args.hf
-    if args.verify:
-        report = hf.verify_against_transformers(model, reference)
-        _print_report(report)
-        return 0 if report["ok"] else 1
-    return 0

@@ -25,10 +25,13 @@ def add_special_parser(sub) -> None:
                        "embedding and LM head when there are enough (no tensor changes shape), else by an "
                        "explicit resize; new rows start as the mean embedding (--init). Old ids keep their "
                        "rows, so the model's logits on old ids are unchanged.")
-    p.add_argument("--model", help="run, checkpoint or model directory (its tokenizer is the one extended)")
-    p.add_argument("--tokenizer", help="tokenizer file, when there is no --model")
-    p.add_argument("--tokens", nargs="+", default=["<|im_start|>", "<|im_end|>"],
-                   help="special tokens to add (default: ChatML's <|im_start|> <|im_end|>)")
+    cli.add_examples(p, "tokenizer add-special runs/demo --out runs/demo-chat",
+                     "tokenizer add-special --tokenizer tok.json --tokens '<|tool|>' --out tok-chat.json")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="the model whose tokenizer is extended (a run, "
+                   "checkpoint or model directory, or a Hugging Face directory or hub id); or give --tokenizer")
+    p.add_argument("--tokenizer", help="tokenizer file, when there is no MODEL")
+    p.add_argument("--tokens", nargs="+", action="extend", default=None, metavar="TOKEN",
+                   help="special tokens to add; repeated flags add up (default: ChatML's <|im_start|> <|im_end|>)")
     p.add_argument("--chat-template", help="'chatml', a .jinja file, or a Hugging Face tokenizer_config.json "
                    "whose chat_template the tokenizer keeps (default: keep the tokenizer's; none means ChatML)")
     p.add_argument("--init", choices=["mean", "keep"], default="mean",
@@ -54,7 +57,6 @@ def _read_template(spec: str | None):
 
 
 def cmd_add_special(args) -> int:
-    from logitlab.io import checkpoint
     from logitlab.io.files import atomic_directory
     from logitlab.io.model_dir import MODEL_KIND, TOKENIZER_FILE, write_model_files
     from logitlab.tokenizer.core import Tokenizer
@@ -62,15 +64,16 @@ def cmd_add_special(args) -> int:
     from logitlab.train.vocab import fit_vocab
 
     if bool(args.model) == bool(args.tokenizer):
-        raise ValueError("give exactly one of --model (a model and its tokenizer) or --tokenizer (a file)")
+        raise ValueError("give exactly one of MODEL (a model and its tokenizer) or --tokenizer (a file)")
     model = None
     if args.model:
-        model, tok = checkpoint.load_for_inference(args.model)
-        if tok is None:
-            raise FileNotFoundError(f"{args.model}: no {TOKENIZER_FILE} beside the model")
+        from logitlab.io.loading import load_model_and_tokenizer
+
+        loaded = load_model_and_tokenizer(args.model)
+        model, tok = loaded.model, loaded.tokenizer
     else:
         tok = Tokenizer.load(args.tokenizer)
-    new, added = add_special_tokens(tok, args.tokens)
+    new, added = add_special_tokens(tok, args.tokens or ["<|im_start|>", "<|im_end|>"])
     if args.chat_template is not None:
         new.chat_template = _read_template(args.chat_template)
     con = cli.console()
@@ -98,16 +101,19 @@ def _listed(added: dict) -> str:
 
 def register(subparsers) -> None:
     """Add `sft` and `embedding-diff` to `subparsers`."""
-    from logitlab.train.config import TrainConfig
-    from logitlab.train.sft import SFTConfig
+    from logitlab.cli.models import add_model_argument
+    from logitlab.train.config import SFTConfig, TrainConfig
 
     p = subparsers.add_parser("sft", help="supervised fine-tuning on conversations (optionally LoRA)",
                               description="Fine-tune a model on a .jsonl of {\"messages\": [...]} or "
                               "{\"prompt\", \"completion\"} lines, with the loss on the assistant's tokens, "
                               "packed rows whose attention stays inside each conversation, a validation loss "
                               "on held-out conversations and sample replies at each evaluation.")
-    p.add_argument("--base", required=True, help="run, checkpoint or model directory to start from")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint")
+    add_model_argument(p, dtype=False)
+    cli.add_examples(p, "sft runs/demo --data chats.jsonl --out runs/sft --steps 150",
+                     "sft Qwen/Qwen3-0.6B --data chats.jsonl --out runs/lora --lora-targets q_proj,v_proj",
+                     "sft runs/demo --data chats.jsonl --out runs/sft --resume")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--samples", type=int, default=2, help="held-out prompts answered at each evaluation (default: 2)")
     p.add_argument("--lora-targets", help="LoRA on these projections (q_proj,v_proj,... or all-linear); "
                    "default: full fine-tuning")
@@ -125,15 +131,17 @@ def register(subparsers) -> None:
                    "a PEFT adapter directory DIR-adapter beside the base model)")
     cli.add_config_flags(p, SFTConfig)
     # the SFT loop runs one eager process: the pretraining loop's compile, parallel and CPU-route flags do not apply
-    cli.add_config_flags(p, TrainConfig, skip=("data_dir", "compile", "parallel", "keep_freed_memory", "bf16_matmul"),
+    cli.add_config_flags(p, TrainConfig, skip=("data_dir", "compile", "parallel", "keep_freed_memory", "bf16_matmul",
+                                                "virtual_stages", "dist_timeout"),
                          shown_defaults={"lr": "a tenth of pretraining's default for the model's size; "
-                                         "with LoRA, pretraining's default"})
+                                         "with LoRA, pretraining's default"}, renamed={"out_dir": "--out"})
     p.set_defaults(func=cmd_sft)
 
     g = subparsers.add_parser("sft-data", help="write a small instruction set from the standard library",
                               description="Write a .jsonl of conversations made from the running Python's "
                               "standard library: 'What does json.dumps do?' answered with the first line of its "
                               "docstring (no download; the same set on every run of one Python version).")
+    cli.add_examples(g, "sft-data --out chats.jsonl --limit 2000")
     g.add_argument("--out", required=True, help=".jsonl file to write")
     g.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
     g.set_defaults(func=cmd_sft_data)
@@ -142,8 +150,10 @@ def register(subparsers) -> None:
                               description="Compare the embedding rows (and untied LM-head rows) of BASE and "
                               "TUNED: the tokens that moved most, special tokens first, and the share of the "
                               "change the special tokens carry.")
-    d.add_argument("base", help="base run, checkpoint or model directory")
-    d.add_argument("tuned", help="fine-tuned run, checkpoint or model directory")
+    cli.add_examples(d, "embedding-diff runs/demo runs/sft --data chats.jsonl --top 20")
+    d.add_argument("base", metavar="BASE", help="the base MODEL (a run, checkpoint, logitlab or Hugging Face "
+                   "directory, or a hub id)")
+    d.add_argument("tuned", metavar="TUNED", help="the fine-tuned MODEL")
     d.add_argument("--data", help="SFT .jsonl: counts each token's frequency, shown beside its change")
     d.add_argument("--top", type=int, default=15, help="rows listed per table (default: 15)")
     d.add_argument("--by", choices=["l2", "relative", "angle"], default="l2",
@@ -168,8 +178,8 @@ def cmd_sft_data(args) -> int:
 def _sampler(tokenizer, val_path, train_cfg, sft_cfg, n: int):
     """on_eval(model, step) -> greedy replies to the first n held-out prompts."""
     from logitlab.data.sft import read_conversations
+    from logitlab.generate.config import SampleConfig
     from logitlab.generate.loop import generate
-    from logitlab.generate.sampling import SampleConfig
     from logitlab.tokenizer.chat import end_of_turn_id
     from logitlab.train.sft import split_conversations
 
@@ -208,16 +218,15 @@ def _report(con):
 
 
 def cmd_sft(args) -> int:
-    from logitlab.io import checkpoint
+    from logitlab.cli.models import load
     from logitlab.train.config import TrainConfig
     from logitlab.train.lora import LoRAConfig, apply_lora, train_token_rows
     from logitlab.train.sft import SFTConfig, run_sft
 
     sft_cfg = cli.build_config(SFTConfig, args)
     train_cfg = cli.build_config(TrainConfig, args)
-    model, tok = checkpoint.load_for_inference(args.base)
-    if tok is None:
-        raise FileNotFoundError(f"{args.base}: no tokenizer beside the model")
+    base = load(args)
+    model, tok = base.model.train(), base.tokenizer
     lora = None
     if args.lora_targets:
         lora = LoRAConfig(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
@@ -230,7 +239,7 @@ def cmd_sft(args) -> int:
     con = cli.console()
     result = run_sft(model, tok, train_cfg, sft_cfg, resume=args.resume, callback=_report(con),
                      on_eval=_sampler(tok, sft_cfg.val_data, train_cfg, sft_cfg, args.samples),
-                     base=str(Path(args.base).resolve()))
+                     base=base.pinned)
     con.print(f"done: {result.step} steps; checkpoint {result.checkpoint}")
     if args.export_hf:
         _export(model, tok, lora, Path(args.export_hf), con)
@@ -260,10 +269,10 @@ def _export(model, tok, lora, out: Path, con) -> None:
 def cmd_embedding_diff(args) -> int:
     from logitlab.data.sft import read_conversations
     from logitlab.inspect.embed_diff import embedding_diff, token_counts
-    from logitlab.io import checkpoint
+    from logitlab.io.loading import load_model_and_tokenizer
 
-    base, _ = checkpoint.load_for_inference(args.base)
-    tuned, tok = checkpoint.load_for_inference(args.tuned)
+    base = load_model_and_tokenizer(args.base).model
+    tuned, tok = (loaded := load_model_and_tokenizer(args.tuned)).model, loaded.tokenizer
     counts = None
     if args.data:
         ids = (tok.apply_chat_template(m) for m in read_conversations(args.data))

@@ -1,12 +1,12 @@
-"""The live view of a training run (cli/train.py, cli/demo.py): a rich progress bar with step,
-loss, validation loss, tokens/s and time left in a terminal, else a line per evaluation."""
+"""The live view of a training run (cli/train.py, cli/demo.py): a line per evaluation, and in a
+terminal a rich progress bar below them with step, loss, validation loss, tokens/s and time left."""
 
 from __future__ import annotations
 
 
 class LiveProgress:
-    """The train callback: a rich progress bar (step, loss, val, tok/s, ETA) when the console is
-    interactive, else a line per evaluation."""
+    """The train callback: a line per evaluation, kept on screen, and when the console is
+    interactive a rich progress bar (step, loss, val, tok/s, ETA) under them."""
 
     def __init__(self, con, enabled: bool) -> None:
         self.con, self.enabled, self.bar, self.task = con, enabled and con.is_terminal, None, None
@@ -24,13 +24,13 @@ class LiveProgress:
             if self.enabled:
                 self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=30),
                                     TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  "
-                                               "{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+                                               "{task.fields[tps]} tok/s{task.fields[moe]}"), TimeRemainingColumn(),
                                     console=self.con)
                 self.bar.start()
                 self.task = self.bar.add_task("train", total=r["steps"], completed=r["step"],
-                                              loss="-", val="-", tps="-")
+                                              loss="-", val="-", tps="-", moe="")
         elif event == "step" and self.bar is not None:
-            fields = dict(loss=f"{r['loss']:.3f}", tps=f"{r['tokens_per_s']:,.0f}")
+            fields = dict(loss=f"{r['loss']:.3f}", tps=f"{r['tokens_per_s']:,.0f}", moe=routing(r, short=True))
             if "val_loss" in r:
                 fields["val"] = f"{r['val_loss']:.3f}"
             self.bar.update(self.task, completed=r["step"], **fields)
@@ -38,9 +38,12 @@ class LiveProgress:
             self.con.print(f"step 0: val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
             if self.bar is not None:
                 self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
-        elif event == "eval" and self.bar is None and not self.quiet:
+        elif event == "eval" and not self.quiet:
+            # with a live bar, rich prints the line above it: every evaluation stays on screen
             self.con.print(f"step {r['step']}: loss {r['loss']:.4f}, val {r['val_loss']:.4f} "
-                           f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s")
+                           f"(ppl {r['val_ppl']:.1f}), {r['tokens_per_s']:,.0f} tok/s{routing(r)}")
+            if self.bar is not None:
+                self.bar.update(self.task, val=f"{r['val_loss']:.3f}")
         elif event == "end":
             self.close()
 
@@ -48,6 +51,19 @@ class LiveProgress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+def routing(r: dict, short: bool = False) -> str:
+    """An MoE step record's routing (train.moe.RoutingLog) as a suffix: the balancing loss, the
+    router's entropy and the busiest expert's share of its layer's assignments; "" for a dense model."""
+    if "aux_loss" not in r:
+        return ""
+    busiest = max(max(row) for row in r["expert_share"])
+    if short:
+        return f"  aux {r['aux_loss']:.2f}  busiest expert {busiest:.0%}"
+    dropped = f", {r['dropped']:.1%} dropped" if r.get("dropped") else ""
+    return (f"; balancing loss {r['aux_loss']:.3f}, router entropy {r['router_entropy']:.2f} nats, busiest expert "
+            f"{busiest:.0%} of its layer's assignments{dropped}")
 
 
 def bf16_routes(r: dict) -> str:

@@ -1,4 +1,5 @@
-"""`logitlab tokenizer ...`: train, encode, decode, show and convert byte-level BPE tokenizers.
+"""`logitlab tokenizer ...`: train, encode, decode, show and convert tokenizers (byte-level BPE,
+and SentencePiece-style BPE read from a Hugging Face tokenizer.json).
 
 Registered by cli.py. A tokenizer comes from `--tokenizer FILE` (logitlab JSON, or a Hugging Face
 tokenizer.json), or from `--gpt2 DIR` (a folder with GPT-2's vocab.json + merges.txt).
@@ -13,23 +14,33 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+EOT = "<|endoftext|>"
 
 def register(subparsers) -> None:
     """Add the `tokenizer` command and its subcommands to `subparsers`."""
+    from logitlab.cli.common import add_examples
+
     parser = subparsers.add_parser("tokenizer", help="train, inspect and use byte-level BPE tokenizers")
+    add_examples(parser, "tokenizer train --vocab-size 4096 --max-bytes 2000000 --out tok.json",
+                 'tokenizer show --tokenizer tok.json "def main():"', 'tokenizer encode --tokenizer gpt2 "Hello"')
     sub = parser.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
     sub.required = True
 
     train = sub.add_parser("train", help="learn BPE merges from text files")
-    train.add_argument("--data", nargs="+", metavar="PATH",
-                       help="files or directories (default: the Python standard library's *.py files)")
+    add_examples(train, "tokenizer train --vocab-size 4096 --max-bytes 2000000 --out tok.json",
+                 "tokenizer train --data notes/ essays.txt --vocab-size 8192 --special-token '<|endoftext|>' "
+                 "--special-token '<|im_start|>' --out tok.json --export-hf tokenizer.json")
+    # flags taking several values accumulate when repeated (--special-token A --special-token B)
+    train.add_argument("--data", nargs="+", action="extend", metavar="PATH",
+                       help="files or directories; repeatable (default: the Python standard library's *.py files)")
     train.add_argument("--glob", default="**/*", help="files taken from directories (default: **/*)")
     train.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, specials included")
     train.add_argument("--max-bytes", type=int, default=None, metavar="N",
                        help="train on about N bytes: whole files spread evenly over the sources (default: all)")
-    train.add_argument("--special-token", nargs="*", default=["<|endoftext|>"], metavar="S",
-                       help="special tokens (default: <|endoftext|>; give the flag alone for none)")
-    train.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k or a regex")
+    train.add_argument("--special-token", nargs="*", action="extend", default=None, metavar="S",
+                       help="special tokens, several after one flag or the flag repeated (default: <|endoftext|>; "
+                       "give the flag alone for none)")
+    train.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, gpt2_digits or a regex")
     train.add_argument("--workers", type=int, default=None, help="pre-tokenization processes (default: all cores)")
     train.add_argument("--out", required=True, help="tokenizer file to write (logitlab JSON + .vocab listing)")
     train.add_argument("--export-hf", metavar="FILE", help="also write a Hugging Face tokenizer.json")
@@ -40,11 +51,18 @@ def register(subparsers) -> None:
     for name, helptext in (("encode", "text -> ids"), ("decode", "ids -> text"),
                            ("show", "each token of a text with its id and bytes")):
         p = sub.add_parser(name, help=helptext)
+        add_examples(p, *{"encode": ['tokenizer encode --tokenizer tok.json "def main():\\n" --json',
+                                     "echo 'text from stdin' | logitlab tokenizer encode --tokenizer runs/a"],
+                          "decode": ["tokenizer decode --tokenizer tok.json 100 257 31",
+                                     "echo '[100, 257]' | logitlab tokenizer decode --tokenizer tok.json"],
+                          "show": ['tokenizer show --tokenizer tok.json "def main():\\n\\treturn 0"',
+                                   'tokenizer show --tokenizer Qwen/Qwen3-0.6B "Hello, world"']}[name])
         _add_source(p)
         if name == "decode":
             p.add_argument("ids", nargs="*", help="ids (default: read from stdin; JSON list or whitespace separated)")
         else:
-            p.add_argument("text", nargs="?", help="text (default: read from stdin)")
+            p.add_argument("text", nargs="?", help="text; \\n and \\t in it are a newline and a tab, \\\\ a "
+                           "backslash, as in generate and inspect (default: read from stdin, taken as it is)")
             p.add_argument("--ordinary", action="store_true",
                            help="treat special-token strings as plain text (for untrusted input)")
         if name != "show":
@@ -52,6 +70,8 @@ def register(subparsers) -> None:
         p.set_defaults(func={"encode": cmd_encode, "decode": cmd_decode, "show": cmd_show}[name])
 
     convert = sub.add_parser("convert", help="write a tokenizer in another format")
+    add_examples(convert, "tokenizer convert --tokenizer tok.json --to hf --out tokenizer.json",
+                 "tokenizer convert --gpt2 gpt2/ --to tiktoken --out gpt2.tiktoken")
     _add_source(convert)
     convert.add_argument("--to", choices=["logitlab", "hf", "tiktoken"], required=True,
                          help="format to write: logitlab JSON, Hugging Face tokenizer.json or a tiktoken rank file")
@@ -64,7 +84,8 @@ def register(subparsers) -> None:
 
 def _add_source(parser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--tokenizer", metavar="FILE", help="logitlab tokenizer JSON or HF tokenizer.json")
+    group.add_argument("--tokenizer", metavar="FILE|MODEL", help="a logitlab tokenizer JSON or a Hugging Face "
+                       "tokenizer.json, or a MODEL whose tokenizer to use (a run or model directory, or a hub id)")
     group.add_argument("--gpt2", metavar="DIR", help="folder with GPT-2's vocab.json and merges.txt")
     parser.add_argument("--reference", action="store_true", help="use the pure-Python encoder")
 
@@ -79,7 +100,7 @@ def load_tokenizer(args):
         return Tokenizer.from_gpt2_files(folder / "vocab.json", folder / "merges.txt")
     path = Path(args.tokenizer)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {path}")
+        return _model_tokenizer(args.tokenizer)
     try:
         head = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -89,8 +110,23 @@ def load_tokenizer(args):
     return Tokenizer.load(path)
 
 
+def _model_tokenizer(spec: str):
+    """The tokenizer of a model directory or hub id (io.hf.load_tokenizer), for --tokenizer MODEL."""
+    from logitlab.io import hf, hub
+
+    if not Path(spec).is_dir() and not hub.looks_like_hub_id(spec):
+        raise FileNotFoundError(f"tokenizer file not found: {spec}")
+    tok = hf.load_tokenizer(spec)
+    if tok is None:
+        raise FileNotFoundError(f"{spec}: no tokenizer file in this model directory")
+    return tok
+
+
 def _text(args) -> str:
-    return args.text if args.text is not None else sys.stdin.read()
+    """TEXT with the escapes every command reads (\\n, \\t, \\\\), or stdin as it is."""
+    from logitlab.cli.generate import _unescape
+
+    return _unescape(args.text) if args.text is not None else sys.stdin.read()
 
 
 def _encode(tok, args) -> list[int]:
@@ -164,7 +200,8 @@ def cmd_train(args) -> int:
         warnings.simplefilter("always", ShortVocabularyWarning)
         warnings.simplefilter("always", UnicodeWarning)
         with bpe_progress_bar(enabled=not args.no_progress) as progress:
-            tok = train_tokenizer(data, args.vocab_size, args.special_token or [], pattern=args.pattern,
+            specials = [EOT] if args.special_token is None else args.special_token
+            tok = train_tokenizer(data, args.vocab_size, specials, pattern=args.pattern,
                                   workers=args.workers, progress=progress, glob=args.glob)
     for w in caught:
         error_console().print(f"[yellow]warning:[/yellow] {escape(str(w.message))}", soft_wrap=True)
@@ -248,18 +285,24 @@ def cmd_show(args) -> int:
     table = Table(title=f"{len(ids)} tokens", show_lines=False)
     for col in ("#", "id", "token", "bytes"):
         table.add_column(col, justify="right" if col in ("#", "id") else "left")
+    pieces = tok.kind == "sentencepiece"  # its pieces as the vocabulary spells them: '▁the', '<0xE2>'
     for n, i in enumerate(ids):
         raw = tok.token_bytes(i)
-        label = escape(quote_token(raw))
+        label = escape(quote_token(tok.piece(i) if pieces else raw))
         table.add_row(str(n), str(i), f"[bold]{label}[/bold] special" if tok.is_special(i) else label,
                       raw.hex(" "))
     out = console()
     out.print(table)
     n_bytes = len(text.encode("utf-8", errors="replace"))
     ratio = n_bytes / len(ids) if ids else 0.0
-    out.print(f"{len(ids)} tokens, {n_bytes} bytes, {ratio:.2f} bytes/token "
-              f"(vocab_size {tok.vocab_size}, "
-              f"encoder {'tiktoken' if tok.fast_path_ok and not args.reference else 'reference'})")
+    if pieces:
+        encoder = "SentencePiece-style BPE" + (", reference encoder" if args.reference else "")
+    else:
+        encoder = "encoder " + ("tiktoken" if tok.fast_path_ok and not args.reference else "reference")
+    out.print(f"{len(ids)} tokens, {n_bytes} bytes, {ratio:.2f} bytes/token (vocab_size {tok.vocab_size}, {encoder})")
+    if pieces:
+        out.print("'▁' is a space; <0xNN> is one byte of a character outside the vocabulary (byte fallback); "
+                  "bytes: what each token adds to the text", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

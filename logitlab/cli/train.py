@@ -23,7 +23,9 @@ from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot
     plot_run,
 )
 from logitlab.cli.extend import EXTEND_MAY_CHANGE, extend_run, show_extension
+from logitlab.cli.launched import env_world_size, fit_resumed_mesh
 from logitlab.cli.progress import LiveProgress
+from logitlab.cli.train_budget import fit_time_budget, given
 
 # --------------------------------------------------------------------------------------------
 # Shared pieces
@@ -31,7 +33,10 @@ from logitlab.cli.progress import LiveProgress
 
 def exit_code(result) -> int:
     """0 for a finished run (or one stopped by its time limit); 128 + the signal's number for a
-    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell."""
+    run stopped by SIGINT (130) or SIGTERM (143), as a shell reports them, so scripts can tell;
+    1 for a rank that stopped because its launcher (torchrun's agent) died."""
+    if result.stopped == "launcher":
+        return 1
     return 128 + (result.signal or 2) if result.stopped == "signal" else 0
 
 
@@ -49,6 +54,9 @@ def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool
         con.print(f"[yellow]time limit reached at step {result.step} of {train_cfg.steps}[/yellow]")
     if result.stopped == "signal":
         con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
+    elif result.stopped == "launcher":
+        con.print(f"[yellow]the launcher (torchrun) died: stopped at step {result.step}; checkpoint "
+                  f"{result.checkpoint} (continue with --resume)[/yellow]")
     else:
         # no step ran (a resumed run that had already finished): no loss to show
         loss = f", loss {result.last_loss:.4f}" if result.last_loss is not None else ""
@@ -80,6 +88,18 @@ def _model_config(args, table: dict, tokenizer):
     return cfg
 
 
+def _experts_line(model) -> str:
+    """For a mixture of experts: its experts and the parameters a token uses."""
+    c = model.config
+    if not c.is_moe:
+        return ""
+    from logitlab.model.accounting import count_parameters
+
+    active = count_parameters(model).active
+    return (f"; {c.n_experts} experts, {c.n_experts_per_token} per token: {active / 1e6:.2f} M active "
+            f"(balancing loss x {c.router_aux_loss_coef:g}, z-loss x {c.router_z_loss_coef:g})")
+
+
 def _underived(cfg) -> dict:
     from logitlab.model.families import underived_fields
 
@@ -102,6 +122,8 @@ def cmd_train(args) -> int:
     else:
         table = cli.read_toml(args.config) if args.config else {}
     cfg = cli.build_config(TrainConfig, args, _train_table(args, table))
+    if args.resume:
+        cfg = fit_resumed_mesh(args, cfg, env_world_size())
     # the layout's hooks (train.layouts.parallel_hooks): DDP / FSDP2, an N-D data-parallel mesh, or
     # tensor / pipeline parallel and ZeRO-1 (and any resume of a sharded checkpoint) with sharded checkpoints
     hooks = parallel_hooks(cfg, run_dir=args.resume, resume=bool(args.resume))
@@ -144,10 +166,6 @@ def _train_one(args, con, hooks) -> int:
         return _start(args, table, train_cfg, con, hooks)
 
 
-# Settings that may change when a run resumes: how long it runs, how often it evaluates, saves and
-# logs, and how fast (device, compile, matmul and allocator modes). Everything else would make the
-# resumed run a different run, so a flag that changes it is refused. --steps moves the end of the
-# cosine schedule with the run's end.
 # What the command line chooses where the library leaves a process-wide setting off: a user who
 # runs `logitlab train` owns the process (TrainConfig.keep_freed_memory; --keep-freed-memory off).
 CLI_TRAIN_DEFAULTS = {"keep_freed_memory": "auto"}
@@ -165,12 +183,18 @@ def _recipe(args, table: dict):
 def _train_table(args, table: dict) -> dict:
     """TrainConfig fields before the flags: the CLI's defaults, the recipe's, the TOML's [train] table."""
     return {**CLI_TRAIN_DEFAULTS, **_recipe(args, table).train, **table.get("train", {})}
+
+
+# Settings that may change when a run resumes: how long it runs, how often it evaluates, saves and
+# logs, and how fast (device, compile, matmul and allocator modes). Everything else would make the
+# resumed run a different run, so a flag that changes it is refused. --steps moves the end of the
+# cosine schedule with the run's end.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "save_every", "keep_last", "log_every",
                      "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory",
                      "attention_kernel",
                      # the layout: a checkpoint loads into any mesh (train.layouts.parallel_hooks)
                      "tp", "pp", "dp_shard", "dp_replicate", "parallel", "sequence_parallel",
-                     "activation_checkpointing", "pp_schedule")
+                     "activation_checkpointing", "pp_schedule", "virtual_stages", "dist_timeout")
 
 
 def _read_run(run_dir) -> dict:
@@ -279,48 +303,13 @@ def _start(args, table: dict, train_cfg, con, hooks) -> int:
     model = Transformer(model_cfg)
     n = sum(p.numel() for p in model.parameters())
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
-              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}")
-    train_cfg = _fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
-    con.print(f"learning rate {train_cfg.lr:g}" + ("" if _given(args, table, "lr") else
+              f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}"
+              + _experts_line(model))
+    train_cfg = fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
+    con.print(f"learning rate {train_cfg.lr:g}" + ("" if given(args, table, "lr") else
               " (the default for a model of this size: 3e-3 under 50 M parameters, else 3e-4)"))
     result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False)
     return exit_code(result)
-
-
-def _given(args, table: dict, name: str) -> bool:
-    """Whether the user set TrainConfig field `name`, by a flag or in the TOML [train] table."""
-    return hasattr(args, name) or name in table.get("train", {})
-
-
-def _fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
-    """--time-limit-s S on a new run: time a training step here, then choose the step count (at
-    most --steps when given) and, unless given, the warmup and evaluation interval, so that the
-    whole warmup + cosine schedule ends inside S (train.budget). The limit still stops the run."""
-    from logitlab.train import budget, runtime
-
-    limit = train_cfg.time_limit_s
-    if limit is None:
-        return train_cfg
-    if hooks is not None:  # ranks timing on their own could choose different step counts
-        con.print(f"[yellow]under torchrun --time-limit-s stops the run at {limit:g} s; the schedule is not "
-                  "fitted to it (set --steps)[/yellow]")
-        return train_cfg
-    device = runtime.pick_device(train_cfg.device)
-    seq_len = train_cfg.seq_len or model.config.context_length
-    _, micro_s = budget.time_training_step(model.to(device), train_cfg.batch_size, seq_len, device=device,
-                                           amp_dtype=runtime.autocast_dtype(device, train_cfg.precision))
-    step_s = micro_s * train_cfg.grad_accum
-    eval_s = budget.eval_seconds(micro_s, 1, train_cfg.batch_size, seq_len, train_cfg.eval_tokens)
-    fit = budget.fit_steps_to_budget(limit, step_s, eval_s,
-                                     eval_every=train_cfg.eval_every if _given(args, table, "eval_every") else None,
-                                     max_steps=train_cfg.steps if _given(args, table, "steps") else None)
-    warmup = min(train_cfg.warmup_steps, fit.steps) if _given(args, table, "warmup_steps") else None
-    fitted = dataclasses.replace(train_cfg, steps=fit.steps, eval_every=fit.eval_every, warmup_steps=warmup)
-    decay = "the cosine" if fitted.lr_schedule == "cosine" else "constant, then the decay"
-    con.print(f"time budget {limit:g} s: a step takes {step_s:.3g} s here, so {fit.steps:,} steps fit (warmup "
-              f"{fitted.warmup_steps}, then {decay} to step {fit.steps}; evaluating every {fit.eval_every}); "
-              f"the run still stops at {limit:g} s")
-    return fitted
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +317,7 @@ def _fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
 # --------------------------------------------------------------------------------------------
 
 _EXAMPLES = {
-    "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out-dir runs/a\n"
+    "train": "examples:\n  logitlab train --data tinyshakespeare.txt --steps 2000 --out runs/a\n"
              "  logitlab train --data-dir data/ --preset tiny --d-model 256 --lr 1e-3\n"
              "  logitlab train --config run.toml --lr 3e-4\n  logitlab train --resume runs/a --steps 4000",
     "plot": "example:\n  logitlab plot runs/a            # writes runs/a/loss.png",
@@ -336,10 +325,9 @@ _EXAMPLES = {
 
 
 def _subparser(subparsers, name: str, summary: str, description: str):
-    import argparse
 
     return subparsers.add_parser(name, help=summary, description=description, epilog=_EXAMPLES[name],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=cli.ExamplesFormatter)
 
 
 def _model_help_defaults() -> dict:
@@ -353,8 +341,8 @@ def _model_help_defaults() -> dict:
 
 def register(subparsers) -> None:
     """Add train, plot and export to `subparsers` (prepare is cli/data.py's)."""
-    from logitlab.model.transformer import ModelConfig
-    from logitlab.train.loop import TrainConfig
+    from logitlab.model.config import ModelConfig
+    from logitlab.train.config import TrainConfig
 
     p = _subparser(subparsers, "train", "train a model (flags override --config FILE.toml)",
                    "Train a model: trains a tokenizer and prepares --data unless given --tokenizer / "
@@ -378,8 +366,10 @@ def register(subparsers) -> None:
                    "new length / old); weights and optimizer state carry over (default: none)")
     cli.add_progress_flag(p)
     _add_data_flags(p)
-    cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS)
-    cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(),
+    cli.add_config_flags(p, TrainConfig, shown_defaults=CLI_TRAIN_DEFAULTS, renamed={"out_dir": "--out"})
+    # attention is not a flag: `train` is next-token prediction, which needs causal attention (an
+    # encoder trains with the masked-LM objective in Python: docs/lessons/encoder-and-decoder.md)
+    cli.add_config_flags(p, ModelConfig, shown_defaults=_model_help_defaults(), skip=("attention",),
                          description="Defaults shown are the tiny preset's (the model without --preset or a "
                          "[model] table); another preset sets its own, and a flag overrides either.")
     p.set_defaults(func=cmd_train)

@@ -2,11 +2,41 @@
 (filters.py), deduplicating (dedup.py), mixing sources (mixture.py), tokenizing into train.bin /
 val.bin (tokens.py) or, at scale, into worker parts (parts.py) merged into sharded token files
 (merge.py, shards.py), the data report (stats.py), and the random and sequential windows that
-training and evaluation read (batches.py)."""
+training and evaluation read (batches.py).
 
-from logitlab.data.batches import RandomWindows, eval_windows, windows_to_batch
-from logitlab.data.corpus import Document, default_corpus_files, iter_documents, iter_records, resolve_sources
-from logitlab.data.tokens import load_tokens, prepare_corpus, read_manifest
+The names are resolved on first use (PEP 562), so importing the package, or one
+module of it, imports nothing else of it."""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Document": "corpus",
+    "RandomWindows": "batches",
+    "default_corpus_files": "corpus",
+    "eval_windows": "batches",
+    "iter_documents": "corpus",
+    "iter_records": "corpus",
+    "load_tokens": "tokens",
+    "prepare_corpus": "tokens",
+    "read_manifest": "tokens",
+    "resolve_sources": "corpus",
+    "windows_to_batch": "batches",
+}
 
 __all__ = ["Document", "RandomWindows", "default_corpus_files", "eval_windows", "iter_documents", "iter_records",
            "load_tokens", "prepare_corpus", "read_manifest", "resolve_sources", "windows_to_batch"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

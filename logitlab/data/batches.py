@@ -16,6 +16,8 @@ from typing import Iterable
 
 import numpy as np
 
+IGNORE_INDEX = -100  # a target the loss leaves out (train.loss.IGNORE_INDEX, F.cross_entropy's default)
+
 
 @dataclass
 class RandomWindows:
@@ -77,10 +79,27 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: 
                  rank: int = 0, world_size: int = 1):
     """The sequential evaluation pass: non-overlapping windows at 0, T, 2T, ... covering up to
     `max_tokens` targets, yielded as (x, y) batches of at most batch_size rows. Rank r takes
-    windows r, r + world_size, ... . Always the same tokens for the same arguments."""
+    windows r, r + world_size, ... . Always the same tokens for the same arguments.
+
+    Every rank yields the same number of batches, rank 0's (which has the most windows): a
+    sharded model's forward is a collective (FSDP2 gathers each layer's weights from the other
+    ranks), so a rank that ran one batch fewer would leave the others waiting in that gather
+    until the timeout. A rank whose share ends a batch early yields one more: window 0 with every
+    target IGNORE_INDEX, which adds nothing to a loss summed with that ignore_index (torch's
+    cross_entropy default) nor to a count of the targets that are not IGNORE_INDEX."""
+    import torch
+
     n_windows = (len(tokens) - 1) // seq_len
     if max_tokens is not None:
         n_windows = min(n_windows, max(1, max_tokens // seq_len))
     starts = [i * seq_len for i in range(rank, n_windows, world_size)]
     for i in range(0, len(starts), batch_size):
         yield windows_to_batch(tokens, starts[i:i + batch_size], seq_len)
+    most = len(range(0, n_windows, world_size))                    # rank 0's windows
+    if _n_batches(len(starts), batch_size) < _n_batches(most, batch_size):  # one batch short at most
+        x, y = windows_to_batch(tokens, [0], seq_len)
+        yield x, torch.full_like(y, IGNORE_INDEX)                 # x and y may share one row's storage
+
+
+def _n_batches(n_rows: int, batch_size: int) -> int:
+    return -(-n_rows // batch_size)

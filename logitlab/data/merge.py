@@ -37,7 +37,7 @@ from logitlab.data.filters import FilterStats
 from logitlab.data.parts import FILTERED_FILE, doc_dtype, read_part
 from logitlab.data.shards import ShardWriter
 from logitlab.data.tokens import DOCUMENT_RULE, MANIFEST_FILE, TAIL_RULE, TOKENS_KIND, tail_size
-from logitlab.io import files
+from logitlab.io import workdir
 
 DUPLICATES_FILE = "duplicates.jsonl"
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MB of uint16 per shard
@@ -142,7 +142,7 @@ def merge_parts(part_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLi
     val_docs = sum(int((code == 1).sum()) for code in plan["splits"])
     n_tail = tail_size(train_total, cfg.val_fraction, cfg.min_val_tokens) if cfg.val_fraction and not val_docs else 0
     out = Path(out_dir)
-    with files.atomic_directory(out, TOKENS_KIND, overwrite=True) as tmp:
+    with workdir.tracked_directory(out, TOKENS_KIND, overwrite=True) as (tmp, _):
         info0 = parts[0][1]
         shutil.copyfile(parts[0][0] / info0["tokenizer_file"], tmp / info0["tokenizer_file"])
         written = _write_shards(tmp, parts, plan, copies, cfg, train_total - n_tail, progress)
@@ -274,16 +274,17 @@ def _validation(splits: dict, cfg: MergeConfig, n_tail: int) -> dict:
 
 
 def prepare_sharded(sources, tokenizer, out_dir: str | os.PathLike, cfg=None, merge_cfg: MergeConfig | None = None,
-                    *, workers: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+                    *, workers: int | None = None, progress: Callable[[int, int], None] | None = None,
+                    notice: Callable[[str], None] | None = None) -> dict:
     """The whole pipeline on one machine: one part (prepare_part, tokenizing in `workers`
     processes) written beside `out_dir` as `.NAME.part`, then merge_parts into `out_dir`. The part
     is removed after a successful merge; after a failure it stays, and the same call resumes from
-    it instead of tokenizing again."""
+    it instead of tokenizing again (a killed part too, from its last progress record)."""
     from logitlab.data.parts import prepare_part
 
     out = Path(out_dir)
     part = out.parent / f".{out.name}.part"
-    prepare_part(sources, tokenizer, part, cfg, workers=workers, progress=progress)
+    prepare_part(sources, tokenizer, part, cfg, workers=workers, progress=progress, notice=notice)
     manifest = merge_parts([part], out, merge_cfg)
     shutil.rmtree(part)
     return manifest

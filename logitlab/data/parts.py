@@ -3,9 +3,10 @@
 parts.py owns the first pass of the scaled-out pipeline. `named_files` lists every input file in
 the global order (sources in the order given, each source's files sorted), and `slice_files`
 gives worker i of N a contiguous run of them, balanced by bytes: file j goes to worker
-floor(N * (bytes before j) / (all bytes)). `prepare_part` then streams its files' documents,
-removes boilerplate lines and documents that fail the filters (filters.py), and writes, into a
-part directory that appears whole or not at all:
+floor(N * (bytes before j) / (all bytes)). `prepare_part` then streams its files' documents
+(removing boilerplate lines) in chunks of about a megabyte to its worker processes, which drop
+the documents that fail the filters and encode and hash the rest (chunks.py), and writes the
+results in document order into a part directory that appears whole or not at all:
 
 - `tokens.bin`: every kept document's ids followed by the end-of-text id, in order;
 - `docs.bin`: one fixed-size record per kept document (`doc_dtype`): its tokens, UTF-8 bytes,
@@ -17,13 +18,18 @@ part directory that appears whole or not at all:
 Nothing is deduplicated, split or mixed here: merge.py decides that once over all parts in global
 order, which is why one worker and N workers give identical shards. A part whose `part.json`
 matches the job (same slice, inputs, options and tokenizer) is kept as it is: rerunning a job
-resumes it. The tokenizer is passed in.
+resumes it. An unfinished part is written in a temporary directory that names its writer
+(io/workdir.py) and holds a progress record (progress.py): a run of the same job after a kill
+continues it from that record, to the same bytes an uninterrupted run writes. The tokenizer is
+passed in.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -34,13 +40,16 @@ import numpy as np
 
 from logitlab.data import dedup as dd
 from logitlab.data import filters as flt
+from logitlab.data import progress as pg
+from logitlab.data.chunks import doc_dtype, map_ordered
 from logitlab.data.corpus import default_corpus_files, iter_records, parse_source, resolve_sources, spread_files
-from logitlab.io import files
+from logitlab.io import files, workdir
 
 PART_FORMAT = "logitlab-token-part"
 PART_KIND = "token part"
 PART_FILE = "part.json"
 FILTERED_FILE = "filtered.jsonl"
+TOKENIZER_FILE = "tokenizer.logitlab.json"
 DEFAULT_SOURCE = "stdlib"
 _CHUNK_CHARS = 1 << 20
 
@@ -58,12 +67,6 @@ class PrepareConfig:
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def doc_dtype(bands: int) -> np.dtype:
-    """The record of one document in docs.bin (bands = 0 when near-dedup is off)."""
-    return np.dtype([("tokens", "<i8"), ("bytes", "<i8"), ("source", "<i4"), ("exact", "<u8"),
-                     ("bands", "<u8", (bands,))])
 
 
 def named_files(sources: Sequence[str | os.PathLike] | None) -> list[tuple[str, Path]]:
@@ -101,84 +104,44 @@ def inputs_fingerprint(named: list[tuple[str, Path]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _documents(picked, cfg: PrepareConfig, stats: dict[str, flt.FilterStats], skip_undecodable: bool,
-               rejects=None) -> Iterator[tuple[str, str, str]]:
-    """(text, source, doc id) of every document that survives boilerplate removal and filters;
-    each removed one is written to `rejects` (a text file) as {"id", "source", "reason"}."""
-    fcfg, chars = cfg.filters, 0
-    for name, path in picked:
+# --------------------------------------------------------------------------------------------
+# Reading the slice, from a position on
+# --------------------------------------------------------------------------------------------
+
+def _read(picked, cfg: PrepareConfig, skip_undecodable: bool, start) -> Iterator[tuple]:
+    """(text, source, doc id, boilerplate lines removed, position after it) of each document from
+    `start` on. A position is [file index in `picked`, documents read from that file, characters
+    read in all]; reading stops once cfg.max_bytes characters are read."""
+    fcfg, (k0, skip, chars) = cfg.filters, start
+    for k in range(k0, len(picked)):
+        name, path = picked[k]
         read = functools.partial(iter_records, path, name, cfg.text_field, cfg.column, skip_undecodable)
         keys: set = set()
         if fcfg.enabled and fcfg.boilerplate_min_docs:  # a first pass over this file: its repeated lines
             keys = flt.boilerplate_lines((d.text for d in read()), fcfg.boilerplate_min_docs,
                                          fcfg.boilerplate_min_chars)
-        st = stats.setdefault(name, flt.FilterStats())
-        for doc in read():
+        n = skip if k == k0 else 0
+        for doc in itertools.islice(read(), n, None):
             if cfg.max_bytes is not None and chars >= cfg.max_bytes:
                 return
-            text, n_lines = flt.strip_lines(doc.text, keys)
-            st.boilerplate_lines += n_lines
-            reason = flt.document_reason(text, name, fcfg)
-            st.count(reason)
-            if reason is not None and rejects is not None:
-                rejects.write(json.dumps({"id": doc.doc_id, "source": name, "reason": reason}) + "\n")
-            if reason is None:
-                chars += len(text)
-                yield text, name, doc.doc_id
+            text, removed = flt.strip_lines(doc.text, keys)
+            n, chars = n + 1, chars + len(text)
+            yield text, name, doc.doc_id, removed, [k, n, chars]
 
 
-# --------------------------------------------------------------------------------------------
-# The work of one chunk (in a worker process)
-# --------------------------------------------------------------------------------------------
-
-_worker: dict = {}
-
-
-def _init(tokenizer, cfg: PrepareConfig, dtype: str, eot: int) -> None:
-    _worker.update(tok=tokenizer, cfg=cfg, dtype=dtype, eot=eot)
-
-
-def _encode(text: str) -> list[int]:
-    tok = _worker["tok"]  # corpus text is untrusted: special-token strings are plain text
-    return tok.encode_ordinary(text) if hasattr(tok, "encode_ordinary") else tok.encode(text, allowed_special="none")
-
-
-def _work(chunk: list[tuple[str, int]]) -> tuple[list[np.ndarray], np.ndarray]:
-    """Token arrays and docs.bin records of a chunk of (text, source number)."""
-    cfg: PrepareConfig = _worker["cfg"]
-    d = cfg.dedup
-    records = np.zeros(len(chunk), dtype=doc_dtype(d.bands if d.near else 0))
-    ids_out = []
-    for i, (text, source) in enumerate(chunk):
-        ids = _encode(text)
-        ids.append(_worker["eot"])
-        ids_out.append(np.asarray(ids, dtype=_worker["dtype"]))
-        rec = records[i]
-        rec["tokens"], rec["bytes"], rec["source"] = len(ids), len(text.encode("utf-8")), source
-        rec["exact"] = dd.exact_hash(text) if d.exact else 0
-        if d.near:
-            rec["bands"] = dd.band_keys(dd.signature(text, d), d.bands, d.rows)
-    return ids_out, records
-
-
-def _map_ordered(chunks, init_args: tuple, workers: int):
-    """_work over chunks, results in order; at most 2 * workers chunks in flight."""
-    if workers == 1:
-        _init(*init_args)
-        yield from map(_work, chunks)
-        return
-    import collections
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn" if os.name == "nt" else "fork")
-    with ctx.Pool(workers, initializer=_init, initargs=init_args) as pool:
-        pending: collections.deque = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_work, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+def _chunks(docs, number: dict) -> Iterator[tuple[list, list, list]]:
+    """Chunks of about _CHUNK_CHARS characters: ([(text, source number)], [(source, doc id,
+    boilerplate lines)], the position after the last document)."""
+    texts, meta, size, position = [], [], 0, None
+    for text, name, doc_id, removed, position in docs:
+        texts.append((text, number[name]))
+        meta.append((name, doc_id, removed))
+        size += len(text)
+        if size >= _CHUNK_CHARS:
+            yield texts, meta, position
+            texts, meta, size = [], [], 0
+    if texts:
+        yield texts, meta, position
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,9 +180,12 @@ def _reusable(out: Path, job: dict) -> dict | None:
 
 def prepare_part(sources, tokenizer, out_dir: str | os.PathLike, cfg: PrepareConfig | None = None, *,
                  shard_index: int = 0, num_shards: int = 1, workers: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> dict:
+                 progress: Callable[[int, int], None] | None = None,
+                 notice: Callable[[str], None] | None = None) -> dict:
     """Write worker `shard_index` of `num_shards`'s part of `sources` into `out_dir` (module
-    docstring); returns its part.json. An identical finished part there is reused as it is."""
+    docstring); returns its part.json. An identical finished part there is reused as it is; the
+    unfinished work of a killed or interrupted run of the same job is resumed from its last
+    progress record (`notice(message)` says so), other leftovers of ours are removed."""
     cfg = cfg or PrepareConfig()
     if getattr(tokenizer, "eot_id", None) is None:
         raise ValueError("the tokenizer has no <|endoftext|> special token; documents need a separator")
@@ -233,66 +199,48 @@ def prepare_part(sources, tokenizer, out_dir: str | os.PathLike, cfg: PrepareCon
     done = _reusable(out, job)
     if done is not None:
         return done
-    with files.atomic_directory(out, PART_KIND, overwrite=True) as tmp:
-        info = _write_part(tmp, named, picked, tokenizer, cfg, workers, progress, default=not sources)
+    resume = lambda tmp: pg.resumable(tmp, job) is not None  # noqa: E731  (a killed run of this job)
+    with workdir.tracked_directory(out, PART_KIND, overwrite=True, resume=resume, keep=pg.has_progress) as (tmp, again):
+        state = pg.resumable(tmp, job) if again else None
+        if state is not None and notice is not None:
+            k, n, _ = state["position"]
+            notice(f"resuming {out} from its last progress record: {state['documents']:,} documents and "
+                   f"{state['tokens']:,} tokens kept, {n:,} documents into file {k + 1} of {len(picked)}")
+        info = _write_part(tmp, named, picked, tokenizer, cfg, workers, progress, not sources, state or pg.start(job))
         info.update(job)
+        pg.discard(tmp)
         (tmp / PART_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
-def _write_part(tmp: Path, named, picked, tokenizer, cfg: PrepareConfig, workers, progress, default: bool) -> dict:
+def _write_part(tmp: Path, named, picked, tokenizer, cfg: PrepareConfig, workers, progress, default: bool,
+                state: dict) -> dict:
     from logitlab.data.tokens import token_dtype
 
     names = list(dict.fromkeys(n for n, _ in named))
     number = {n: i for i, n in enumerate(names)}
     dtype = token_dtype(tokenizer.vocab_size)
-    tokenizer.save(tmp / "tokenizer.logitlab.json")
-    stats: dict[str, flt.FilterStats] = {}
+    tokenizer.save(tmp / TOKENIZER_FILE)
+    for name, _ in picked:  # every source of the slice is reported, in order, documents or not
+        state["filters"].setdefault(name, flt.FilterStats().to_dict())
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-    n_docs = n_tokens = n_bytes = 0
-    paths = [tmp / "tokens.bin", tmp / "docs.bin", tmp / "doc_ids.jsonl", tmp / FILTERED_FILE]
-    with paths[0].open("wb") as tf, paths[1].open("wb") as df, paths[2].open("w", encoding="utf-8") as idf, \
-            paths[3].open("w", encoding="utf-8") as rf:
-        docs = _documents(picked, cfg, stats, default, rf)
-        for ids_list, records, doc_ids in _chunked_results(docs, number, (tokenizer, cfg, dtype.str,
-                                                                          tokenizer.eot_id), workers):
-            with files.writing(paths[0]):
-                for ids in ids_list:
-                    tf.write(ids.tobytes())
-                df.write(records.tobytes())
-                idf.writelines(json.dumps(d) + "\n" for d in doc_ids)
-            n_docs += len(records)
-            n_tokens += int(records["tokens"].sum())
-            n_bytes += int(records["bytes"].sum())
-            if progress is not None:
-                progress(n_docs, n_tokens)
-    return {"format": PART_FORMAT, "version": 1, "vocab_size": int(tokenizer.vocab_size),
-            "eot_id": int(tokenizer.eot_id), "dtype": dtype.name, "tokenizer_file": "tokenizer.logitlab.json",
-            "sources": names, "files": len(picked), "documents": n_docs, "tokens": n_tokens, "bytes": n_bytes,
-            "bands": cfg.dedup.bands if cfg.dedup.near else 0, "dedup": asdict(cfg.dedup),
-            "filters": {n: s.to_dict() for n, s in stats.items()}}
-
-
-def _chunked_results(docs, number: dict, init_args: tuple, workers: int):
-    """(token arrays, records, doc ids) per chunk of about 1 MB of text, in document order."""
-    def chunks():
-        chunk, ids, size = [], [], 0
-        for text, name, doc_id in docs:
-            chunk.append((text, number[name]))
-            ids.append(doc_id)
-            size += len(text)
-            if size >= _CHUNK_CHARS:
-                yield chunk, ids
-                chunk, ids, size = [], [], 0
-        if chunk:
-            yield chunk, ids
-
-    id_queue: list = []
+    chunks = _chunks(_read(picked, cfg, default, state["position"]), number)
+    queue: collections.deque = collections.deque()
 
     def texts():
-        for chunk, ids in chunks():
-            id_queue.append(ids)
-            yield chunk
+        for texts_, meta, position in chunks:
+            queue.append((meta, position))
+            yield texts_
 
-    for ids_list, records in _map_ordered(texts(), init_args, workers):
-        yield ids_list, records, id_queue.pop(0)
+    with pg.PartFiles(tmp, state) as out:
+        if progress is not None and state["documents"]:
+            progress(state["documents"], state["tokens"])
+        for result in map_ordered(texts(), (tokenizer, cfg, names, dtype.str, tokenizer.eot_id), workers):
+            out.write(*queue.popleft(), *result)
+            if progress is not None:
+                progress(state["documents"], state["tokens"])
+    return {"format": PART_FORMAT, "version": 1, "vocab_size": int(tokenizer.vocab_size),
+            "eot_id": int(tokenizer.eot_id), "dtype": dtype.name, "tokenizer_file": TOKENIZER_FILE,
+            "sources": names, "files": len(picked), "documents": state["documents"], "tokens": state["tokens"],
+            "bytes": state["bytes"], "bands": cfg.dedup.bands if cfg.dedup.near else 0, "dedup": asdict(cfg.dedup),
+            "filters": {n: dict(st, removed=dict(sorted(st["removed"].items()))) for n, st in state["filters"].items()}}

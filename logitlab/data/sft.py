@@ -55,17 +55,25 @@ def _conversation(record, where: str) -> list[dict]:
     for n, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {n} needs string 'role' and 'content', got {m!r:.80}")
+        if not m["role"].strip():
+            raise ValueError(f"{where}: message {n} has an empty 'role' (user, assistant, system, ...)")
     return messages
 
 
 def read_conversations(path: str | os.PathLike) -> list[list[dict]]:
-    """Every conversation of a .jsonl file (blank lines skipped); ValueError naming file:line."""
+    """Every conversation of a .jsonl file (blank lines skipped); ValueError naming file:line (a line
+    that is not UTF-8 or not JSON, a record without messages, a message without a role)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file not found: {path}")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                                 f"SFT data must be UTF-8 text") from None
             if not line.strip():
                 continue
             try:

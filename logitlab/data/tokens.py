@@ -39,7 +39,7 @@ from logitlab.data.corpus import (  # noqa: F401  kept importable here (corpus.p
     resolve_sources,
     spread_files,
 )
-from logitlab.io import files
+from logitlab.io import files, workdir
 
 MANIFEST_FILE = "manifest.json"
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
@@ -128,8 +128,9 @@ def prepare_corpus(sources: Sequence[str | os.PathLike] | None, tokenizer, out_d
         files_ = spread_files(files_, max_bytes)
     out = Path(out_dir)
     # the whole directory appears at once (files.atomic_directory): an earlier token directory of
-    # ours is replaced, anything else there is kept, and a directory we did not write is refused
-    with files.atomic_directory(out, TOKENS_KIND, overwrite=True, legacy=_legacy_token_dir(out)) as tmp:
+    # ours is replaced, anything else there is kept, and a directory we did not write is refused;
+    # the temporary directory names its writer, so one that a killed run left is removed (workdir.py)
+    with workdir.tracked_directory(out, TOKENS_KIND, overwrite=True, legacy=_legacy_token_dir(out)) as (tmp, _):
         manifest = _write_tokens(files_, default, sources, tokenizer, tmp, val_fraction, workers, text_field,
                                  column, max_bytes, progress, min_val_tokens)
     return manifest

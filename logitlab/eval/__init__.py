@@ -1,19 +1,46 @@
 """Evaluation: bits per byte (bpb.py), scoring continuations and whole documents (scoring.py), the
 lm-evaluation-harness model type (harness.py, imported on demand: it needs lm-eval) and the
 multiple-choice tasks built from the Python standard library (stdlib_mc.py), and perplexity against
-evaluation length under each RoPE scaling (long.py)."""
+evaluation length under each RoPE scaling (long.py).
 
-from logitlab.eval.bpb import (
-           BPBResult,
-           batch_nats_and_bytes,
-           bits_per_byte,
-           evaluate_bpb,
-           nats_and_bytes,
-           token_byte_lengths,
-)
-from logitlab.eval.long import LengthScore, LongEvalResult, sweep_lengths
-from logitlab.eval.scoring import Score, encode_pair, loglikelihood_rolling, rolling_windows, score, score_ids
+The names are resolved on first use (PEP 562), so importing the package, or one
+module of it, imports nothing else of it."""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "BPBResult": "bpb",
+    "LengthScore": "long",
+    "LongEvalResult": "long",
+    "Score": "scoring",
+    "batch_nats_and_bytes": "bpb",
+    "bits_per_byte": "bpb",
+    "encode_pair": "scoring",
+    "evaluate_bpb": "bpb",
+    "loglikelihood_rolling": "scoring",
+    "nats_and_bytes": "bpb",
+    "rolling_windows": "scoring",
+    "score": "scoring",
+    "score_ids": "scoring",
+    "sweep_lengths": "long",
+    "token_byte_lengths": "bpb",
+}
 
 __all__ = ["BPBResult", "LengthScore", "LongEvalResult", "Score", "batch_nats_and_bytes", "bits_per_byte",
            "encode_pair", "evaluate_bpb", "loglikelihood_rolling", "nats_and_bytes", "rolling_windows", "score",
            "score_ids", "sweep_lengths", "token_byte_lengths"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -115,7 +115,8 @@ def evaluate_bpb(model, tokenizer, texts: Iterable[str], batch_size: int = 8) ->
     """Bits per byte of `model` on `texts`, each a document scored on its own from end-of-text, in
     rolling windows of the model's context (so documents of any length count in full). Special-token
     text in a document (<|endoftext|> between documents) becomes its id and is masked."""
-    if tokenizer.eot_id is None:
+    first = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eot_id  # <s>, else <|endoftext|>
+    if first is None:
         raise ValueError("evaluate_bpb starts each document from <|endoftext|>, which this tokenizer lacks")
     lengths = token_byte_lengths(tokenizer)
     pairs, docs = [], 0
@@ -125,7 +126,7 @@ def evaluate_bpb(model, tokenizer, texts: Iterable[str], batch_size: int = 8) ->
         ids = tokenizer.encode(text)
         if ids:
             docs += 1
-            pairs += rolling_windows(ids, tokenizer.eot_id, model.config.context_length)
+            pairs += rolling_windows(ids, first, model.config.context_length)
     nats, nbytes, ntokens = 0.0, 0, 0
     for (_, continuation), s in zip(pairs, score_ids(model, pairs, batch_size)):
         for token, lp in zip(continuation, s.token_logprobs):

@@ -68,8 +68,8 @@ class LogitlabLM(TemplateLM):
         return self.tokenizer.eot_id
 
     @property
-    def prefix_token_id(self) -> int:
-        return self.tokenizer.eot_id
+    def prefix_token_id(self) -> int:  # <s> for a SentencePiece-style tokenizer, else <|endoftext|>
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eot_id
 
     @property
     def max_length(self) -> int:

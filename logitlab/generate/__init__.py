@@ -1,17 +1,47 @@
 """logits -> ids: sampling as pure functions on logits (sampling.py) and the generation loop:
 prefill, decode steps from a KV cache, streaming, batches of prompts (loop.py), with the
-reference path that recomputes the whole sequence for every token."""
+reference path that recomputes the whole sequence for every token; stop strings matched in
+linear time (stops.py, shared with the CLI and the server); speculative decoding with an n-gram or
+model drafter (speculative.py).
 
-from logitlab.generate.loop import (
-    GenerationResult,
-    Stream,
-    decode_step,
-    generate,
-    generate_reference,
-    prefill,
-    stream,
-)
-from logitlab.generate.sampling import SampleConfig, SamplingError, make_generator, next_token, process_logits
+The names are resolved on first use (PEP 562), so importing the package, or one
+module of it, imports nothing else of it."""
 
-__all__ = ["GenerationResult", "SampleConfig", "SamplingError", "Stream", "decode_step", "generate",
-           "generate_reference", "make_generator", "next_token", "prefill", "process_logits", "stream"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "GenerationResult": "loop",
+    "NgramDraft": "speculative",
+    "SpeculativeResult": "speculative",
+    "SampleConfig": "config",
+    "SamplingError": "sampling",
+    "Stream": "loop",
+    "decode_step": "loop",
+    "generate": "loop",
+    "generate_reference": "loop",
+    "make_generator": "sampling",
+    "next_token": "sampling",
+    "prefill": "loop",
+    "process_logits": "sampling",
+    "speculative_generate": "speculative",
+    "stream": "loop",
+}
+
+__all__ = ["GenerationResult", "NgramDraft", "SampleConfig", "SamplingError", "SpeculativeResult", "Stream",
+           "decode_step", "generate", "generate_reference", "make_generator", "next_token", "prefill",
+           "process_logits", "speculative_generate", "stream"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -292,7 +292,7 @@ def load_model_state(ckpt: str | os.PathLike) -> dict:
     if any(_LEGACY_KEY.search(key) for key in state):
         raise ValueError(f"{ckpt} was written before q/k/v and gate/up became one projection each: "
                          f"its optimizer state cannot resume this model exactly. Its weights still load "
-                         f"(load_model / logitlab generate --checkpoint, export, or a new run from them).")
+                         f"(load_model / logitlab generate, export, or a new run from them).")
     return state
 
 
@@ -321,7 +321,7 @@ def resolve_model_dir(path: str | os.PathLike, which: str = "latest") -> Path:
         if path.name.startswith("dcp-") or any(path.glob("dcp-*")):
             raise FileNotFoundError(f"{path} holds sharded (dcp-*) checkpoints, written by a tensor or pipeline "
                                     f"parallel run: turn one into a model directory first, `logitlab export "
-                                    f"{path} --out DIR`, and read DIR (generate --hf DIR)")
+                                    f"{path} --out DIR`, and read DIR (generate DIR)")
         raise FileNotFoundError(f"{path} holds no checkpoint (expected {CONFIG_FILE} or {CKPT_PREFIX}*/)")
     return ckpt
 

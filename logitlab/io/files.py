@@ -261,22 +261,28 @@ def atomic_directory(target: str | os.PathLike, kind: str = "model", *, overwrit
     tmp = make_temporary_dir(target)
     try:
         yield tmp
-        written = set(os.listdir(tmp))
-        if marker:
-            _write_marker(tmp, kind, written)
-        _set_file_modes(tmp)  # before other files are linked in: their modes are their owners'
-        if target.exists():
-            foreign = set(os.listdir(target)) - ours
-            clash = foreign & (written | {OUTPUT_MARKER})
-            if clash:
-                raise ValueError(f"{target}: {_describe(clash)} would replace a file logitlab did not write")
-            for name in foreign:  # kept: linked into the new directory, so no instant loses them
-                _link_tree(target / name, tmp / name)
-        _fsync_tree(tmp)
-        _swap_into_place(tmp, target)
+        finish_directory(tmp, target, kind, ours, marker)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def finish_directory(tmp: Path, target: Path, kind: str, ours: set[str], marker: bool = True) -> None:
+    """atomic_directory's last step: mark `tmp`, link the entries of `target` that are not `ours`
+    into it, and swap it into place."""
+    written = set(os.listdir(tmp))
+    if marker:
+        _write_marker(tmp, kind, written)
+    _set_file_modes(tmp)  # before other files are linked in: their modes are their owners'
+    if target.exists():
+        foreign = set(os.listdir(target)) - ours
+        clash = foreign & (written | {OUTPUT_MARKER})
+        if clash:
+            raise ValueError(f"{target}: {_describe(clash)} would replace a file logitlab did not write")
+        for name in foreign:  # kept: linked into the new directory, so no instant loses them
+            _link_tree(target / name, tmp / name)
+    _fsync_tree(tmp)
+    _swap_into_place(tmp, target)
 
 
 def make_temporary_dir(target: Path) -> Path:

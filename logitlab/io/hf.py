@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from logitlab.io import checkpoint, files, model_dir
+from logitlab.io import checkpoint, files, hub, model_dir
 from logitlab.model import families
 from logitlab.model.transformer import ModelConfig, Transformer
 
@@ -139,14 +139,16 @@ def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(files.tensors({k: k for k in files.shapes}))
 
 
-def load_tokenizer(directory: str | os.PathLike):
-    """The tokenizer stored in a model directory, as a logitlab Tokenizer, or None when there is
-    none. Looked for in this order: tokenizer.json (Hugging Face), vocab.json + merges.txt (GPT-2),
-    tokenizer.logitlab.json (logitlab's own). A file that is there but cannot be read as byte-level
-    BPE raises ValueError naming it."""
+def load_tokenizer(directory: str | os.PathLike, revision: str | None = None):
+    """The tokenizer stored in a model directory (or of a hub id, hub.resolve_model), or None when
+    there is none. Looked for in this order: tokenizer.json (Hugging Face: byte-level BPE as a
+    Tokenizer, SentencePiece-style BPE as a SentencePieceTokenizer, read with the
+    tokenizer_config.json beside it as transformers reads them), vocab.json + merges.txt (GPT-2),
+    tokenizer.logitlab.json (logitlab's own, either kind). A file that is there but cannot be read
+    raises ValueError naming it."""
     from logitlab.tokenizer.core import Tokenizer
 
-    d = Path(directory)
+    d = hub.resolve_model(directory, revision, files=hub.TOKENIZER_FILES).directory
     if (d / "tokenizer.json").is_file():
         return Tokenizer.from_hf(d / "tokenizer.json")
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
@@ -164,9 +166,10 @@ def _name_first(keys: list[str]) -> str:
 def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint") -> None:
     """Refuse a checkpoint whose tensor names or shapes disagree with `config`, naming the key.
     Only names and shapes are read: meta tensors stand in for a checkpoint not yet loaded."""
-    with torch.device("meta"):
-        expected = families.state_dict_to_hf(Transformer(config).state_dict(), config)
     got = families.clean_hf_state(hf_state, config)
+    with torch.device("meta"):   # an MoE's experts: stored one per expert or stacked, as this checkpoint has them
+        expected = families.state_dict_to_hf(Transformer(config).state_dict(), config,
+                                             expert_layout=families.expert_layout_of(got))
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
     if missing:
@@ -215,8 +218,10 @@ def _stream_model(shapes: dict, read, config: ModelConfig, source: str, dtype=No
 
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
-                    device: str | torch.device = "cpu") -> Transformer:
-    """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES) or a logitlab one.
+                    device: str | torch.device = "cpu", revision: str | None = None) -> Transformer:
+    """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES), a logitlab one, or a hub id
+    (`load_pretrained("gpt2")`, `"Qwen/Qwen3-0.6B@main"`, or revision=...), which hub.resolve_model
+    fetches into the hub cache first.
 
     dtype None keeps the stored dtype. A Hugging Face checkpoint is streamed: names and shapes are
     checked from the file headers first, then each tensor is read, cast to `dtype`, moved to
@@ -225,7 +230,7 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     inf is refused as it is read, naming its file and key. verify=True runs
     `verify_against_transformers` on the directory and raises ValueError when any hidden state or
     the logits differ beyond TOLERANCE."""
-    directory = Path(directory)
+    directory = hub.resolve_model(directory, revision).directory
     dtype = parse_dtype(dtype)
     if model_dir.is_logitlab_dir(directory):
         model = model_dir.load_model(directory, device=device, dtype=dtype)
@@ -259,6 +264,11 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
 
     model = _unwrap(model)
     config: ModelConfig = model.config
+    from logitlab.quant.apply import quantization_of
+
+    if quantization_of(model) is not None:
+        raise ValueError(f"the model's weights are quantized ({quantization_of(model).label}): a Hugging Face "
+                         "directory holds dense weights; export the model before quantizing it")
     dtype = next(model.parameters()).dtype
     hf_config = families.config_to_hf(config, dtype=str(dtype).removeprefix("torch."))
     # Always written: left out, transformers falls back to its class defaults (GPT-2: 50256,
@@ -269,7 +279,8 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
     end_of_turn = tokenizer.special_tokens.get("<|im_end|>") if tokenizer is not None else None
     # a chat model ends its turn with <|im_end|>: transformers' generate stops on either
     eos = [end_of_turn, eot] if end_of_turn is not None and eot is not None else eot
-    hf_config.update(bos_token_id=eot, eos_token_id=eos)
+    bos = tokenizer.bos_id if tokenizer is not None else None  # <s> of a SentencePiece-style tokenizer
+    hf_config.update(bos_token_id=eot if bos is None else bos, eos_token_id=eos)
     state = families.state_dict_to_hf(model.state_dict(), config)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     directory = Path(directory)
@@ -312,14 +323,23 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str
 
 
 def _load_transformers_model(directory, dtype: torch.dtype):
+    """transformers' model of `directory`, loaded without its progress bar (a report of ours
+    follows; the bar's carriage returns would land in it). The bar's setting is restored after."""
     try:
         import transformers
+        from transformers.utils import logging as hf_logging
     except ImportError as exc:
-        raise RuntimeError("verifying against transformers needs the `transformers` package "
-                           "(pip install transformers)") from exc
+        raise ImportError("verifying against transformers needs it: pip install 'logitlab[hf]'",
+                          name="transformers") from exc
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(directory), attn_implementation="eager", **{key: dtype}).eval()
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(directory), attn_implementation="eager", **{key: dtype}).eval()
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 @torch.no_grad()

@@ -1,11 +1,35 @@
 """ids -> logits: ModelConfig (config.py), the block's parts (norms.py, rope.py, attention.py,
 mlp.py; the block in layers.py), the Transformer (transformer.py), the KV cache (cache.py),
 presets and Hugging Face config mapping (families.py), state-dict key maps (keymap.py) and exact
-accounting (accounting.py). The model reads no files and imports nothing above itself."""
+accounting (accounting.py). The model reads no files and imports nothing above itself.
 
-from logitlab.model.cache import KVCache
-from logitlab.model.config import ModelConfig, RopeScaling
-from logitlab.model.families import PRESETS, get_preset
-from logitlab.model.transformer import Transformer
+The names are resolved on first use (PEP 562), so importing the package, or one
+module of it, imports nothing else of it."""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "KVCache": "cache",
+    "ModelConfig": "config",
+    "PRESETS": "families",
+    "RopeScaling": "config",
+    "Transformer": "transformer",
+    "get_preset": "families",
+}
 
 __all__ = ["KVCache", "ModelConfig", "PRESETS", "RopeScaling", "Transformer", "get_preset"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

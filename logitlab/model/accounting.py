@@ -22,13 +22,11 @@ x H·Dh) over the T/2 keys a causal query sees on average. A training step costs
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from logitlab.model import accounting_moe as moe
 from logitlab.model.config import ModelConfig
-from logitlab.model.matmul_rate import (  # noqa: F401  (importable from here as before)
-    matmul_peak_flops,
-    measure_matmul_flops,
-)
+from logitlab.model.matmul_rate import matmul_peak_flops, measure_matmul_flops  # noqa: F401  (importable here)
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "int8": 1}
 
@@ -65,6 +63,11 @@ class ParamCount:
     n_linear_layers: int = 0
     linear_items: dict = field(default_factory=dict)
     value_embeddings: int = 0  # value-embedding tables and gates, all layers (ModelConfig.value_embeddings)
+    inactive: int = 0          # MoE: routed-expert parameters a token does not use (accounting_moe)
+
+    @property
+    def active(self) -> int:   # the parameters one token uses (the total for a dense model)
+        return self.total - self.inactive
 
     @property
     def n_attention_layers(self) -> int:
@@ -103,12 +106,11 @@ class ParamCount:
         return dict(embeddings=self.embeddings, positions=self.positions,
                     attention_per_layer=self.attention_per_layer, mlp_per_layer=self.mlp_per_layer,
                     norms_per_layer=self.norms_per_layer, per_layer=self.per_layer, attention=self.attention,
-                    linear_attention=self.linear_attention,
-                    linear_attention_per_layer=self.linear_attention_per_layer,
+                    linear_attention=self.linear_attention, linear_attention_per_layer=self.linear_attention_per_layer,
                     n_linear_layers=self.n_linear_layers, linear_items=dict(self.linear_items),
                     mlp=self.mlp, norms=self.norms, final_norm=self.final_norm, lm_head=self.lm_head,
                     biases=self.biases, n_layers=self.n_layers, tied=self.tied, total=self.total,
-                    value_embeddings=self.value_embeddings)
+                    value_embeddings=self.value_embeddings, active=self.active)
 
 
 def meta_model(config: ModelConfig):
@@ -154,7 +156,7 @@ def count_parameters(model_or_config) -> ParamCount:
         parts = name.split(".")
         if group == "linear_attention":
             items[parts[3]] = items.get(parts[3], 0) + n
-        if parts[-1] == "bias" and not parts[-2].endswith("_norm"):
+        if parts[-1] in ("bias", "gate_up_bias", "down_bias") and not parts[-2].endswith("_norm"):
             biases += n
     n_linear = sum(kind == "linear_attention" for kind in config.layer_kinds)
     if n_linear:
@@ -162,7 +164,7 @@ def count_parameters(model_or_config) -> ParamCount:
     return ParamCount(groups["embeddings"], groups["positions"], groups["attention"], groups["mlp"],
                       groups["norms_in_blocks"], groups["final_norm"], groups["lm_head"], config.n_layers,
                       config.tie_embeddings, biases, groups["linear_attention"], n_linear, items,
-                      groups["value_embeddings"])
+                      groups["value_embeddings"], moe.inactive_parameters(model))
 
 
 @dataclass(frozen=True)
@@ -176,17 +178,19 @@ class FormulaCount:
     classic: int               # 12·D²·L
     linear_per_layer: int = 0  # Gated DeltaNet: D·(2·Hk·Dk + Hv·Dv) + 2·D·Hv·Dv + 2·D·Hv + C·K
     n_linear_layers: int = 0
+    moe_per_layer: int = 0     # an MoE layer's MLP: E·3·D·F + E·D (+ shared expert), accounting_moe
+    n_moe_layers: int = 0
 
     @property
     def per_layer(self) -> int:
         """Attention + MLP of one attention layer (the uniform stack's layer)."""
-        return self.attention_per_layer + self.mlp_per_layer
+        return self.attention_per_layer + (self.moe_per_layer if self.n_moe_layers else self.mlp_per_layer)
 
     @property
     def layers(self) -> int:
         n_attention = self.n_layers - self.n_linear_layers
         return (self.attention_per_layer * n_attention + self.linear_per_layer * self.n_linear_layers
-                + self.mlp_per_layer * self.n_layers)
+                + self.mlp_per_layer * (self.n_layers - self.n_moe_layers) + self.moe_per_layer * self.n_moe_layers)
 
     @property
     def total(self) -> int:
@@ -210,21 +214,20 @@ def formula_count(config: ModelConfig) -> FormulaCount:
     channels = 2 * Hk * Dk + Hv * Dv
     linear = D * channels + 2 * D * Hv * Dv + 2 * D * Hv + channels * c.linear_conv_kernel
     n_linear = c.layer_kinds.count("linear_attention")
-    return FormulaCount(attention, mlp, embeddings, L, 12 * D * D * L, linear if n_linear else 0, n_linear)
+    return FormulaCount(attention, mlp, embeddings, L, 12 * D * D * L, linear if n_linear else 0, n_linear,
+                        moe.moe_layer_formula(c) if c.is_moe else 0, moe.n_moe_layers(c))
 
 
 def explain_difference(config: ModelConfig, exact: ParamCount | None = None) -> dict[str, int]:
     """What the exact count holds beyond the formula; the items add up to exact - formula."""
     exact = exact or count_parameters(config)
     c = config
-    padding_rows = (c.padded_vocab_size - c.vocab_size) * c.d_model
-    n_linear = exact.n_linear_layers
+    n_linear, n_ve = exact.n_linear_layers, len(c.value_embedding_layers)
     linear_vectors = n_linear * sum(exact.linear_items.get(k, 0) for k in ("A_log", "dt_bias", "norm"))
     sinks = (c.n_layers - n_linear) * c.n_heads if c.attn_sinks else 0
-    n_ve = len(c.value_embedding_layers)
+    widths = c.d_model * (1 if c.tie_embeddings else 2) + n_ve * c.n_kv_heads * c.head_dim  # tables of V rows
     items = {"norms": exact.norms, "biases": exact.biases, "learned positions": exact.positions,
-             "vocabulary padding rows": padding_rows * (1 if c.tie_embeddings else 2)
-             + (c.padded_vocab_size - c.vocab_size) * c.n_kv_heads * c.head_dim * n_ve,
+             "vocabulary padding rows": (c.padded_vocab_size - c.vocab_size) * widths,
              "Gated DeltaNet decay and output-norm vectors": linear_vectors, "attention sink logits": sinks,
              "value-embedding gates": n_ve * c.n_kv_heads}
     return {k: v for k, v in items.items() if v}
@@ -253,16 +256,16 @@ def _block_matrix_params(config: ModelConfig) -> int:
     Gated DeltaNet), not the norms, biases, decay vectors or sink logits."""
     model = meta_model(config)
     return sum(p.numel() for name, p in model.named_parameters()
-               if name.startswith("blocks.") and p.dim() >= 2)
+               if name.startswith("blocks.") and p.dim() >= 2 and not name.endswith("_bias"))   # stacked expert biases
 
 
 def matmul_params(config: ModelConfig) -> int:
     """N_matmul: weights that multiply activations per token (blocks + LM head). The LM head's
     vocabulary padding rows are never multiplied (Transformer._head uses its first V rows).
-    For a uniform stack the block part is the formula's layer count exactly."""
-    if not config.is_hybrid and config.attn_gate == "none":
+    For a uniform stack the block part is the formula's layer count exactly (an MoE's: K experts)."""
+    if not config.is_hybrid and config.attn_gate == "none" and not config.is_moe:
         return formula_count(config).layers + config.vocab_size * config.d_model
-    return _block_matrix_params(config) + config.vocab_size * config.d_model
+    return _block_matrix_params(config) - moe.inactive_matrix_params(config) + config.vocab_size * config.d_model
 
 
 def _keys_seen(kind: str, T: int, window: int | None, attention: str = "causal") -> float:
@@ -325,18 +328,18 @@ def activation_elements_per_token(config: ModelConfig) -> int:
     present, the output gate before and after its sigmoid when present; per Gated DeltaNet layer:
     the norms (4·D), the conv's input and output (2·C), z, the rule's output and its normed value
     (3·Hv·Dv), beta and g (2·Hv). Every layer adds the MLP's hidden values (SwiGLU: gate, up,
-    silu(gate), product = 4·F; GELU: 2·F); then the final norm's input and output (2·D). Logits
-    are counted separately (fp32)."""
+    silu(gate), product = 4·F; GELU: 2·F; an MoE layer: accounting_moe.moe_activation_elements);
+    then the final norm's input and output (2·D). Logits are counted separately (fp32)."""
     c = config
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     gate = {"none": 0, "headwise": c.n_heads, "elementwise": q}[c.attn_gate]
     attention = 4 * c.d_model + 2 * q + 2 * kv + (q + kv if c.qk_norm else 0) + 2 * gate
     channels = 2 * c.linear_n_k_heads * c.linear_k_head_dim + c.linear_n_v_heads * c.linear_v_head_dim
     linear = 4 * c.d_model + 2 * channels + 3 * c.linear_n_v_heads * c.linear_v_head_dim + 2 * c.linear_n_v_heads
-    mlp = (4 if c.mlp == "swiglu" else 2) * c.d_ff
-    kinds = c.layer_kinds
-    n_linear = kinds.count("linear_attention")
-    return (c.n_layers - n_linear) * attention + n_linear * linear + c.n_layers * mlp + 2 * c.d_model
+    mlp, n_moe = (4 if c.mlp == "swiglu" else 2) * c.d_ff, moe.n_moe_layers(c)   # an MoE layer: accounting_moe
+    mlps = (c.n_layers - n_moe) * mlp + (n_moe * moe.moe_activation_elements(c) if n_moe else 0)
+    n_linear = c.layer_kinds.count("linear_attention")
+    return (c.n_layers - n_linear) * attention + n_linear * linear + mlps + 2 * c.d_model
 
 
 @dataclass(frozen=True)
@@ -374,12 +377,8 @@ class TrainingPlan:
         return self.flops_per_step / self.matmul_flops_per_s
 
     def as_dict(self) -> dict:
-        return dict(batch_size=self.batch_size, context=self.context, dtype=self.dtype,
-                    n_params=self.n_params, weights=self.weights, gradients=self.gradients,
-                    optimizer=self.optimizer, activations=self.activations, logits=self.logits,
-                    total=self.total, memory_limit=self.memory_limit, fits=self.fits,
-                    flops_per_step=self.flops_per_step, matmul_flops_per_s=self.matmul_flops_per_s,
-                    seconds_per_step=self.seconds_per_step)
+        known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**known, "total": self.total, "fits": self.fits, "seconds_per_step": self.seconds_per_step}
 
 
 def plan_training(config: ModelConfig, batch_size: int = 1, context: int | None = None,

@@ -18,8 +18,11 @@ from logitlab.model.fields import (  # noqa: F401  (re-exported: their old home)
     conform,
     describe_type,
 )
+from logitlab.model.moe_config import check_moe
 
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+MlpType = Literal["dense", "moe"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 
 
 def _help(text: str):
@@ -169,6 +172,39 @@ class ModelConfig:
         default=True, metadata={"help": "norms carry a learned gain; false: parameter-free RMSNorm (rmsnorm only)"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on residual branches during training"})
     init_std: float = field(default=0.02, metadata={"help": "std of the normal weight initialisation"})
+    # --- mixture of experts (moe.py; Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss, DeepSeek-V3 routing) ---
+    n_experts: int = field(default=0, metadata={"help": "routed experts E of an MoE layer (0: every MLP is dense)"})
+    n_experts_per_token: int | None = _help("experts K each token is sent to (top-k); needed when n_experts > 0")
+    moe_d_ff: int | None = _help("hidden width of one expert (default d_ff)")
+    mlp_types: tuple[MlpType, ...] | None = _help(
+        "MLP of each layer: dense (width d_ff) or moe (null: every layer moe when n_experts > 0, else dense)")
+    router: RouterKind = field(
+        default="softmax_topk", metadata={"help": "softmax_topk: softmax over the E logits, then the top K (Mixtral, "
+                                          "Qwen); topk_softmax: the top K logits, then a softmax over them (gpt-oss); "
+                                          "sigmoid_topk: sigmoid scores, a selection-only bias, group-limited "
+                                          "(DeepSeek-V3)"})
+    norm_topk_prob: bool = field(
+        default=True, metadata={"help": "renormalise the K kept weights to sum to 1 (softmax_topk, sigmoid_topk)"})
+    router_bias: bool = field(default=False, metadata={"help": "a bias in the router's linear layer (gpt-oss)"})
+    n_expert_groups: int = field(default=1, metadata={"help": "sigmoid_topk: experts fall in this many groups"})
+    topk_groups: int = field(default=1, metadata={"help": "sigmoid_topk: a token's experts come from its best groups"})
+    routed_scaling_factor: float = field(default=1.0, metadata={"help": "the routed experts' sum is scaled by this"})
+    expert_bias: bool = field(default=False, metadata={"help": "biases in the experts' projections (gpt-oss)"})
+    expert_act: Literal["swiglu", "clamped_swiglu"] = field(
+        default="swiglu", metadata={"help": "the experts' activation: silu(gate) * up, or gpt-oss's clamped form "
+                                            "(up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit"})
+    swiglu_alpha: float = field(default=1.702, metadata={"help": "clamped_swiglu: the sigmoid's gain alpha"})
+    swiglu_limit: float = field(default=7.0, metadata={"help": "clamped_swiglu: the clamp limit"})
+    shared_expert_d_ff: int = field(
+        default=0, metadata={"help": "width of a shared expert every token goes through beside its routed ones "
+                                     "(0: none)"})
+    shared_expert_gate: bool = field(
+        default=False, metadata={"help": "a sigmoid gate, one per token, on the shared expert's output (Qwen)"})
+    capacity_factor: float | None = _help(
+        "tokens an expert takes per call, as a multiple of N*K/E; later ones are dropped (null: dropless)")
+    router_aux_loss_coef: float = field(
+        default=0.0, metadata={"help": "training: weight of the load-balancing loss (Switch / Mixtral form)"})
+    router_z_loss_coef: float = field(default=0.0, metadata={"help": "training: weight of the router z-loss"})
 
     def __post_init__(self) -> None:
         def fix(name: str, value) -> None:
@@ -218,6 +254,7 @@ class ModelConfig:
         self._check_layer_types(fix)
         self._check_attention()
         self._check_recipe()
+        check_moe(self, fix)                                       # moe_config.py
 
     def _check_recipe(self) -> None:
         """The recipe's switches: a positive soft cap, parameter-free norms only as RMSNorm."""
@@ -289,6 +326,20 @@ class ModelConfig:
                              f"linear_n_k_heads ({self.linear_n_k_heads})")
         if self.linear_conv_kernel <= 0:
             raise ValueError(f"linear_conv_kernel must be a positive integer, got {self.linear_conv_kernel}")
+
+    # --- mixture of experts ---------------------------------------------------------------------
+
+    @property
+    def mlp_kinds(self) -> tuple[str, ...]:
+        """The MLP of every layer: mlp_types, or all "moe" (n_experts > 0) / all "dense" when None."""
+        return self.mlp_types or (("moe" if self.n_experts else "dense"),) * self.n_layers
+
+    @property
+    def is_moe(self) -> bool:
+        """True when some layer's MLP is a mixture of experts."""
+        return "moe" in self.mlp_kinds
+
+    # --------------------------------------------------------------------------------------------
 
     @property
     def rotary_dim(self) -> int:

@@ -1,12 +1,15 @@
 """Model families: named presets and Hugging Face config.json <-> ModelConfig.
 
-families.py is the only module that knows family names (GPT-2, Llama, Mistral, Qwen). Everything
+families.py is the only module that knows family names (GPT-2, Llama, Mistral, Qwen, Mixtral,
+gpt-oss) besides hf_config*.py and keymap*.py. Everything
 else branches on the typed features of ModelConfig. It owns:
 
-- PRESETS / get_preset(name): the published shapes of GPT-2, Llama 3 and Qwen3 checkpoints, plus
-  small shapes meant for CPU training;
+- PRESETS / get_preset(name): the published shapes of GPT-2, Llama 3, Qwen3 and Qwen3.5 checkpoints
+  and of the mixtures of experts Mixtral, Qwen3-MoE, Qwen3.5-MoE and gpt-oss, plus small shapes
+  meant for CPU training (moe-tiny: a mixture of experts);
 - config_from_hf(dict) / config_to_hf(ModelConfig): Hugging Face config.json <-> ModelConfig,
-  in hf_config.py and importable from here; the Hugging Face architecture is chosen from typed
+  in hf_config.py (dense families) and hf_config_moe.py (the MoE families, and the entry points
+  for all), importable from here; the Hugging Face architecture is chosen from typed
   features (see `hf_architecture`);
 - the state-dict key maps (key_layout, hf_key_to_logitlab, clean_hf_state, hf_tensors_to_logitlab,
   state_dict_from_hf / state_dict_to_hf) live in keymap.py and are importable from here too.
@@ -17,13 +20,14 @@ File reading/writing lives in logitlab.io.hf; this module never touches the disk
 from __future__ import annotations
 
 from logitlab.model.config import ModelConfig, RopeScaling
-from logitlab.model.hf_config import (  # noqa: F401  (importable from here as before)
+from logitlab.model.hf_config_moe import (  # noqa: F401  (importable from here as before; every family)
     SUPPORTED_ARCHITECTURES,
     config_from_hf,
     config_to_hf,
 )
 from logitlab.model.keymap import (  # noqa: F401  (the key maps, importable from here as before)
     clean_hf_state,
+    expert_layout_of,
     hf_architecture,
     hf_key_to_logitlab,
     hf_tensors_to_logitlab,
@@ -57,6 +61,19 @@ def _qwen3_5(n_layers: int, **kw) -> ModelConfig:
                 linear_k_head_dim=128, linear_v_head_dim=128, linear_conv_kernel=4)
     base["layer_types"] = base["layer_types"] * (n_layers // 4)
     return _llama(**{**base, "n_layers": n_layers, **kw})
+
+
+def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
+    """gpt-oss: sinks, biased attention, sliding (128) and full layers alternating, YaRN to 128K;
+    a biased router, top-4 then softmax; biased experts with the clamped SwiGLU."""
+    return _llama(vocab_size=201088, context_length=131072, d_model=2880, n_layers=n_layers, n_heads=64,
+                  n_kv_heads=8, head_dim=64, d_ff=2880, norm_eps=1e-5, rope_theta=150000.0,
+                  rope_scaling=RopeScaling(rope_type="yarn", factor=32.0, original_context_length=4096,
+                                           beta_fast=32.0, beta_slow=1.0, truncate=False),
+                  layer_types=("sliding_attention", "full_attention") * (n_layers // 2), sliding_window=128,
+                  attn_sinks=True, bias=True, qkv_bias=True, n_experts=n_experts, n_experts_per_token=4,
+                  router="topk_softmax", router_bias=True, expert_bias=True, expert_act="clamped_swiglu",
+                  router_aux_loss_coef=0.9)
 
 
 _LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0)
@@ -96,6 +113,26 @@ PRESETS: dict[str, ModelConfig] = {
                            linear_n_v_heads=32, tie_embeddings=False),
     "qwen3.5-27b": _qwen3_5(d_model=5120, d_ff=17408, n_layers=64, n_heads=24, n_kv_heads=4,
                             linear_n_v_heads=48, tie_embeddings=False),
+    # --- mixtures of experts (the config.json of each checkpoint) ---
+    # Mixtral-8x7B-v0.1: 8 experts of Mistral 7B's MLP, 2 per token
+    "mixtral-8x7b": _llama(vocab_size=32000, context_length=32768, d_model=4096, n_layers=32, n_heads=32,
+                           n_kv_heads=8, d_ff=14336, norm_eps=1e-5, rope_theta=1e6, n_experts=8,
+                           n_experts_per_token=2, router_aux_loss_coef=0.02),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised (norm_topk_prob)
+    "qwen3-30b-a3b": _llama(**_QWEN3, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, d_ff=6144,
+                            moe_d_ff=768, n_experts=128, n_experts_per_token=8, router_aux_loss_coef=0.001),
+    # openai/gpt-oss-20b and gpt-oss-120b (24 layers of 32 experts; 36 of 128)
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
+    # Qwen3.5 MoE text models (text_config of Qwen/Qwen3.5-35B-A3B and -397B-A17B): every layer an
+    # MoE of experts as wide as its gated shared expert. The 397B's Gated DeltaNet heads (16 QK, 64 V)
+    # are not in our source; they are the counts that give its published 397B total and 17B active.
+    "qwen3.5-35b-a3b": _qwen3_5(d_model=2048, d_ff=512, n_layers=40, n_heads=16, n_kv_heads=2, linear_n_v_heads=32,
+                                tie_embeddings=False, n_experts=256, n_experts_per_token=8, shared_expert_d_ff=512,
+                                shared_expert_gate=True, router_aux_loss_coef=0.001),
+    "qwen3.5-397b-a17b": _qwen3_5(d_model=4096, d_ff=1024, n_layers=60, n_heads=32, n_kv_heads=2,
+                                  linear_n_v_heads=64, tie_embeddings=False, n_experts=512, n_experts_per_token=10,
+                                  shared_expert_d_ff=1024, shared_expert_gate=True, router_aux_loss_coef=0.001),
     # Small shapes for CPU training (vocabulary padded to 64 for speed)
     "gpt2-tiny": _gpt2(128, 4, 4, context_length=256, vocab_pad_multiple=64),
     "tiny": _llama(vocab_size=8192, context_length=256, d_model=128, n_layers=4, n_heads=4,
@@ -104,6 +141,11 @@ PRESETS: dict[str, ModelConfig] = {
                              n_kv_heads=2, head_dim=32, d_ff=384, rope_theta=10000.0, linear_n_k_heads=2,
                              linear_n_v_heads=4, linear_k_head_dim=32, linear_v_head_dim=32,
                              tie_embeddings=True, vocab_pad_multiple=64),
+    # tiny's shape with its MLP split into 8 experts of half its width, 2 per token: the active
+    # parameters of tiny (plus a router), four times its MLP parameters in all
+    "moe-tiny": _llama(vocab_size=8192, context_length=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                       d_ff=192, n_experts=8, n_experts_per_token=2, router_aux_loss_coef=0.01,
+                       tie_embeddings=True, vocab_pad_multiple=64),
     "small": _llama(vocab_size=8192, context_length=512, d_model=384, n_layers=6, n_heads=6,
                     n_kv_heads=2, d_ff=1024, tie_embeddings=True, vocab_pad_multiple=64),
 }
@@ -118,7 +160,7 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     try:
         config = PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+        raise ValueError(unknown_preset(name)) from None
     if not overrides:
         return config
     fields = underived_fields(config)
@@ -128,12 +170,24 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
+def unknown_preset(name: str) -> str:
+    """The message for a preset name that is not one: the closest names when there are some
+    ("did you mean llama3-8b?"), else the whole list."""
+    import difflib
+
+    close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.6)
+    if close:
+        also = f" (also close: {', '.join(close[1:])})" if close[1:] else ""
+        return f"unknown preset {name!r}; did you mean {close[0]}?{also}"
+    return f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}"
+
+
 def underived_fields(config: ModelConfig) -> dict:
     """config as a dict with the fields ModelConfig derived (head_dim = D / H, ...) set back to
     None, so that new values of d_model or n_heads derive them again."""
     d = config.to_dict()
     for name in ("n_kv_heads", "head_dim", "d_ff", "qkv_bias", "linear_n_k_heads",
-                 "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim"):
+                 "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "moe_d_ff"):
         if getattr(ModelConfig(**{**d, name: None}), name) == d[name]:
             d[name] = None
     return d

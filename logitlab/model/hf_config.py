@@ -12,7 +12,6 @@ import math
 
 from logitlab.model.config import ModelConfig, conform
 from logitlab.model.keymap import hf_architecture
-from logitlab.model.rope_scaling import ntk_theta
 
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 _LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -156,6 +155,8 @@ def _rope_to_hf(c: ModelConfig) -> dict:
     if r is None:
         return dict(rope_theta=c.rope_theta, rope_scaling=None)
     if r.rope_type == "ntk":
+        from logitlab.model.rope_scaling import ntk_theta  # (rope_scaling imports torch)
+
         return dict(rope_theta=ntk_theta(c.rotary_dim, c.rope_theta, r.factor), rope_scaling=None)
     out = dict(rope_type=r.rope_type, factor=r.factor)
     out.update({key: getattr(r, key) for key in _ROPE_KEYS[r.rope_type] if getattr(r, key) is not None})
@@ -258,6 +259,12 @@ def _qwen3_5_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
     """Qwen3.5's text model: the config itself, or the text_config of an image-text checkpoint."""
     if arch == "Qwen3_5ForConditionalGeneration":
         hf = _checked_hf(_need(hf, "text_config", source), f"text_config in {source}")
+    return _build(source, **qwen3_5_fields(arch, hf, source))
+
+
+def qwen3_5_fields(arch: str, hf: dict, source: str, width_key: str = "intermediate_size") -> dict:
+    """The ModelConfig fields of a Qwen3.5 text config (dense, or the MoE's with its expert
+    fields added by hf_config_moe); d_ff is the key `width_key` (the MoE's: moe_intermediate_size)."""
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(arch, "hidden_act", hf["hidden_act"])
     for key in ("attention_bias",):
@@ -271,12 +278,12 @@ def _qwen3_5_from_hf(arch: str, hf: dict, source: str) -> ModelConfig:
     every = hf.get("full_attention_interval", 4)
     types = tuple(hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                             for i in range(n)])
-    return _build(
-        source, vocab_size=_need(hf, "vocab_size", source),
+    return dict(
+        vocab_size=_need(hf, "vocab_size", source),
         context_length=_rope_context(_need(hf, "max_position_embeddings", source), scaling), rope_scaling=scaling,
         d_model=_need(hf, "hidden_size", source), n_layers=n, n_heads=_need(hf, "num_attention_heads", source),
         n_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim", 256),
-        d_ff=_need(hf, "intermediate_size", source), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+        d_ff=_need(hf, width_key, source), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
         mlp="swiglu", positions="rope", rope_theta=theta,
         partial_rotary_factor=params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)),
         qk_norm=True, norm_zero_centered=True, attn_gate="elementwise", bias=False, qkv_bias=False,

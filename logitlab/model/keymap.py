@@ -14,6 +14,13 @@ from __future__ import annotations
 import re
 
 from logitlab.model.config import ModelConfig
+from logitlab.model.keymap_moe import (  # noqa: F401  (expert_layout_of: importable from here)
+    expert_layout_of,
+    is_moe_key,
+    moe_architecture,
+    moe_from_hf,
+    moe_to_hf,
+)
 
 
 def hf_architecture(config: ModelConfig) -> str:
@@ -28,6 +35,8 @@ def hf_architecture(config: ModelConfig) -> str:
 
     if c.norm_placement != "pre":
         bad("norm_placement", c.norm_placement, "model")
+    if c.is_moe:                                         # Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss: keymap_moe.py
+        return _moe(c, bad)
     if c.attn_sinks:
         bad("attn_sinks", True, "causal-LM")
     # the small-model training recipe's switches that change the function (zero_init_output does not)
@@ -78,6 +87,18 @@ def _qwen3_5(c: ModelConfig, bad) -> str:
     return arch
 
 
+def _moe(c: ModelConfig, bad) -> str:
+    """An MoE family: its class from keymap_moe, and the dense features that class also needs."""
+    arch = moe_architecture(c, bad)
+    if arch == "Qwen3_5MoeForCausalLM":
+        _qwen3_5(c, bad)
+    elif c.positions != "rope" or c.norm != "rmsnorm" or c.partial_rotary_factor != 1.0 or c.norm_zero_centered:
+        bad("positions/norm/partial_rotary_factor", (c.positions, c.norm, c.partial_rotary_factor), arch)
+    elif c.attn_gate != "none" or (c.attn_sinks and arch != "GptOssForCausalLM"):
+        bad("attn_gate/attn_sinks", (c.attn_gate, c.attn_sinks), arch)
+    return arch
+
+
 # Keys of buffers that old checkpoints carry and that hold no learned state.
 _IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$"
                       r"|^(mtp|model\.visual|visual)\.")  # Qwen3.5: the multi-token head, the vision tower
@@ -85,6 +106,7 @@ _IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq
 _LLAMA_BLOCK = {  # Hugging Face suffix under model.layers.{i}. -> logitlab suffix under blocks.{i}.
     "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
     **{f"self_attn.{p}": f"attn.{p}" for p in ("o_proj", "q_norm", "k_norm")},
+    "self_attn": "attn",                                                   # self_attn.sinks (gpt-oss)
     "mlp.down_proj": "mlp.down_proj",
 }
 # logitlab's fused projections and the Hugging Face (llama-layout) tensors they hold, in row order.
@@ -163,7 +185,13 @@ def hf_tensors_to_logitlab(items, config: ModelConfig):
 
     layout = key_layout(config)
     pending: dict[str, dict[int, object]] = {}  # fused logitlab name -> {part index: tensor}
+    moe_pending: dict[str, dict] = {}           # an MoE layer's per-expert parts (keymap_moe)
+    arch = hf_architecture(config) if config.is_moe else None
     for key, tensor in items:
+        moe = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key) if arch else None
+        if moe and is_moe_key(moe.group(2)):
+            yield from moe_from_hf(moe.group(1), moe.group(2), tensor, config, arch, moe_pending)
+            continue
         module, leaf = _split_key(key)
         name = hf_key_to_logitlab(key, layout)
         if name is None:  # llama layout: one part of qkv_proj or gate_up_proj
@@ -181,6 +209,8 @@ def hf_tensors_to_logitlab(items, config: ModelConfig):
             continue
         conv1d = layout == "gpt2" and leaf == "weight" and module.rsplit(".", 1)[-1] in _GPT2_CONV1D
         yield name, (tensor.t().contiguous() if conv1d else tensor)
+    if moe_pending:
+        raise ValueError(f"checkpoint lacks expert tensors needed for {sorted(moe_pending)[0]!r}")
     if pending:
         name = sorted(pending)[0]                       # blocks.{i}.{fused}.{leaf}
         _, i, rest = name.split(".", 2)
@@ -215,11 +245,13 @@ def state_dict_from_hf(hf_state: dict, config: ModelConfig) -> dict:
     return dict(hf_tensors_to_logitlab(clean_hf_state(hf_state, config).items(), config))
 
 
-def state_dict_to_hf(state: dict, config: ModelConfig) -> dict:
+def state_dict_to_hf(state: dict, config: ModelConfig, expert_layout: str = "per_expert") -> dict:
     """logitlab state dict -> Hugging Face tensors; inverse of state_dict_from_hf. The vocabulary
     padding rows are cut off; a tied head is written once, as the embedding (lm_head omitted);
-    the fused projections are split into llama-layout q/k/v and gate/up."""
+    the fused projections are split into llama-layout q/k/v and gate/up; an MoE layer's experts
+    are written one tensor per expert, or with expert_layout="fused" stacked (keymap_moe.py)."""
     layout = key_layout(config)
+    arch = hf_architecture(config) if config.is_moe else None
     V, Dh = config.vocab_size, config.head_dim
     fused_rows = {"attn.qkv_proj": (config.n_heads * Dh, config.n_kv_heads * Dh, config.n_kv_heads * Dh),
                   "mlp.gate_up_proj": (config.d_ff, config.d_ff)}
@@ -238,6 +270,10 @@ def state_dict_to_hf(state: dict, config: ModelConfig) -> dict:
             out[f"{inverse_top[module]}.{leaf}"] = tensor.contiguous()
             continue
         i, sub = m.groups()
+        if arch and sub.startswith("mlp.") and config.mlp_kinds[int(i)] == "moe":
+            moe = moe_to_hf(i, f"{sub[4:]}.{leaf}", tensor, config, arch, expert_layout)
+            out.update({k: v.contiguous() for k, v in moe.items()})
+            continue
         if sub == "attn.gate_proj":                                # joined into q_proj with the queries
             continue
         if sub.split(".")[0] == "linear_attn":

@@ -18,6 +18,7 @@ from torch import nn
 from logitlab.model.attention import ATTN_IMPLS, Attention, eager_attention, repeat_kv
 from logitlab.model.deltanet import GatedDeltaNet
 from logitlab.model.mlp import GeluMLP, SwiGLU, gelu, make_mlp
+from logitlab.model.moe import MoE
 from logitlab.model.norms import LayerNorm, RMSNorm, make_norm
 from logitlab.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
@@ -60,10 +61,11 @@ class Block(nn.Module):
     post-norm (Vaswani et al. 2017): x = attn_norm(x + mix(x));  x = mlp_norm(x + mlp(x))
     The mixer is attention (`attn`; a sliding window for layer type "sliding_attention") or, for
     "linear_attention", Gated DeltaNet (`linear_attn`, deltanet.py): the one difference between
-    the blocks of a hybrid stack. Dropout (config.dropout, training only) acts on each sublayer's
-    output before the add."""
+    the blocks of a hybrid stack. The MLP is dense (mlp.py) or, for mlp kind "moe", a mixture of
+    experts (moe.py; `mlp_type` says which). Dropout (config.dropout, training only)
+    acts on each sublayer's output before the add."""
 
-    def __init__(self, config, layer_type: str = "full_attention"):
+    def __init__(self, config, layer_type: str = "full_attention", mlp_type: str = "dense"):
         super().__init__()
         self.layer_type = layer_type
         self.post_norm = config.norm_placement == "post"
@@ -74,11 +76,15 @@ class Block(nn.Module):
         else:
             self.attn, self.linear_attn = Attention(config, layer_type), None
         self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc, affine)
-        self.mlp = make_mlp(config)
+        self.mlp_type = mlp_type
+        self.mlp = MoE(config) if mlp_type == "moe" else make_mlp(config)
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else None
 
     def _drop(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.dropout is None or not self.training else self.dropout(t)
+
+    def _mlp(self, x, record):
+        return self.mlp(x, record=record) if self.mlp_type == "moe" else self.mlp(x)
 
     def _mix(self, x, rope, cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record,
              value_embed=None):
@@ -92,15 +98,16 @@ class Block(nn.Module):
         """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None).
 
         pad (B, T) bool or None: the padding of this call's positions (Gated DeltaNet zeroes
-        them); key_rope: see Attention.forward; record: a dict for Gated DeltaNet's g and beta;
-        value_embed: (B, Hkv, T, Dh) added to the attention's values (ValueEmbedding)."""
+        them); key_rope: see Attention.forward; record: a dict for Gated DeltaNet's g and beta and an
+        MoE layer's routing (router logits, experts, weights); value_embed: (B, Hkv, T, Dh) added to
+        the attention's values (ValueEmbedding)."""
         args = (cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record, value_embed)
         if self.post_norm:
             a, weights = self._mix(x, rope, *args)
             x = self.attn_norm(x + self._drop(a))
-            x = self.mlp_norm(x + self._drop(self.mlp(x)))
+            x = self.mlp_norm(x + self._drop(self._mlp(x, record)))
         else:
             a, weights = self._mix(self.attn_norm(x), rope, *args)
             x = x + self._drop(a)
-            x = x + self._drop(self.mlp(self.mlp_norm(x)))
+            x = x + self._drop(self._mlp(self.mlp_norm(x), record))
         return x, weights

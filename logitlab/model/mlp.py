@@ -44,12 +44,13 @@ class SwiGLU(nn.Module):
     """down_proj(silu(gate) * up): D -> F -> D (Shazeer 2020; Llama, Qwen).
 
     gate_up_proj: D -> 2F, its output rows are the gate (F), then the up projection (F): one
-    matrix product instead of two."""
+    matrix product instead of two. d_ff: another width than config.d_ff (an MoE's shared expert)."""
 
-    def __init__(self, config):
+    def __init__(self, config, d_ff: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=config.bias)
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        d_ff = d_ff or config.d_ff
+        self.gate_up_proj = nn.Linear(config.d_model, 2 * d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # (B, T, F) views each

@@ -110,12 +110,18 @@ def classic_table(config: ModelConfig) -> list[dict]:
         attention_why.append(f"{c.attn_gate} output gate")
     width = 3 if c.mlp == "swiglu" else 2
     mlp_why = "" if width * c.d_ff == 8 * D else f"{c.mlp}: {width}·D·F with F = {c.d_ff}"
+    mlp = f.mlp_per_layer
+    if c.is_moe:   # an MoE layer (accounting_moe): router + E experts, K of them active
+        mlp = f.moe_per_layer
+        mlp_why = (f"MoE: router + {c.n_experts} experts of 3·D·F, F = {c.moe_d_ff}"
+                   + (f" + a shared expert of F = {c.shared_expert_d_ff}" if c.shared_expert_d_ff else "")
+                   + f"; a token uses {c.n_experts_per_token} of them")
     layers_why = "" if f.layers == f.classic else "the rows above, over all layers"
     if f.n_linear_layers:
         layers_why = f"{f.n_linear_layers} of {c.n_layers} layers are linear attention"
     return [dict(part="attention / layer", classic=4 * D * D, formula=f.attention_per_layer,
                  classic_rule="4·D² (MHA, H·Dh = D)", why="; ".join(attention_why) or "same shape"),
-            dict(part="MLP / layer", classic=8 * D * D, formula=f.mlp_per_layer,
+            dict(part="MLP / layer", classic=8 * D * D, formula=mlp,
                  classic_rule="8·D² (GELU, F = 4·D)", why=mlp_why or "same shape"),
             dict(part=f"all {c.n_layers} layers", classic=f.classic, formula=f.layers,
                  classic_rule="12·D²·L", why=layers_why or "same shape")]

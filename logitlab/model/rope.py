@@ -140,7 +140,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if R < x.shape[-1]:                                           # partial rotary: the first R dims turn
         x_rot, x_pass = x.split((R, x.shape[-1] - R), dim=-1)     # (B, T, heads, R), (..., Dh - R)
         out = apply_rope(x_rot, cos, sin, interleaved)
-        return torch.cat((out, x_pass.to(torch.result_type(x_rot, cos))), dim=-1)
+        return torch.cat((out, x_pass.to(out.dtype)), dim=-1)        # out: x_rot and the tables' promoted dtype
     if interleaved:
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)   # (x1, x0, x3, x2, ...)
         return x * cos + swapped * sin

@@ -34,6 +34,14 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     blocks.{i}.mlp.down_proj.weight / .bias     (D, F) / (D,)
     value_embeds.{i}.embed.weight / .gate       (V_padded, Hkv*Dh) / (Hkv,)  value_embeddings: layer i's
                                                 table added to its values (attention.ValueEmbedding)
+    (a layer whose mlp kind is "moe", config.mlp_kinds, has instead, moe.py; E n_experts, F moe_d_ff:)
+    blocks.{i}.mlp.router.weight / .bias        (E, D) / (E,)          bias when router_bias
+    blocks.{i}.mlp.router.correction_bias       (E,) float32 buffer    router="sigmoid_topk" only
+    blocks.{i}.mlp.experts.gate_up_proj         (E, 2F, D)             per expert rows gate, then up
+    blocks.{i}.mlp.experts.down_proj            (E, D, F)
+    blocks.{i}.mlp.experts.gate_up_bias / down_bias  (E, 2F) / (E, D)  expert_bias only
+    blocks.{i}.mlp.shared.gate_up_proj / down_proj   a SwiGLU of width shared_expert_d_ff, when > 0
+    blocks.{i}.mlp.shared_gate.weight           (1, D)                 shared_expert_gate only
     final_norm.weight / .bias                   (D,)   (no norm weights at all when norm_affine=False)
     lm_head.weight                              (V_padded, D)  the same Parameter as tok_emb.weight
                                                                when tie_embeddings
@@ -66,6 +74,7 @@ from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's o
 )
 from logitlab.model.deltanet import GatedDeltaNet
 from logitlab.model.layers import ATTN_IMPLS, Block
+from logitlab.model.moe import Experts, Router
 from logitlab.model.norms import LayerNorm, RMSNorm, ZeroCenteredRMSNorm, make_norm
 from logitlab.model.positions import ALiBi, SinusoidalPositions
 from logitlab.model.rope import RotaryEmbedding
@@ -104,7 +113,8 @@ class Transformer(nn.Module):
         self.rope = (RotaryEmbedding(config.rotary_dim, config.context_length, config.rope_theta,
                                      config.rope_scaling, config.rope_interleaved)
                      if config.positions == "rope" else None)
-        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds)
+        kinds = zip(config.layer_kinds, config.mlp_kinds)          # token mixer, MLP (dense or moe)
+        self.blocks = nn.ModuleList(Block(config, mixer, mlp) for mixer, mlp in kinds)
         self.value_embeds = (nn.ModuleDict({str(i): ValueEmbedding(V, config.n_kv_heads, config.head_dim)
                                             for i in range(config.n_layers) if config.has_value_embedding(i)})
                              if config.value_embeddings != "none" else None)
@@ -155,7 +165,8 @@ class Transformer(nn.Module):
         - every bias zeros; every norm weight ones (LayerNorm bias zeros; a zero-centred RMSNorm's
           stored offset zeros); attention sink logits zeros; Gated DeltaNet's decay and conv as
           GatedDeltaNet.reset_parameters (its out_proj scaled as o_proj); value-embedding tables as
-          the embeddings, their gates zeros.
+          the embeddings, their gates zeros; an MoE's router and experts as Router /
+          Experts.reset_parameters (the experts' down projections scaled, or zeroed, as down_proj).
         A tied LM head is the embedding table and is initialised once, as the embedding."""
         std, L = self.config.init_std, self.config.n_layers
         for name, module in self.named_modules():
@@ -175,12 +186,16 @@ class Transformer(nn.Module):
                 nn.init.zeros_(module.sinks)
             elif isinstance(module, ValueEmbedding):
                 nn.init.zeros_(module.gate)                        # its table: the nn.Embedding branch
+            elif isinstance(module, Router):                       # an MoE's router and experts (moe.py)
+                module.reset_parameters(std)
+            elif isinstance(module, Experts):
+                module.reset_parameters(std, 0.0 if self.config.zero_init_output else std / math.sqrt(2 * L))
 
     # --- forward -----------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, *, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                check_values: bool = True) -> torch.Tensor:
+                check_values: bool = True, records: list | None = None) -> torch.Tensor:
         """ids (B, T) -> logits (B, T, vocab_size).
 
         cache: a KVCache; new keys/values go to slots [cache.length, cache.length + T), attention
@@ -192,8 +207,11 @@ class Transformer(nn.Module):
         sampling code upcast to float32. They are contiguous also with vocabulary padding: the
         padded rows of the LM head are never multiplied (see _head). check_values=False skips the
         range checks of ids and positions for this call (each is a host sync; a decode loop that
-        checked its ids already passes it), as validate_inputs=False does for every call."""
-        return self.unembed(self._run(ids, cache, positions, attn_mask, check_values=check_values)[0])
+        checked its ids already passes it), as validate_inputs=False does for every call. records: a
+        list that receives what some layers record, one dict per layer with its index under "layer"
+        (an MoE layer's routing, which its training losses read; see _run)."""
+        return self.unembed(self._run(ids, cache, positions, attn_mask, check_values=check_values,
+                                      records=records)[0])
 
     def forward_features(self, ids, *, cache=None, positions=None, attn_mask=None) -> torch.Tensor:
         """-> h (B, T, D), the last block's output BEFORE the final norm; forward(ids) equals
@@ -234,22 +252,20 @@ class Transformer(nn.Module):
         and backward fills no (B, T, V_padded) gradient with zeros (head + cross-entropy forward and
         backward at (1024, 384) x 50304: 1530 -> 1333 ms, 1 thread)."""
         V = self.config.vocab_size
-        weight = self.lm_head.weight                               # (V_padded, D)
-        if weight.shape[0] == V:
-            logits = self.lm_head(h)                               # (B, T, V)
+        if self.lm_head.out_features == V:                         # no padding, or a head quantized
+            logits = self.lm_head(h)                               # without its padded rows (B, T, V)
         else:
-            logits = self.head_matmul(h, weight[:V])               # (B, T, V)
-        cap = self.config.logit_softcap
-        if cap is None:
-            return logits
-        # soft-capping (Gemma 2; modded-nanogpt): C * tanh(z / C) keeps |logit| < C, smoothly, so no
-        # logit runs away early in training; in float32, back in the logits' dtype
+            logits = self.head_matmul(h, self.lm_head.weight[:V])  # (B, T, V) of (V_padded, D)
+        cap = self.config.logit_softcap                            # soft-capping (Gemma 2): C * tanh(z / C)
+        if cap is None:                                            # keeps |logit| < C smoothly, so none runs
+            return logits                                          # away early; in float32, back in its dtype
         return (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
 
     def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False, check_values=True,
              records=None):
         """Embeddings and blocks: -> (h (B, T, D) before the final norm, hidden list, weights list).
-        records: a list that receives one dict per Gated DeltaNet layer (its g and beta)."""
+        records: a list that receives one dict per Gated DeltaNet layer (its g and beta) and per MoE
+        layer (its router_logits, experts, weights and dropped share; moe.MoE.forward)."""
         cfg = self.config
         self._check_ids(ids, check_values)
         B, T = ids.shape
@@ -278,7 +294,8 @@ class Transformer(nn.Module):
         rope, key_rope = self._rope_tables(positions, cache, S, x.dtype)
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):
-            record = {} if records is not None and block.linear_attn is not None else None
+            recorded = block.linear_attn is not None or block.mlp_type == "moe"
+            record = {} if records is not None and recorded else None
             x, w = block(x, rope, cache=cache, layer=i,
                          mask=window if block.layer_type == "sliding_attention" else mask,
                          is_causal=is_causal, impl=self.attn_impl, need_weights=want_weights, pad=pad,

@@ -24,7 +24,9 @@ import datetime
 import gc
 import os
 import sys
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Literal
 
 import torch
@@ -107,13 +109,32 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     # Imported before the group exists: see destroy() for why its import must not come later.
     import torch.distributed.nn.functional as _defaults_without_a_group  # noqa: F401
 
+    _STATE.setdefault("parent", os.getppid())   # before the slow part: the launcher is alive now
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=dev if backend == "nccl" else None)
     _STATE["timeout_s"] = timeout_s
     return current_info()
 
 
-_STATE = {"timeout_s": DEFAULT_TIMEOUT_S}
+_STATE: dict = {"timeout_s": DEFAULT_TIMEOUT_S}
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun's agent started this process (it sets TORCHELASTIC_RUN_ID for its workers)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def launcher_gone() -> bool:
+    """Whether the process that started this one has died since init_distributed (or since the
+    first call): its parent process id changed, as it does when an orphan is adopted by init or
+    a subreaper. torchrun starts each rank in a session of its own and stops them only while it
+    lives, so when its agent is killed with SIGKILL nothing else tells the ranks; the training
+    loop asks this at every step boundary (a system call, well under a microsecond; portable,
+    unlike Linux's PR_SET_PDEATHSIG, which would also fire on the exit of the thread that
+    started the process). Ask it only of launched ranks (launched_by_torchrun): a plain
+    process whose shell exits (nohup) is adopted just the same, and must go on."""
+    parent = _STATE.setdefault("parent", os.getppid())
+    return os.getppid() != parent
 
 
 def current_info() -> DistInfo:
@@ -181,8 +202,9 @@ def barrier() -> None:
 @contextlib.contextmanager
 def rank_failure_guard(info: DistInfo | None = None) -> Iterator[None]:
     """Turn a failed collective (a peer crashed, was killed or timed out) into RankFailureError,
-    whose message names this rank and says why, instead of a backend error from deep inside
-    backward or all_reduce. Other exceptions pass through unchanged."""
+    whose message names this rank, the collective and the line that called it, and says why,
+    instead of a backend error from deep inside backward or all_reduce. Other exceptions pass
+    through unchanged."""
     try:
         yield
     except RankFailureError:
@@ -194,11 +216,44 @@ def rank_failure_guard(info: DistInfo | None = None) -> Iterator[None]:
             raise
         info = info or current_info()
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        where = failed_collective(exc)
         raise RankFailureError(
-            f"rank {info.rank} of {info.world_size}: a collective operation failed, so another rank "
-            f"crashed, was killed, or did not answer within the {info.timeout_s:g} s timeout; stopping "
-            f"this rank too. The last checkpoint written before the failure is intact. "
+            f"rank {info.rank} of {info.world_size}: a collective operation failed{f' ({where})' if where else ''}, "
+            f"so another rank crashed, was killed, or did not answer within the {info.timeout_s:g} s timeout "
+            f"(--dist-timeout); stopping this rank too. The last checkpoint written before the failure is intact. "
             f"Backend said: {first[:300]}") from exc
+
+
+def failed_collective(exc: BaseException) -> str | None:
+    """Which collective `exc` came out of, from its traceback: the innermost torch.distributed
+    function (all_reduce, broadcast, all_gather_single...: FSDP2's weight gathers end in one of
+    them) and the innermost line that led there from the run itself, outside torch and outside
+    the plumbing of logitlab.parallel and logitlab.model, with the line that called that one ->
+    "all_reduce, called from logitlab/train/layouts.py:49 in <lambda>, called from
+    logitlab/train/loss.py:129 in evaluate"; None when no torch.distributed frame is in it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    in_torch = [f for f in frames if _is_in(f.filename, "torch", "distributed")]
+    if not in_torch:
+        return None
+    c10d = [f for f in in_torch if Path(f.filename).name == "distributed_c10d.py"]
+    name = (c10d or in_torch)[-1].name
+    plumbing = (("torch",), ("logitlab", "parallel"), ("logitlab", "model"))
+    callers = [f for f in frames[:frames.index(in_torch[0])] if not any(_is_in(f.filename, *p) for p in plumbing)]
+    # the innermost two: a hook's one-line lambda says little alone, the loop's function beside it does
+    lines = [f"{_short_path(f.filename)}:{f.lineno} in {f.name}" for f in callers[::-1][:2]]
+    return ", called from ".join([name, *lines])
+
+
+def _is_in(filename: str, *package: str) -> bool:
+    return os.sep + os.sep.join(package) + os.sep in filename
+
+
+def _short_path(filename: str) -> str:
+    """logitlab/train/loss.py for a file of this package, else the file's name."""
+    parts = Path(filename).parts
+    if "logitlab" not in parts:
+        return parts[-1]
+    return "/".join(parts[len(parts) - parts[::-1].index("logitlab") - 1:])   # from the innermost "logitlab"
 
 
 # --------------------------------------------------------------------------------------------

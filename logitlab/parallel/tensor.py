@@ -141,6 +141,9 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False, seq_
     if "linear_attention" in config.layer_kinds:
         raise ValueError("tensor parallel is not supported for Gated DeltaNet layers (layer_types contains "
                          "'linear_attention'): its conv and state are not split by heads here; use tp=1")
+    if config.is_moe:
+        raise ValueError(f"tensor parallel does not split mixture-of-experts layers (n_experts={config.n_experts}): "
+                         "experts are not sharded here; use tp=1")
     if config.attn_sinks or config.attn_gate != "none":
         raise ValueError(f"tensor parallel supports plain attention only: attn_sinks={config.attn_sinks}, "
                          f"attn_gate={config.attn_gate!r} are not split by heads here; use tp=1")

@@ -2,17 +2,20 @@
 batching engine, with server-sent events for streaming, a health check and the explorer page.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and the
-explorer's GET / and POST /v1/explore (explorer.py). Every request is checked before anything is
-queued (protocol.py): a bad field, an unknown model, a prompt longer than the context, malformed
-JSON or a body over max_body_bytes is a 4xx with OpenAI's error object naming the field. Each
-prompt becomes one engine request; its events cross from the engine's thread into the event loop
-through an asyncio queue. A client that goes away (a closed stream, or a dropped connection while
-waiting) cancels its requests, which frees their rows.
+explorer's GET / and POST /v1/explore (explorer.py). With an API key (RequireKey) every route
+but /health and the explorer page needs `Authorization: Bearer KEY`. Every request is checked
+before anything is queued (protocol.py): a bad field, an unknown model, a prompt longer than the
+context, malformed or too deeply nested JSON, or a body over max_body_bytes is a 4xx with
+OpenAI's error object naming the field. Each prompt becomes one engine request; its events cross
+from the engine's thread into the event loop through an asyncio queue. A client that goes away (a
+closed stream, or a dropped connection while waiting) cancels its requests, which frees their rows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
 import uuid
@@ -20,6 +23,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -34,7 +39,7 @@ from logitlab.serve.protocol import (
     chat_prompt,
     completion_prompts,
     integer,
-    parse_json,
+    read_json,
     sampling,
     token_text,
 )
@@ -51,6 +56,7 @@ class Served:
     name: str
     max_body_bytes: int = 1 << 20
     end_ids: tuple[int, ...] = ()
+    defaults: dict = field(default_factory=dict)   # the model's sampling defaults (generation_config.json)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -74,18 +80,7 @@ def _error(exc: ApiError) -> JSONResponse:
 
 
 async def _body(request: Request, served: Served) -> dict:
-    """The JSON body, refused past max_body_bytes (413) before or while reading it."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > served.max_body_bytes:
-        raise ApiError(413, f"the request body ({declared} bytes) is larger than the limit of "
-                       f"{served.max_body_bytes} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > served.max_body_bytes:
-            raise ApiError(413, f"the request body is larger than the limit of {served.max_body_bytes} bytes")
-        chunks.append(chunk)
-    return parse_json(b"".join(chunks))
+    return await read_json(request, served.max_body_bytes)
 
 
 def _check_model(body: dict, served: Served) -> None:
@@ -225,7 +220,7 @@ async def completions(request: Request):
     try:
         body = await _body(request, served)
         _check_model(body, served)
-        config, stops = sampling(body, served.engine.model.config.vocab_size, 16)
+        config, stops = sampling(body, served.engine.model.config.vocab_size, 16, defaults=served.defaults)
         logprobs = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         n = integer(body, "n", 1, 1, MAX_N)
         if boolean(body, "echo"):
@@ -288,9 +283,11 @@ async def chat_completions(request: Request):
         body = await _body(request, served)
         _check_model(body, served)
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        ids, template_stops, stop_ids = chat_prompt(served.tokenizer, body.get("messages"))
+        # in a worker thread: a template that runs to its time bound leaves the event loop free
+        ids, template_stops, stop_ids = await run_in_threadpool(chat_prompt, served.tokenizer, body.get("messages"))
         _check_prompt(ids, served, "messages")
-        config, stops = sampling(body, served.engine.model.config.vocab_size, served.context, field)
+        config, stops = sampling(body, served.engine.model.config.vocab_size, served.context, field,
+                                 defaults=served.defaults)
         want_logprobs = boolean(body, "logprobs")
         top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if want_logprobs else 0
         n = integer(body, "n", 1, 1, MAX_N)
@@ -327,15 +324,50 @@ async def chat_completions(request: Request):
         "usage": _usage(jobs)})
 
 
+class RequireKey:
+    """ASGI middleware: every path but the open ones (/health and the explorer page /) needs
+    `Authorization: Bearer KEY`; anything else is a 401 with OpenAI's error object. The keys are
+    compared as SHA-256 digests with hmac.compare_digest, in a time that depends on neither key."""
+
+    OPEN = frozenset({"/health", "/"})
+
+    def __init__(self, app, api_key: str):
+        self.app, self.digest = app, hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            error = self._refusal(dict(scope["headers"]).get(b"authorization"))
+            if error is not None:
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, header: bytes | None) -> ApiError | None:
+        scheme, _, given = (header or b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not given.strip():
+            return ApiError(401, "You didn't provide an API key: send it in an Authorization header, "
+                            "'Authorization: Bearer YOUR_KEY'.")
+        if not hmac.compare_digest(hashlib.sha256(given.strip()).digest(), self.digest):
+            return ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return None
+
+
 def create_app(model, tokenizer, *, name: str = "logitlab", max_batch: int = 16, max_body_bytes: int = 1 << 20,
-               end_ids: tuple[int, ...] | None = None, engine: Engine | None = None) -> Starlette:
+               end_ids: tuple[int, ...] | None = None, engine: Engine | None = None,
+               api_key: str | None = None, sample_defaults: dict | None = None) -> Starlette:
     """The ASGI app for `model` (in eval mode) and `tokenizer`, served as `name`. end_ids end a
     generation besides the tokenizer's <|endoftext|>. The engine's thread starts with the app
-    (lifespan) and stops with it; pass `engine` to share or drive one yourself."""
+    (lifespan) and stops with it; pass `engine` to share or drive one yourself. With `api_key`,
+    every route but /health and the explorer page needs `Authorization: Bearer API_KEY`.
+    sample_defaults (SampleConfig fields: the model's generation_config.json) fill in what a request
+    leaves out, before OpenAI's defaults; max_new_tokens among them is not used (max_tokens is)."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty (None serves without a key)")
     eot = tokenizer.eot_id
     ends = tuple(end_ids if end_ids is not None else ((eot,) if eot is not None else ()))
     engine = engine or Engine(model, eot_id=eot, token_bytes=tokenizer.token_bytes, max_batch=max_batch)
-    served = Served(engine, tokenizer, name, max_body_bytes, ends)
+    defaults = {k: v for k, v in (sample_defaults or {}).items() if k != "max_new_tokens"}
+    served = Served(engine, tokenizer, name, max_body_bytes, ends, defaults)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -348,6 +380,7 @@ def create_app(model, tokenizer, *, name: str = "logitlab", max_batch: int = 16,
     routes = [Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]), *explorer.routes()]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(RequireKey, api_key=api_key.strip())] if api_key is not None else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.served = served
     return app

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from logitlab.generate.sampling import SampleConfig
 from logitlab.inspect import core as inspect_core
-from logitlab.serve.protocol import ApiError, boolean, integer, number, parse_json
+from logitlab.serve.protocol import ApiError, boolean, integer, number, read_json
 
 PAGE = Path(__file__).with_name("static") / "explorer.html"
 MAX_TOP_K = 50
@@ -90,11 +90,7 @@ def _served(request: Request):
 
 
 async def _json(request: Request) -> dict:
-    served = _served(request)
-    body = await request.body()
-    if len(body) > served.max_body_bytes:
-        raise ApiError(413, f"the request body is larger than the limit of {served.max_body_bytes} bytes")
-    return parse_json(body)
+    return await read_json(request, _served(request).max_body_bytes)
 
 
 async def page(request: Request) -> HTMLResponse:

@@ -4,11 +4,14 @@ SampleConfig, chat messages rendered to a prompt, and generated ids turned back 
 protocol.py owns what the HTTP app (app.py) needs besides HTTP itself:
   - `ApiError(status, message, param)`: a 4xx answer naming the field, as OpenAI's
     {"error": {"message", "type", "param", "code"}} body;
-  - `parse_json(body)`: JSON with NaN and Infinity refused (Python's json accepts them);
+  - `read_json(request, max_bytes)` / `parse_json(body)`: the body's size bounded while it is read,
+    its nesting before it is parsed, and JSON's NaN and Infinity refused (Python's json accepts them);
   - `sampling(body, ...)`: max_tokens, temperature, top_p, top_k, min_p, the penalties, seed,
     logit_bias and stop -> (SampleConfig, stop strings);
   - `chat_prompt(tokenizer, messages)`: the tokenizer's chat template (Tokenizer.apply_chat_template)
-    when it has one that fits its special tokens, else ChatML written as plain text;
+    when it has one that fits its special tokens, else ChatML written as plain text; a template
+    that refuses the conversation (raise_exception) is a 400, one that fails or runs past its
+    bounds (tokenizer/sandbox.py) a 500, for that request only;
   - `TextStream`: ids -> text pieces, UTF-8 safe, without end/stop ids, cut before a stop string
     (a possible start of one held back until it is known).
 """
@@ -18,11 +21,18 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import re
+
+import numpy as np
 
 from logitlab.generate.sampling import SampleConfig
+from logitlab.generate.stops import StopHoldBack
+from logitlab.tokenizer.chat import ChatTemplateError
 
 MAX_STOPS = 16
+MAX_STOP_BYTES = 8192    # all stop strings of one request together, UTF-8
 MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 64      # nesting of arrays and objects in a request body
 
 
 class ApiError(Exception):
@@ -41,15 +51,55 @@ def _no_constants(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_json(body: bytes) -> dict:
-    """The request's JSON object; ApiError 400 for anything else (NaN / Infinity included)."""
+# A JSON string: quote, then characters and escapes, then a quote, or the end of the text (an
+# unterminated string, maybe ending in a lone backslash). The possessive *+ and the end
+# alternative mean a match never fails once it starts, so the scan is linear.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text (0 for a scalar), found without parsing
+    it: strings blanked out, every byte but brackets dropped, then the largest running count of
+    [ and { minus ] and }, vectorised (a megabyte in milliseconds). Malformed text may count
+    deeper than a parser would go before failing; it is refused either way."""
+    brackets = _JSON_STRING.sub(b'""', body).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    b = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((b == ord("[")) | (b == ord("{")), 1, -1)
+    return max(int(np.cumsum(steps).max()), 0)
+
+
+def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """The request's JSON object; ApiError 400 for anything else (NaN / Infinity included), and
+    for arrays and objects nested deeper than max_depth, refused before parsing (Python's parser
+    recurses once per level)."""
+    depth = json_depth(body)
+    if depth > max_depth:
+        raise ApiError(400, f"the request body nests arrays and objects {depth} deep; at most {max_depth}")
     try:
         value = json.loads(body.decode("utf-8"), parse_constant=_no_constants)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(value).__name__}")
     return value
+
+
+async def read_json(request, max_bytes: int) -> dict:
+    """The JSON body of a starlette request, refused past max_bytes (413) before or while reading
+    it, then checked as parse_json does."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the request body ({declared} bytes) is larger than the limit of {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body is larger than the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
 
 
 # -------------------- fields
@@ -92,6 +142,12 @@ def _stops(body: dict) -> list[str]:
         raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOPS:
         raise ApiError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOPS}", "stop")
+    try:
+        size = sum(len(s.encode()) for s in stops)
+    except UnicodeEncodeError:
+        raise ApiError(400, "'stop' holds a lone surrogate, which is not text", "stop") from None
+    if size > MAX_STOP_BYTES:
+        raise ApiError(400, f"'stop' strings hold {size} bytes in all; at most {MAX_STOP_BYTES}", "stop")
     return [s for s in stops if s]
 
 
@@ -109,17 +165,20 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def sampling(body: dict, vocab_size: int, default_max_tokens: int, max_tokens_field: str = "max_tokens"
-             ) -> tuple[SampleConfig, list[str]]:
-    """(SampleConfig, stop strings) from the OpenAI fields; every value checked, ApiError naming it."""
+def sampling(body: dict, vocab_size: int, default_max_tokens: int, max_tokens_field: str = "max_tokens",
+             defaults: dict | None = None) -> tuple[SampleConfig, list[str]]:
+    """(SampleConfig, stop strings) from the OpenAI fields; every value checked, ApiError naming it.
+    `defaults` (the model's generation_config.json, io.generation_config.sample_defaults) replace
+    the OpenAI defaults of the fields a request leaves out."""
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
     max_tokens = integer(body, max_tokens_field, default_max_tokens, low=1)
     fields = dict(
         max_new_tokens=max_tokens,
-        temperature=number(body, "temperature", 1.0, 0, 2),
-        top_p=number(body, "top_p", 1.0, 0, 1),
-        top_k=integer(body, "top_k", 0, low=0),
-        min_p=number(body, "min_p", 0.0, 0, 1),
-        repetition_penalty=number(body, "repetition_penalty", 1.0, 0),
+        temperature=number(body, "temperature", d["temperature"], 0, 2),
+        top_p=number(body, "top_p", d["top_p"], 0, 1),
+        top_k=integer(body, "top_k", d["top_k"], low=0),
+        min_p=number(body, "min_p", d["min_p"], 0, 1),
+        repetition_penalty=number(body, "repetition_penalty", d["repetition_penalty"], 0),
         frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2),
         presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
         seed=integer(body, "seed", None),
@@ -155,7 +214,7 @@ def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
         return prompt
     else:
         raise ApiError(400, "'prompt' must be a string, a list of strings or a list of token ids", "prompt")
-    ids = [tokenizer.encode(p) for p in prompts]
+    ids = [tokenizer.encode(p, add_bos=True) for p in prompts]  # <s> first for a SentencePiece-style tokenizer
     if any(not p for p in ids) and eot is None:
         raise ApiError(400, "'prompt' is empty and the tokenizer has no <|endoftext|> to start from", "prompt")
     return [p or [eot] for p in ids]
@@ -191,10 +250,13 @@ def chat_prompt(tokenizer, messages) -> tuple[list[int], list[str], list[int]]:
             ids = apply(messages, add_generation_prompt=True)
             end = tokenizer.special_tokens.get(IM_END)
             return list(ids), [], [end] if end is not None else []
+        except ChatTemplateError as exc:  # the template refused this conversation, or failed: this request's error
+            raise ApiError(400 if exc.raised else 500, str(exc), "messages" if exc.raised else None,
+                           None if exc.raised else "chat_template_error") from None
         except ValueError:
             pass  # the template needs special tokens this tokenizer lacks: plain text below
     text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages) + f"{IM_START}assistant\n"
-    return tokenizer.encode(text, allowed_special="none"), [IM_END], []
+    return tokenizer.encode(text, allowed_special="none", add_bos=True), [IM_END], []
 
 
 # -------------------- text out
@@ -202,35 +264,31 @@ def chat_prompt(tokenizer, messages) -> tuple[list[int], list[str], list[int]]:
 class TextStream:
     """Generated ids -> text pieces: bytes decoded incrementally (a character split across tokens
     waits for its last byte), `hidden` ids (end-of-text, stop ids) left out, and the text cut
-    before the first stop string, with a tail that could start one held back."""
+    before the first stop string, with a tail that could start one held back (StopHoldBack, the
+    same as the CLI's). `text` is everything released so far."""
 
     def __init__(self, tokenizer, stops=(), hidden=()):
-        self.tokenizer, self.stops, self.hidden = tokenizer, [s for s in stops if s], set(hidden)
+        self.tokenizer, self.hidden = tokenizer, set(hidden)
+        self._hold = StopHoldBack(stops)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pending, self.done, self.text = "", False, ""
+        self.text = ""
+
+    @property
+    def done(self) -> bool:
+        """A stop string was found: nothing more is released."""
+        return self._hold.done
 
     def feed(self, token: int) -> str:
         if self.done or token in self.hidden:
             return ""
-        self._pending += self._decoder.decode(self.tokenizer.token_bytes(token))
-        return self._release(final=False)
+        return self._release(self._hold.feed(self._decoder.decode(self.tokenizer.token_bytes(token))))
 
     def finish(self) -> str:
-        if not self.done:
-            self._pending += self._decoder.decode(b"", final=True)
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
         if self.done:
             return ""
-        hits = [self._pending.find(s) for s in self.stops if s in self._pending]
-        if hits:
-            out, self._pending, self.done = self._pending[:min(hits)], "", True
-        else:
-            keep = 0 if final else max((n for s in self.stops for n in range(1, len(s))
-                                        if self._pending.endswith(s[:n])), default=0)
-            cut = len(self._pending) - keep
-            out, self._pending = self._pending[:cut], self._pending[cut:]
+        return self._release(self._hold.feed(self._decoder.decode(b"", final=True)) + self._hold.flush())
+
+    def _release(self, out: str) -> str:
         self.text += out
         return out
 

@@ -251,7 +251,7 @@ class BPEConfig:
 
     vocab_size: int = field(metadata={"help": "ids in the vocabulary: 256 bytes + merges + special tokens"})
     special_tokens: tuple[str, ...] = field(default=(), metadata={"help": "never split, never merged; ids last"})
-    pattern: str = field(default="gpt2", metadata={"help": "pre-tokenization: gpt2, cl100k or a regex"})
+    pattern: str = field(default="gpt2", metadata={"help": "pre-tokenization: gpt2, cl100k, gpt2_digits or a regex"})
     workers: int | None = field(default=None, metadata={"help": "pre-tokenization processes (None: all cores)"})
     glob: str = field(default="**/*", metadata={"help": "files taken from directories"})
 
@@ -300,8 +300,9 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
 
     Returns (vocab, merges): vocab maps ids 0..vocab_size-1 to bytes (bytes, then merges, then
     special tokens); merges are (left, right) byte strings in learned order. When the corpus runs
-    out of pairs first (an empty or tiny corpus), the vocabulary has fewer ids and a
-    ShortVocabularyWarning says how many merges were made of how many asked for.
+    out of pairs first (a tiny corpus), the vocabulary has fewer ids and a ShortVocabularyWarning
+    says how many merges were made of how many asked for; an input with no text at all (empty
+    files) is a ValueError naming it.
     `progress(phase, done, total)`, if given, is told how far training has gone (see `ProgressCallback`).
     `stdlib_files()` lists the default corpus."""
     config = BPEConfig(vocab_size, tuple(special_tokens), pattern, workers, glob)
@@ -310,6 +311,9 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
     total_bytes = sum(f.stat().st_size for f in files)
     pretokens = count_pretokens(files, config.pattern, specials, config.workers,
                                 _phase(progress, "pretokenize", total_bytes))
+    if not pretokens:
+        raise ValueError(f"{_named(files)} holds no text to learn merges from"
+                         + (" (it is empty)" if total_bytes == 0 else " outside special tokens"))
     word_counts: Counter = Counter()
     for text, count in pretokens.items():
         word_counts[text.encode("utf-8")] += count
@@ -331,6 +335,14 @@ def train_bpe(input_path, vocab_size: int, special_tokens: Iterable[str] = (), p
                       f"token(s)): the corpus ({sizes}) has no more pairs to merge, so the tokenizer has "
                       f"{len(vocab)} ids, not {vocab_size}", ShortVocabularyWarning, stacklevel=2)
     return vocab, merges
+
+
+def _named(files) -> str:
+    """The training input for an error message: the file, or how many files and the first few."""
+    if len(files) == 1:
+        return str(files[0])
+    shown = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    return f"the training input ({len(files)} files: {shown})"
 
 
 def train_tokenizer(input_path, vocab_size: int, special_tokens: Iterable[str] = (), pattern: str = "gpt2",

@@ -2,20 +2,18 @@
 
 This module owns encoding and decoding. Split patterns and safe cut points live in patterns.py
 (re-exported here); the reference encoder in reference.py; learning merges in bpe.py; file formats
-(logitlab JSON, GPT-2 vocab.json + merges.txt, Hugging Face tokenizer.json, tiktoken) in formats.py.
+in formats.py. SentencePiece-style BPE (Llama-2, Gemma) is sentencepiece.py's, with this interface.
 
 Id layout. A tokenizer we train puts the 256 byte values at ids 0..255 (id == byte value), one
-id per merge after them in learned order (256, 257, ...), and the special tokens last, in the
-order given. This is GPT-2's own layout (its <|endoftext|> is 50256), so token ids are also
-tiktoken ranks. Loaded vocabularies keep the ids their files give (GPT-2's byte tokens, for
-example, are not in byte order).
+id per merge after them in learned order (256, 257, ...), and the special tokens last: GPT-2's
+layout (its <|endoftext|> is 50256), so ids are also tiktoken ranks. Loaded vocabularies keep
+the ids their files give (GPT-2's byte tokens, for example, are not in byte order).
 
-Encoding. Text is first cut at special tokens (leftmost match; at one position the longest
-special token wins), then each piece is split by the pre-tokenization regex, and each
-pre-token's UTF-8 bytes are merged by BPE. The split pattern's whole matches are the pieces
-(capture groups are ignored) and they must cover the text: a custom pattern that drops
-characters is refused when the Tokenizer is built, and text it would still drop raises
-ValueError naming it (see patterns.py). Two encoders give the same ids:
+Encoding. Text is cut at special tokens (leftmost; at one position the longest wins), each piece
+split by the pre-tokenization regex, and each pre-token's UTF-8 bytes merged by BPE. The split
+pattern's whole matches (capture groups ignored) are the pieces and must cover the text: a
+custom pattern that drops characters is refused when the Tokenizer is built, and text it would
+still drop raises ValueError naming it (patterns.py). Two encoders give the same ids:
 
 * the reference path (`encode(..., fast=False)`): replays merges, lowest rank first, exactly as
   training learned them (reference.py: `bpe`, O(n log n), beside `bpe_plain`, the same rule
@@ -25,20 +23,27 @@ ValueError naming it (see patterns.py). Two encoders give the same ids:
   when the vocabulary is consistent: merge results are distinct byte strings whose ids grow with
   merge order, and every token's own bytes encode to that single token. `Tokenizer` checks these
   conditions on first use (`fast_path_ok`) and uses the reference path when they fail. They are
-  a static check; tests compare both paths on GPT-2 and on trained vocabularies (property-based
-  text, tinyshakespeare, and 10 MB of stdlib source with a 32k vocabulary).
+  a static check; tests compare both paths on GPT-2 and trained vocabularies (property-based
+  text, tinyshakespeare, 10 MB of stdlib source with a 32k vocabulary).
 
-Special tokens: `encode(text)` turns every special-token string into its id
-(`allowed_special="all"`, the default). For untrusted text use `encode_ordinary(text)` or
-`encode(text, allowed_special="none")`: special-token strings are then ordinary text.
+Special tokens: `encode(text)` turns every special-token string into its id (the default
+`allowed_special="all"`); `encode_ordinary(text)` (untrusted text) keeps them ordinary text.
+`encode(text, add_bos=True)` puts the BOS token first when the tokenizer has one (`bos_token`,
+from a tokenizer.json's post-processor, such as Llama 3's <|begin_of_text|>). A vocabulary that
+lacks some byte tokens (SmolLM2's) drops those bytes from the text, as `tokenizers` does
+(byte_vocab.py); a text holding one takes the reference path.
 """
 
 from __future__ import annotations
 
 import codecs
 import operator
+import unicodedata
 from collections.abc import Iterable, Iterator
 
+from logitlab.tokenizer.byte_files import FileMethods  # save, load, from_hf, save_hf, ...
+from logitlab.tokenizer.byte_vocab import bos_id_of, missing_byte_finder, ordinary_tokens, vocab_size_of
+from logitlab.tokenizer.chat import ChatMethods  # apply_chat_template, chat_turns
 from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage's public names)
     ASCII_PATTERNS,
     CL100K_PATTERN,
@@ -46,6 +51,7 @@ from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage
     PATTERNS,
     SAFE_CUT,
     check_special_tokens,
+    digits_unknown_to_tiktoken,
     find_safe_cut,
     pattern_name,
     pretokenizer,
@@ -53,12 +59,12 @@ from logitlab.tokenizer.patterns import (  # noqa: F401  (re-exported: the stage
     special_regex,
     uncovered_error,
 )
-from logitlab.tokenizer.reference import bpe, bpe_plain, encode_pieces, merge_table, utf8
-from logitlab.tokenizer.special import place_specials
+from logitlab.tokenizer.reference import bpe, bpe_plain, consistent_for_tiktoken, encode_pieces, merge_table, utf8
+from logitlab.tokenizer.special import place_specials, split_at_specials
 from logitlab.tokenizer.special import prefix_overlap as _prefix_overlap
 
 
-class Tokenizer:
+class Tokenizer(ChatMethods, FileMethods):
     """Byte-level BPE tokenizer: `Tokenizer(vocab, merges, special_tokens=None, pattern="gpt2")`.
 
     vocab: id -> bytes for the 256 single bytes, every merge result and (optionally) the special
@@ -67,45 +73,36 @@ class Tokenizer:
     are neither bytes nor merge results, or else appended after the last id) or a dict str -> id.
     pattern: "gpt2" (default), "cl100k" or a regex whose whole matches cover any text and are
     never empty (checked here; ValueError with an example of what it drops otherwise).
+    normalization: None, or the Unicode normal form ("NFC", ...) that the text between special
+    tokens is put in before it is split, as a tokenizer.json's normalizer does (Qwen's: NFC).
+    bos_token: None, or the special token that `encode(text, add_bos=True)` puts first (`bos_id`).
+    drop_missing_bytes: False (default): vocab must hold all 256 bytes; True: the bytes it lacks
+    (`missing_bytes`) are dropped from the text before merging, as `tokenizers` does (byte_vocab.py).
     """
 
+    kind = "byte_level"  # SentencePieceTokenizer (sentencepiece.py) has the same interface
+
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                 special_tokens: Iterable[str] | dict[str, int] | None = None, pattern: str = "gpt2"):
+                 special_tokens: Iterable[str] | dict[str, int] | None = None, pattern: str = "gpt2",
+                 normalization: str | None = None, bos_token: str | None = None, drop_missing_bytes: bool = False):
+        if normalization not in (None, "NFC", "NFD", "NFKC", "NFKD"):  # unicodedata's forms
+            raise ValueError(f"normalization must be NFC, NFD, NFKC, NFKD or None, got {normalization!r}")
+        self.normalization = normalization
         self.pattern = resolve_pattern(pattern)
         self.pattern_name = pattern_name(self.pattern)
         self._split = pretokenizer(self.pattern)
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
         vocab = {int(i): bytes(t) for i, t in vocab.items()}
-        # The ordinary tokens: the 256 bytes and each merge result.
-        ordinary = {bytes([b]) for b in range(256)} | {a + b for a, b in self.merges}
-        encoder: dict[bytes, int] = {}
-        others: dict[int, bytes] = {}
-        for i, tok in sorted(vocab.items()):
-            if i < 0:
-                raise ValueError(f"vocab id {i} is negative")
-            if tok in ordinary and tok not in encoder:
-                encoder[tok] = i
-            else:
-                others[i] = tok
-        missing = sorted(ordinary - encoder.keys())
-        if missing:
-            raise ValueError(f"vocab lacks {len(missing)} byte/merge token(s), e.g. {missing[0]!r}")
+        encoder, others, self.missing_bytes = ordinary_tokens(vocab, self.merges, drop_missing_bytes)
         specials = self._place_specials(special_tokens, others, len(vocab) and max(vocab) + 1)
-        used = set(encoder.values())
-        clash = [i for i in specials.values() if i in used]
-        if clash:
-            raise ValueError(f"special token id {clash[0]} is already an ordinary token's id")
+        self.vocab_size = vocab_size_of(encoder, specials)
         self._encoder = encoder
         self._decoder: dict[int, bytes] = {i: t for t, i in encoder.items()}
         self._special = specials
         self._special_decoder = {i: s.encode("utf-8") for s, i in specials.items()}
-        all_ids = set(self._decoder) | set(self._special_decoder)
-        self.vocab_size = max(all_ids) + 1
-        gaps = self.vocab_size - len(all_ids)
-        if gaps:
-            first = next(i for i in range(self.vocab_size) if i not in all_ids)
-            raise ValueError(f"vocab ids must run 0..{self.vocab_size - 1} without gaps; id {first} is missing")
-        self._byte_ids = [encoder[bytes([b])] for b in range(256)]
+        self.bos_token, self.bos_id = bos_token, bos_id_of(bos_token, specials)
+        self._byte_ids = [encoder.get(bytes([b]), -1) for b in range(256)]  # -1: dropped before merging
+        self._missing_in = missing_byte_finder(self.missing_bytes)
         # The reference path's merge table: left << 20 | right -> rank << 20 | merged id.
         if self.vocab_size > 0xFFFFF or len(self.merges) > 0xFFFFF:
             raise ValueError(f"vocab_size ({self.vocab_size}) and merges must stay below {0xFFFFF}")
@@ -129,17 +126,7 @@ class Tokenizer:
 
     def _consistent_for_tiktoken(self) -> bool:
         """True when merging by rank of the concatenation (tiktoken) equals replaying merges."""
-        last = -1
-        seen: set[bytes] = set()
-        for a, b in self.merges:
-            ab = a + b
-            i = self._encoder[ab]
-            if ab in seen or i <= last or self._encoder[a] >= i or self._encoder[b] >= i:
-                return False  # duplicate result, ids out of merge order, or a part made later
-            seen.add(ab)
-            last = i
-        # Every token's own bytes must replay to that single token.
-        return all(self._bpe(tok) == [i] for tok, i in self._encoder.items() if len(tok) > 1)
+        return consistent_for_tiktoken(self._encoder, self.merges, self._bpe)
 
     def _fast(self):
         if self._tiktoken is None:
@@ -201,12 +188,26 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- encoding
     def _bpe(self, data: bytes) -> list[int]:
-        """Replay merges on one pre-token's bytes (reference.bpe, O(n log n) in its length)."""
+        """Replay merges on one pre-token's bytes (reference.bpe, O(n log n) in its length); bytes
+        the vocabulary lacks are dropped first (byte_vocab.py)."""
+        if self._missing_in is not None:
+            data = data.translate(None, bytes(self.missing_bytes))
         return bpe(data, self._byte_ids, self._pair_rank, self._merge_ids)
 
     def _bpe_plain(self, data: bytes) -> list[int]:
         """The same rule written the obvious way (reference.bpe_plain, O(n^2)): what `_bpe` is tested against."""
+        if self._missing_in is not None:
+            data = data.translate(None, bytes(self.missing_bytes))
         return bpe_plain(data, self._byte_ids, self._pair_rank, self._merge_ids)
+
+    def _fast_takes(self, text: str) -> bool:
+        """Whether tiktoken's core may encode `text`: not when it holds a byte the vocabulary lacks
+        (its ranks have none; dropped, the byte lets its neighbours merge), nor, for gpt2_digits, a
+        digit that tiktoken's Unicode tables do not know (patterns.digits_unknown_to_tiktoken)."""
+        if self._missing_in is not None and self._missing_in.search(utf8(text)):
+            return False
+        return (self.pattern_name != "gpt2_digits" or text.isascii()
+                or digits_unknown_to_tiktoken().isdisjoint(text))
 
     def _encode_plain_reference(self, text: str, out: list[int]) -> None:
         encode_pieces(text, self._split, self._bpe, self._cache, out)
@@ -222,14 +223,25 @@ class Tokenizer:
             raise ValueError(f"allowed_special names unknown special tokens: {sorted(unknown)}")
         return allowed
 
-    def encode(self, text: str, allowed_special: str | Iterable[str] = "all", fast: bool | None = None) -> list[int]:
+    def encode(self, text: str, allowed_special: str | Iterable[str] = "all", fast: bool | None = None,
+               add_bos: bool = False) -> list[int]:
         """Text -> ids. allowed_special: "all" (default: special-token strings become their ids),
         "none" (untrusted text: they are ordinary text) or a set of special-token strings.
-        fast: None/True -> tiktoken core when the vocabulary allows it; False -> reference path."""
+        fast: None/True -> tiktoken core when the vocabulary allows it; False -> reference path.
+        add_bos: put `bos_id` first (when the tokenizer has a BOS token; else nothing is added)."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects str, got {type(text).__name__}")
         allowed = self._allowed(allowed_special)
-        use_fast = fast is not False and self.fast_path_ok
+        bos = [self.bos_id] if add_bos and self.bos_id is not None else []
+        if self.normalization is None:
+            return bos + self._encode(text, allowed, fast) if bos else self._encode(text, allowed, fast)
+        out, norm = bos, self.normalization  # special tokens are found in the text as given; the rest is normalized
+        for piece, special in self._split_special(text, allowed):
+            out += [special] if special is not None else self._encode(unicodedata.normalize(norm, piece), set(), fast)
+        return out
+
+    def _encode(self, text: str, allowed: set[str], fast: bool | None) -> list[int]:
+        use_fast = fast is not False and self.fast_path_ok and self._fast_takes(text)
         if use_fast and not allowed:
             out = self._fast().encode_ordinary(text)  # no special-token scan: tiktoken's fastest entry
         elif use_fast and not _prefix_overlap(allowed):
@@ -263,6 +275,8 @@ class Tokenizer:
 
     def encode_ordinary(self, text: str, fast: bool | None = None) -> list[int]:
         """Encode untrusted text: special-token strings are ordinary text."""
+        if self.normalization is not None and isinstance(text, str):
+            text = unicodedata.normalize(self.normalization, text)
         if fast is None and self._ordinary is not None:  # tiktoken's core, once the checks below passed:
             try:                                         # they cost more than a short text's encoding
                 return self._ordinary(text)
@@ -270,23 +284,17 @@ class Tokenizer:
                 return self._fast().encode_ordinary(text)
             except TypeError:                            # not a str: the checked path says what is wrong
                 pass
-        if fast is not False and type(text) is str and self.pattern_name is not None and self.fast_path_ok:
+        if (fast is not False and type(text) is str and self.pattern_name is not None and self.fast_path_ok
+                and self._fast_takes(text)):
             enc = self._fast()      # its Rust core's method, under Encoding.encode_ordinary's wrapper
-            self._ordinary = getattr(getattr(enc, "_core_bpe", enc), "encode_ordinary", enc.encode_ordinary)
+            if self._missing_in is None and self.pattern_name != "gpt2_digits":  # else each text is checked
+                self._ordinary = getattr(getattr(enc, "_core_bpe", enc), "encode_ordinary", enc.encode_ordinary)
             return enc.encode_ordinary(text)
         return self.encode(text, allowed_special="none", fast=fast)
 
     def _split_special(self, text: str, allowed: set[str]) -> Iterator[tuple[str, int | None]]:
         rx = self._special_re if allowed == set(self._special) else special_regex(allowed)
-        start = 0
-        if rx is not None:
-            for m in rx.finditer(text):
-                if m.start() > start:
-                    yield text[start:m.start()], None
-                yield "", self._special[m.group()]
-                start = m.end()
-        if start < len(text):
-            yield text[start:], None
+        return split_at_specials(text, rx, self._special)
 
     def encode_iterable(self, iterable: Iterable[str], allowed_special="all", fast: bool | None = None,
                         chunk_chars: int = 1 << 16) -> Iterator[int]:
@@ -341,60 +349,9 @@ class Tokenizer:
         if tail:
             yield tail
 
-    # ---------------------------------------------------------------- chat (chat.py)
-    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True):
-        """Messages [{"role", "content"}, ...] -> ids (or the text, tokenize=False), as transformers'."""
-        from logitlab.tokenizer.chat import apply_chat_template
-
-        return apply_chat_template(self, messages, add_generation_prompt, tokenize)
-
-    def chat_turns(self, messages) -> list[tuple[str, list[int]]]:
-        """(role, ids) per piece of the rendered chat; the ids concatenate to the whole chat."""
-        from logitlab.tokenizer.chat import chat_turns
-
-        return chat_turns(self, messages)
-
-    # ---------------------------------------------------------------- formats
-    def fingerprint(self) -> str:
-        from logitlab.tokenizer.formats import fingerprint
-
-        return fingerprint(self)
-
-    def save(self, path) -> None:
-        """logitlab's JSON (bytes as hex, lossless) plus a readable `.vocab` listing beside it."""
-        from logitlab.tokenizer.formats import save_logitlab
-
-        save_logitlab(self, path)
-
-    @classmethod
-    def load(cls, path) -> Tokenizer:
-        from logitlab.tokenizer.formats import load_logitlab
-
-        return load_logitlab(cls, path)
-
-    @classmethod
-    def from_gpt2_files(cls, vocab_json, merges_txt) -> Tokenizer:
-        from logitlab.tokenizer.formats import load_gpt2
-
-        return load_gpt2(cls, vocab_json, merges_txt)
-
-    def save_hf(self, path) -> None:
-        from logitlab.tokenizer.formats import save_hf
-
-        save_hf(self, path)
-
-    @classmethod
-    def from_hf(cls, path) -> Tokenizer:
-        from logitlab.tokenizer.formats import load_hf
-
-        return load_hf(cls, path)
-
-    def save_tiktoken(self, path) -> None:
-        from logitlab.tokenizer.formats import save_tiktoken
-
-        save_tiktoken(self, path)
-
     def __repr__(self) -> str:
+        extra = (f", bos_token={self.bos_token!r}" if self.bos_token else "") + (
+            f", missing_bytes={len(self.missing_bytes)}" if self.missing_bytes else "")
         return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
-                f"special_tokens={list(self._special)}, pattern={self.pattern_name or self.pattern!r})")
+                f"special_tokens={list(self._special)}, pattern={self.pattern_name or self.pattern!r}{extra})")
 

@@ -1,5 +1,7 @@
 """Tokenizer file formats: logitlab JSON, GPT-2 vocab.json + merges.txt, Hugging Face
-tokenizer.json (byte-level BPE) and tiktoken rank files.
+tokenizer.json (byte-level BPE; its pre-tokenizer and post-processor are read and written by
+hf_steps.py) and tiktoken rank files. SentencePiece-style files are sp_files.py's (`read_logitlab`
+and `is_sentencepiece_json` tell the kinds apart).
 
 Every reader checks its input and raises ValueError / FileNotFoundError naming the file and the
 bad entry. Ids are kept as the files give them; the writers store our ids unchanged, so a file
@@ -26,6 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from logitlab.io.files import DiskFullError, atomic_write_bytes
+from logitlab.tokenizer.hf_steps import byte_level_pattern, byte_level_pre_tokenizer, checked_bos, template_processing
 
 FORMAT = "logitlab-tokenizer"
 VERSION = 1
@@ -146,6 +149,9 @@ def fingerprint(tok) -> str:
         "merges": [[a.hex(), b.hex()] for a, b in tok.merges],
         "special_tokens": sorted(tok.special_tokens.items()),
     }
+    for key in ("normalization", "bos_token"):  # only when set, so that older files keep their fingerprints
+        if getattr(tok, key, None):
+            canon[key] = getattr(tok, key)
     return hashlib.sha256(json.dumps(canon, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
@@ -169,6 +175,12 @@ def save_logitlab(tok, path) -> None:
         "merges": [[a.hex(), b.hex()] for a, b in tok.merges],
         "fingerprint": tok.fingerprint(),
     }
+    if tok.normalization is not None:
+        data["normalization"] = tok.normalization
+    if tok.bos_token is not None:
+        data["bos_token"] = tok.bos_token
+    if tok.missing_bytes:
+        data["drop_missing_bytes"] = True  # the vocabulary lacks some bytes (byte_vocab.py)
     if getattr(tok, "chat_template", None) is not None:
         data["chat_template"] = tok.chat_template  # not in the fingerprint: it changes no id
     listing = path.with_suffix(".vocab")
@@ -192,11 +204,32 @@ def save_logitlab(tok, path) -> None:
     write_file(listing, "\n".join(lines) + "\n", LISTING)
 
 
-def load_logitlab(cls, path):
+KINDS = ("byte_level", "sentencepiece")  # a logitlab file's "kind" (absent: byte_level)
+
+
+def read_logitlab(path) -> tuple[str, dict]:
+    """(kind, parsed JSON) of a logitlab tokenizer file; ValueError for anything else."""
     path = Path(path)
     data = _read_json(path, "tokenizer file")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a logitlab tokenizer file (field 'format' must be {FORMAT!r})")
+    kind = data.get("kind", "byte_level")
+    if kind not in KINDS:
+        raise ValueError(f"{path}: unknown tokenizer kind {kind!r} (expected one of {KINDS})")
+    return kind, data
+
+
+def is_sentencepiece_json(data) -> bool:
+    """True for a tokenizer.json that is not byte-level BPE (no ByteLevel pre-tokenizer or decoder)."""
+    return isinstance(data, dict) and '"ByteLevel"' not in json.dumps([data.get("pre_tokenizer"), data.get("decoder")])
+
+
+def load_logitlab(cls, path, data: dict | None = None):
+    """A byte-level logitlab tokenizer file as `cls`; `data`: its parsed JSON when already read."""
+    path = Path(path)
+    kind, data = read_logitlab(path) if data is None else ("byte_level", data)
+    if kind != "byte_level":
+        raise ValueError(f"{path}: a {kind} tokenizer, not byte-level BPE")
     try:
         vocab = {int(i): bytes.fromhex(h) for i, h in _field(data, "vocab", dict, path).items()}
         merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in _field(data, "merges", list, path)]
@@ -204,8 +237,12 @@ def load_logitlab(cls, path):
         raise ValueError(f"{path}: malformed 'vocab' or 'merges' entry: {exc}") from None
     specials = _field(data, "special_tokens", dict, path)
     pattern = _field(data, "pattern", str, path)
+    bos, drop = data.get("bos_token"), data.get("drop_missing_bytes", False)
+    if not (bos is None or isinstance(bos, str)) or not isinstance(drop, bool):
+        raise ValueError(f"{path}: field 'bos_token' must be a string or null and 'drop_missing_bytes' a bool")
     try:
-        tok = cls(vocab, merges, special_tokens=specials, pattern=pattern)
+        tok = cls(vocab, merges, special_tokens=specials, pattern=pattern, normalization=data.get("normalization"),
+                  bos_token=bos, drop_missing_bytes=drop)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     expected = data.get("fingerprint")
@@ -216,6 +253,7 @@ def load_logitlab(cls, path):
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{path}: field 'chat_template' must be str, got {type(template).__name__}")
     tok.chat_template = template
+    tok.chat_template_origin = (template, str(path))  # chat.template_name: errors name the file
     return tok
 
 
@@ -250,8 +288,9 @@ def _from_printable_vocab(raw, where) -> tuple[dict[int, bytes], dict[str, int]]
     return vocab, undecodable
 
 
-def _build(cls, vocab, merges, where, specials, pattern="gpt2"):
-    """Entries that are neither single bytes nor merge results become special tokens."""
+def _build(cls, vocab, merges, where, specials, pattern="gpt2", normalization=None, bos=None, drop=False):
+    """Entries that are neither single bytes nor merge results become special tokens. `bos`: the
+    BOS token; `drop`: whether bytes the vocabulary lacks are dropped from the text (byte_vocab.py)."""
     ordinary = {bytes([b]) for b in range(256)} | {a + b for a, b in merges}
     known = set()
     for a, b in merges:
@@ -260,14 +299,16 @@ def _build(cls, vocab, merges, where, specials, pattern="gpt2"):
                 raise ValueError(f"{where}: merge part {to_printable(part)!r} is not a byte or an earlier merge")
         known.add(a + b)
     have = set(vocab.values())
-    for tok in sorted(ordinary - have):
-        raise ValueError(f"{where}: merge result {to_printable(tok)!r} is missing from the vocab")
+    for tok in sorted(t for t in ordinary - have if len(t) > 1 or not drop):
+        what = "merge result" if len(tok) > 1 else "byte token"
+        raise ValueError(f"{where}: {what} {to_printable(tok)!r} is missing from the vocab")
     for i, t in list(vocab.items()):
         if t not in ordinary:
             specials[t.decode("utf-8", errors="replace")] = i
             del vocab[i]
     try:
-        return cls(vocab, merges, special_tokens=specials, pattern=pattern)
+        return cls(vocab, merges, special_tokens=specials, pattern=pattern, normalization=normalization,
+                   bos_token=bos, drop_missing_bytes=drop)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 
@@ -281,60 +322,42 @@ def load_gpt2(cls, vocab_json, merges_txt):
 
 
 # ------------------------------------------------------------------------------ HF tokenizer.json
-def _pre_tokenizer(tok) -> dict:
-    if tok.pattern_name == "gpt2":
-        return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    return {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": tok.pattern}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
-
-
 def save_hf(tok, path) -> None:
-    """Hugging Face `tokenizer.json` for byte-level BPE (ids unchanged, specials as added tokens)."""
+    """Hugging Face `tokenizer.json` for byte-level BPE (ids unchanged, specials as added tokens).
+    A special token among the ordinary ids (SmolLM2's <|endoftext|> is 0) is in the BPE vocabulary
+    too, as `tokenizers`' trainer writes it: an added token missing from it gets the next free id."""
+    vocab = {to_printable(t): i for i, t in sorted(tok._decoder.items())}
+    last = max(tok._decoder, default=-1)
+    vocab |= {s: i for s, i in tok.special_tokens.items() if i < last and s not in vocab}
     data = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": True}
                          for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])],
-        "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(tok),
-        "post_processor": None,
+        "normalizer": {"type": tok.normalization} if tok.normalization else None,
+        "pre_tokenizer": byte_level_pre_tokenizer(tok.pattern_name, tok.pattern),
+        "post_processor": template_processing(tok.bos_token, tok.bos_id),
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {to_printable(t): i for i, t in sorted(tok._decoder.items())},
+                  "vocab": dict(sorted(vocab.items(), key=lambda kv: kv[1])),
                   "merges": [[to_printable(a), to_printable(b)] for a, b in tok.merges]},
     }
     write_file(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n", HF)
 
 
-def _hf_pattern(pre, where) -> str:
-    if pre is None:
-        raise ValueError(f"{where}: pre_tokenizer is null; byte-level BPE needs ByteLevel")
-    if pre.get("type") == "ByteLevel":
-        if not pre.get("use_regex", True) or pre.get("add_prefix_space"):
-            raise ValueError(f"{where}: ByteLevel pre_tokenizer with use_regex=false or "
-                             "add_prefix_space=true is not supported")
-        return "gpt2"
-    if pre.get("type") == "Sequence":
-        steps = pre.get("pretokenizers") or []
-        if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"
-                and not steps[1].get("use_regex", True) and "Regex" in (steps[0].get("pattern") or {})
-                and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")):
-            return steps[0]["pattern"]["Regex"]
-    raise ValueError(f"{where}: unsupported pre_tokenizer {json.dumps(pre)[:200]} (expected ByteLevel, "
-                     f"or Split(regex, Isolated) followed by ByteLevel(use_regex=false))")
-
-
-def load_hf(cls, path):
-    data = _read_json(path, "tokenizer.json")
+def load_hf(cls, path, data: dict | None = None):
+    """A byte-level Hugging Face tokenizer.json as `cls`; `data`: its parsed JSON when already read."""
+    data = _read_json(path, "tokenizer.json") if data is None else data
     model = _field(data, "model", dict, path)
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not BPE")
-    pattern = _hf_pattern(data.get("pre_tokenizer"), path)
-    if data.get("normalizer") is not None:
-        raise ValueError(f"{path}: normalizer {json.dumps(data['normalizer'])[:120]} is not supported "
-                         f"(logitlab encodes text as given)")
+    pattern = byte_level_pattern(data.get("pre_tokenizer"), path)
+    normalizer = data.get("normalizer")  # a Unicode normal form (Qwen's NFC), or none
+    if normalizer is not None and (not isinstance(normalizer, dict) or
+                                   normalizer.get("type") not in ("NFC", "NFD", "NFKC", "NFKD")):
+        raise ValueError(f"{path}: normalizer {json.dumps(normalizer)[:120]} is not supported (a byte-level "
+                         f"tokenizer takes none, or one Unicode normal form: NFC, NFD, NFKC or NFKD)")
     vocab, specials = _from_printable_vocab(_field(model, "vocab", dict, path), path)
     merges = []
     for n, m in enumerate(_field(model, "merges", list, path)):
@@ -345,15 +368,22 @@ def load_hf(cls, path):
     for added in data.get("added_tokens") or []:
         specials[added["content"]] = added["id"]
         vocab.pop(added["id"], None)
-    tok = _build(cls, vocab, merges, str(path), specials, pattern)
-    from logitlab.tokenizer.chat import read_hf_chat_template  # the tokenizer_config.json beside it
+    bos = checked_bos(data.get("post_processor"), specials, path)
+    # A byte the vocabulary lacks: skipped by a BPE model without unk_token or byte fallback
+    drop = model.get("unk_token") is None and not model.get("byte_fallback")
+    tok = _build(cls, vocab, merges, str(path), specials, pattern, normalizer and normalizer["type"], bos, drop)
+    from logitlab.tokenizer.chat import find_hf_chat_template  # the tokenizer_config.json beside it
 
-    tok.chat_template = read_hf_chat_template(Path(path).parent)
+    tok.chat_template, source = find_hf_chat_template(Path(path).parent)
+    tok.chat_template_origin = (tok.chat_template, str(source))  # chat.template_name: errors name the file
     return tok
 
 
 # ------------------------------------------------------------------------------ tiktoken ranks
 def save_tiktoken(tok, path) -> None:
     """tiktoken's rank file: `base64(token) rank` per line (special tokens are not part of it)."""
+    if tok.missing_bytes:
+        raise ValueError(f"cannot write a tiktoken rank file: the vocabulary lacks {len(tok.missing_bytes)} of the "
+                         f"256 byte tokens (e.g. {tok.missing_bytes[0]:#04x}), which tiktoken needs")
     lines = [f"{base64.b64encode(t).decode()} {i}" for i, t in sorted(tok._decoder.items())]
     write_file(path, "\n".join(lines) + "\n", TIKTOKEN)

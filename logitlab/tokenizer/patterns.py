@@ -36,7 +36,13 @@ import regex
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
                   r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-PATTERNS = {"gpt2": GPT2_PATTERN, "cl100k": CL100K_PATTERN}
+# GPT-2's pattern after a Digits(individual_digits=true) step, as StarCoder's and SmolLM's
+# tokenizer.json have it: each digit (\p{N}) is a piece of its own and GPT-2's pattern splits the
+# text between the digits. As one regex (what tiktoken runs): a digit first, then GPT-2's
+# alternatives without its digit one, the whitespace lookahead also stopping before a digit (where
+# a stretch between digits ends). The reference splitter runs the two steps (`_digits_first`).
+GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+PATTERNS = {"gpt2": GPT2_PATTERN, "cl100k": CL100K_PATTERN, "gpt2_digits": GPT2_DIGITS_PATTERN}
 
 # The same two patterns for pure-ASCII text, spelled for the standard `re` module, which runs
 # them about twice as fast as `regex`. On ASCII, \p{L} is [A-Za-z], \p{N} is [0-9] and `regex`'s
@@ -199,13 +205,46 @@ def _as_tiktoken_sees(text: str) -> str:
     return _unknown_class().sub(_UNASSIGNED, text)
 
 
+# A Digits step's digits: Rust's char::is_numeric (the general categories Nd, Nl and No), asked
+# of each code point as it is, so without the masking above (the `regex` module's \p{N} agrees
+# with `tokenizers`' Digits on every code point: tests/test_tokenizer_digits.py).
+_DIGIT, _ASCII_DIGIT = regex.compile(r"\p{N}"), re.compile(r"[0-9]")
+
+
+def _digits_first(split):
+    """text -> pieces: each digit alone and `split` on the stretches between, as a tokenizer.json
+    runs Digits(individual_digits=true) and then its ByteLevel regex on each piece."""
+    def pieces(text: str) -> list[str]:
+        out, pos = [], 0
+        for m in (_ASCII_DIGIT if text.isascii() else _DIGIT).finditer(text):
+            if m.start() > pos:
+                out += split(text[pos:m.start()])
+            out.append(m.group())
+            pos = m.end()
+        if pos < len(text):
+            out += split(text[pos:])
+        return out
+
+    return pieces
+
+
+@lru_cache(maxsize=1)
+def digits_unknown_to_tiktoken() -> frozenset[str]:
+    """The digits (\\p{N}) that tiktoken's regex engine holds unassigned (newer Unicode): the
+    one-regex form of gpt2_digits does not isolate them, so a text holding one is split by the
+    two steps (the reference path)."""
+    return frozenset(c for c in unknown_to_tiktoken() if _DIGIT.match(c))
+
+
 def pretokenizer(pattern: str):
     """text -> list of pre-tokens for a resolved pattern (ASCII text takes the `re` fast lane).
 
     Pieces are whole matches (capture groups ignored). For a custom pattern the split checks that
     the pieces cover the text and raises ValueError naming what it would drop; the built-in
     patterns cover every text by construction (their last alternatives take any letter, digit,
-    whitespace or other character)."""
+    whitespace or other character). gpt2_digits runs its two steps: digits, then GPT-2's."""
+    if pattern == GPT2_DIGITS_PATTERN:
+        return _digits_first(pretokenizer(GPT2_PATTERN))
     full = _regex_split(pattern)
     ascii_pattern = ASCII_PATTERNS.get(pattern)
     if ascii_pattern is None:

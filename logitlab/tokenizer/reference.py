@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-__all__ = ["REFERENCE_CACHE_LIMIT", "bpe", "bpe_plain", "encode_pieces", "merge_table"]
+__all__ = ["REFERENCE_CACHE_LIMIT", "bpe", "bpe_plain", "consistent_for_tiktoken", "encode_pieces", "merge_table"]
 
 REFERENCE_CACHE_LIMIT = 100_000  # encoded pre-tokens kept by the reference path
 _NO_MERGE = 1 << 62
@@ -135,3 +135,20 @@ def utf8(text: str) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+
+
+def consistent_for_tiktoken(encoder: dict[bytes, int], merges: list[tuple[bytes, bytes]],
+                            encode_piece: Callable[[bytes], list[int]]) -> bool:
+    """True when merging by rank of the concatenation (tiktoken's rule) gives the same ids as
+    replaying `merges` in order: merge results are distinct, their ids grow with merge order, each
+    part is made before the merge that uses it, and every token's own bytes encode to that token."""
+    last = -1
+    seen: set[bytes] = set()
+    for a, b in merges:
+        ab = a + b
+        i = encoder[ab]
+        if ab in seen or i <= last or encoder[a] >= i or encoder[b] >= i:
+            return False  # duplicate result, ids out of merge order, or a part made later
+        seen.add(ab)
+        last = i
+    return all(encode_piece(tok) == [i] for tok, i in encoder.items() if len(tok) > 1)

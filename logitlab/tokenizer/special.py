@@ -11,7 +11,7 @@ nothing of the model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from logitlab.tokenizer.patterns import check_special_tokens
 
@@ -44,9 +44,14 @@ def add_special_tokens(tok, tokens: Iterable[str]):
                              f"choose a string the vocabulary does not hold as one token")
         added[s] = specials[s] = next_id
         next_id += 1
-    new = type(tok)(dict(tok._decoder), tok.merges, special_tokens=specials,
-                    pattern=tok.pattern_name or tok.pattern)
+    if getattr(tok, "kind", None) == "sentencepiece":  # the new ones as special added tokens
+        new = tok.with_added_tokens(added)
+    else:
+        new = type(tok)(dict(tok._decoder), tok.merges, special_tokens=specials,
+                        pattern=tok.pattern_name or tok.pattern, normalization=tok.normalization,
+                        bos_token=tok.bos_token, drop_missing_bytes=bool(tok.missing_bytes))
     new.chat_template = getattr(tok, "chat_template", None)
+    new.chat_template_origin = getattr(tok, "chat_template_origin", None)
     return new, added
 
 
@@ -55,6 +60,20 @@ def prefix_overlap(specials: Iterable[str]) -> bool:
     unspecified, so the Tokenizer cuts at special tokens itself (longest first)."""
     items = sorted(specials)
     return any(b.startswith(a) for a, b in zip(items, items[1:]))
+
+
+def split_at_specials(text: str, rx, specials: dict[str, int]) -> Iterator[tuple[str, int | None]]:
+    """(piece, None) for each stretch of ordinary text and ("", id) for each special token that
+    `rx` (patterns.special_regex: leftmost, longest first) finds, in order."""
+    start = 0
+    if rx is not None:
+        for m in rx.finditer(text):
+            if m.start() > start:
+                yield text[start:m.start()], None
+            yield "", specials[m.group()]
+            start = m.end()
+    if start < len(text):
+        yield text[start:], None
 
 
 def place_specials(special_tokens, others: dict[int, bytes], next_id: int) -> dict[str, int]:

@@ -1,15 +1,35 @@
 """The training loop in reusable parts: TrainConfig, the loss, evaluation, the loop with its
 checkpoints (loop.py), AdamW and its schedule (optim.py), devices, autocast and generator
-states (runtime.py), fitting the schedule into a time budget (budget.py)."""
+states (runtime.py), fitting the schedule into a time budget (budget.py).
 
-from logitlab.train.loop import (
-    TrainConfig,
-    TrainingDiverged,
-    TrainResult,
-    cross_entropy,
-    evaluate,
-    loss_fn,
-    train,
-)
+The names are resolved on first use (PEP 562), so importing the package, or one
+module of it, imports nothing else of it."""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TrainConfig": "loop",
+    "TrainResult": "loop",
+    "TrainingDiverged": "loop",
+    "cross_entropy": "loop",
+    "evaluate": "loop",
+    "loss_fn": "loop",
+    "train": "loop",
+}
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "cross_entropy", "evaluate", "loss_fn", "train"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

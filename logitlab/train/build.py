@@ -63,6 +63,7 @@ class Run:
     tokens_offset: int = 0             # tokens_seen - step * tokens_per_step (non-zero after an extension)
     fault_watch: object = None         # keep_freed_memory "auto": the allocator.FaultWatch deciding it
     route_record: dict | None = None   # the CPU bf16 routes installed (cpu_bf16.Installed.record), until recorded
+    routing: object = None             # an MoE model: train.moe.RoutingLog (router losses and loads per step)
 
     @property
     def has_val(self) -> bool:
@@ -183,6 +184,11 @@ def build_optimizer(run: Run) -> None:
     run.wrapped = par.wrap(run.model) if par.wrap is not None else run.model
     run.optimizer = build_training_optimizer(run.model, config)
     run.compute_loss = loss_fn(run.wrapped, config.compile, fullgraph=par.wrap is None)
+    if run.model.config.is_moe:  # + the router's losses; their parts logged (train.moe)
+        from logitlab.train.moe import RouterLoss, RoutingLog
+
+        run.compute_loss = RouterLoss(run.wrapped, run.model.config, config.compile)
+        run.routing = RoutingLog(config.router_bias_update_rate)
 
 
 def build_training_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
@@ -274,7 +280,7 @@ def check_new_run_dir(run_dir: str | os.PathLike) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} exists and is not a directory")
     if ckpt_io.latest_checkpoint(run_dir) is not None:
-        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out-dir")
+        raise ValueError(f"{run_dir} already holds checkpoints; use --resume {run_dir} or another --out")
     run_json, metrics = run_dir / RUN_FILE, run_dir / ckpt_io.METRICS_FILE
     ours = False
     if run_json.exists():
@@ -285,7 +291,7 @@ def check_new_run_dir(run_dir: str | os.PathLike) -> None:
             ours = False
         if not ours:
             raise ValueError(f"{run_json} exists and is not a logitlab run's run.json; "
-                             f"nothing is overwritten: choose another --out-dir")
+                             f"nothing is overwritten: choose another --out")
     if metrics.exists() and not ours:
         raise ValueError(f"{metrics} exists without a logitlab run.json beside it; "
-                         f"nothing is overwritten: choose another --out-dir")
+                         f"nothing is overwritten: choose another --out")

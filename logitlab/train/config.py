@@ -8,9 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from logitlab.model import layers
-from logitlab.model.transformer import check_field_types, config_from_dict
-from logitlab.train.optim import DECAY_SHAPES, WarmupCosine, WarmupStableDecay
+from logitlab.model.fields import check_field_types, config_from_dict
 
 
 def _f(default, help_text: str):
@@ -22,6 +20,8 @@ def _f(default, help_text: str):
 # reached a validation loss of 5.45 at 3e-3 and 6.85 at 3e-4.
 SMALL_MODEL_PARAMS = 50_000_000
 SMALL_MODEL_LR, LARGE_MODEL_LR = 3e-3, 3e-4
+DECAY_SHAPES = ("linear", "1-sqrt")
+PARALLEL_CHOICES = ("auto", "none", "ddp", "zero1", "zero2", "fsdp")
 
 
 def default_lr(n_parameters: int) -> float:
@@ -73,9 +73,10 @@ class TrainConfig:
     attention_kernel: Literal["sdpa", "triton"] = _f(
         "sdpa", "attention on the model's path (sdpa) or logitlab's Triton FlashAttention kernel (triton: "
         "CUDA only, kernels.triton_install)")
-    parallel: Literal["none", "ddp", "zero1", "zero2", "fsdp"] = _f(
-        "ddp", "under torchrun: data parallel (ddp), ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) "
-        "or fully sharded (fsdp, ZeRO-3); none = ignore other ranks")
+    parallel: Literal["auto", "none", "ddp", "zero1", "zero2", "fsdp"] = _f(
+        "auto", "under torchrun: data parallel (ddp), ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) "
+        "or fully sharded (fsdp, ZeRO-3); none = ignore other ranks; auto (the default) = fsdp when --dp-shard "
+        "or --dp-replicate is above 1 or with --tp / --pp, else ddp")
     tp: int = _f(1, "tensor-parallel degree (heads split across ranks; parallel.tensor)")
     pp: int = _f(1, "pipeline-parallel stages (layers split across ranks; parallel.pipeline)")
     dp_shard: int = _f(-1, "data-parallel ranks that shard the model (-1: what the world size leaves)")
@@ -85,6 +86,10 @@ class TrainConfig:
         "none", "recompute activations in backward: none, selective (keep matmul and attention outputs) or "
         "full (per block)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = _f("1f1b", "pipeline schedule (with --pp)")
+    virtual_stages: int | None = _f(None, "pipeline stages per rank (interleaved_1f1b: 2 or more, default 2; "
+                                          "the other schedules: 1)")
+    dist_timeout: float = _f(300.0, "under torchrun: seconds a collective waits for the other ranks before the "
+                                    "run stops with an error naming this rank and the collective")
     log_every: int = _f(1, "metrics record every N steps")
     time_limit_s: float | None = _f(None, "time budget in seconds: `logitlab train` times a step first and fits "
                                           "the step count (at most --steps when given), warmup and cosine inside "
@@ -108,20 +113,37 @@ class TrainConfig:
         "quintic", "muon: orthogonalisation polynomial, quintic (Jordan et al.) or polar_express (Amsel et al.)")
     muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations")
     muon_weight_decay: float = _f(0.0, "muon: decoupled weight decay of the matrices")
+    router_bias_update_rate: float = _f(
+        0.0, "MoE with router=sigmoid_topk: after each step move each expert's selection bias by this toward "
+        "balance (auxiliary-loss-free balancing, DeepSeek-V3 used 0.001; train.moe.update_correction_bias)")
 
     def __post_init__(self) -> None:
-        if self.parallel not in ("none", "ddp", "zero1", "zero2", "fsdp"):
-            raise ValueError(f"parallel must be 'none', 'ddp', 'zero1', 'zero2' or 'fsdp', got {self.parallel!r}")
+        if self.parallel not in PARALLEL_CHOICES:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {self.parallel!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.keep_freed_memory not in ("auto", "on", "off"):
             raise ValueError(f"keep_freed_memory must be 'auto', 'on' or 'off', got {self.keep_freed_memory!r}")
-        if self.bf16_matmul not in layers.BF16_MATMUL_MODES:
-            raise ValueError(f"bf16_matmul must be one of {layers.BF16_MATMUL_MODES}, got {self.bf16_matmul!r}")
         check_field_types(self)  # then types: a string "3e-4" for lr is named, and every float is finite
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         self._check_ranges()
+
+    @property
+    def data_parallel(self) -> str:
+        """`parallel` with "auto" decided: fsdp when the layout shards (dp_shard or dp_replicate
+        above 1) or cuts the model (tp, pp: plain DDP cannot be combined with them), else ddp."""
+        if self.parallel != "auto":
+            return self.parallel
+        sharded = self.dp_shard > 1 or self.dp_replicate > 1 or self.tp > 1 or self.pp > 1
+        return "fsdp" if sharded else "ddp"
+
+    @property
+    def pipeline_virtual_stages(self) -> int:
+        """virtual_stages decided: 2 for interleaved_1f1b unless set, else 1."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
 
     def parallel_plan(self):
         """The layout of this run's ranks (parallel.mesh.ParallelPlan; checked against the world
@@ -129,14 +151,15 @@ class TrainConfig:
         from logitlab.parallel.mesh import ParallelPlan
 
         return ParallelPlan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
-                            parallel=self.parallel if self.parallel != "none" else "ddp",
+                            parallel=self.data_parallel if self.data_parallel != "none" else "ddp",
                             sequence_parallel=self.sequence_parallel,
-                            activation_checkpointing=self.activation_checkpointing, pp_schedule=self.pp_schedule)
+                            activation_checkpointing=self.activation_checkpointing, pp_schedule=self.pp_schedule,
+                            virtual_stages=self.pipeline_virtual_stages if self.pp > 1 else 1)
 
     def needs_nd_loop(self) -> bool:
         """Tensor or pipeline parallel, or ZeRO-1: layouts with sharded checkpoints
         (train.layouts.sharded_hooks runs them through the main loop)."""
-        return self.tp > 1 or self.pp > 1 or self.parallel == "zero1"
+        return self.tp > 1 or self.pp > 1 or self.data_parallel == "zero1"
 
     def _check_ranges(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_tokens", "keep_last", "log_every"):
@@ -145,7 +168,11 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("time_limit_s", "seq_len"):
+        if self.virtual_stages is not None and (self.virtual_stages < 1 or (
+                self.virtual_stages > 1) != (self.pp_schedule == "interleaved_1f1b")):
+            raise ValueError(f"virtual_stages ({self.virtual_stages}) must be >= 2 with pp_schedule "
+                             f"interleaved_1f1b and 1 with {self.pp_schedule!r}")
+        for name in ("time_limit_s", "seq_len", "dist_timeout"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**63:
@@ -159,6 +186,8 @@ class TrainConfig:
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         self._check_recipe()
+        if self.router_bias_update_rate < 0:
+            raise ValueError(f"router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
                              f">= 0 and eps ({self.eps}) > 0")
@@ -170,7 +199,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.decay_shape not in DECAY_SHAPES:
+        if self.decay_shape not in DECAY_SHAPES:                   # optim.DECAY_SHAPES (torch not imported)
             raise ValueError(f"decay_shape must be one of {DECAY_SHAPES}, got {self.decay_shape!r}")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
@@ -195,7 +224,11 @@ class TrainConfig:
             return self
         return dataclasses.replace(self, lr=default_lr(sum(p.numel() for p in model.parameters())))
 
-    def schedule(self) -> WarmupCosine | WarmupStableDecay:
+    def schedule(self):
+        """The learning-rate schedule: optim.WarmupCosine or optim.WarmupStableDecay (lr_schedule) of
+        this config's numbers."""
+        from logitlab.train.optim import WarmupCosine, WarmupStableDecay
+
         if self.lr is None:
             raise ValueError("lr is not set: TrainConfig.for_model(model) chooses the default for a model")
         if self.lr_schedule == "wsd":
@@ -203,3 +236,23 @@ class TrainConfig:
                                      self.decay_fraction, self.decay_shape)
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         return WarmupCosine(self.lr, self.warmup_steps, self.steps, min_lr)
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """What SFT adds to TrainConfig: the conversations and how they become rows."""
+
+    data: str = field(default="", metadata={"help": "conversations (.jsonl: messages, or prompt/completion)"})
+    val_data: str | None = field(default=None, metadata={"help": "held-out conversations (default: a split)"})
+    val_fraction: float = field(default=0.1, metadata={"help": "share held out when val_data is not given"})
+    train_on: Literal["all", "assistant", "last"] = field(
+        default="assistant", metadata={"help": "loss on all tokens, every assistant turn, or the last one"})
+    pack: bool = field(default=True, metadata={"help": "pack conversations into rows (False: one per row, padded)"})
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("SFTConfig.data is empty: give a .jsonl file of conversations")
+        if self.train_on not in ("all", "assistant", "last"):          # data.sft.TRAIN_ON
+            raise ValueError(f"train_on must be one of ('all', 'assistant', 'last'), got {self.train_on!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")

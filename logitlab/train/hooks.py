@@ -23,7 +23,10 @@ class ParallelHooks:
 
     An N-D layout (train.layouts.sharded_hooks) also sets `setup` (the run's set-up, with
     sharded checkpoints instead of gathered ones), `forward_backward` (a micro-step's forward and
-    backward, which a pipeline schedule runs as one), `evaluate` and `save`."""
+    backward, which a pipeline schedule runs as one), `evaluate` and `save`.
+
+    Under torchrun `launcher_gone` says whether the launcher died (parallel.setup.launcher_gone):
+    the ranks agree on it with the stop flags and stop after the same step, with a checkpoint."""
 
     rank: int = 0
     world_size: int = 1
@@ -43,6 +46,7 @@ class ParallelHooks:
     forward_backward: Callable | None = None   # (wrapped, x, y, sync, scale) -> loss tensor | None
     evaluate: Callable | None = None           # run -> validation loss (every rank)
     save: Callable | None = None               # (run, state) -> checkpoint path on the main rank, else None
+    launcher_gone: Callable | None = None      # () -> whether the launcher died (stop as for SIGTERM)
 
     @property
     def main(self) -> bool:

@@ -33,20 +33,32 @@ def parallel_hooks(config: TrainConfig, run_dir: str | os.PathLike | None = None
         return sharded_hooks(config, None, resume=resume) if (sharded or config.needs_nd_loop()) else ParallelHooks()
     from logitlab import parallel as P
 
-    info = P.init_distributed(device="cpu" if config.device == "cpu" else None)
+    info = P.init_distributed(device="cpu" if config.device == "cpu" else None, timeout_s=config.dist_timeout)
     if sharded or config.needs_nd_loop():
-        return sharded_hooks(config, info if info.distributed else None, resume=resume)
-    if config.parallel == "none" or not info.distributed:
-        return ParallelHooks()
-    if config.parallel == "zero2" or config.dp_replicate > 1 or config.activation_checkpointing != "none":
-        return nd_hooks(config, config.parallel_plan(), info)
+        return _watching(sharded_hooks(config, info if info.distributed else None, resume=resume))
+    mode = config.data_parallel
+    if mode == "none" or not info.distributed:
+        return _watching(ParallelHooks())
+    plan = config.parallel_plan().resolve(info.world_size)   # the mesh flags checked against the world size
+    if mode == "zero2" or plan.dp_replicate > 1 or config.activation_checkpointing != "none":
+        return _watching(nd_hooks(config, plan, info))
     mixed = config.precision == "bf16" or (config.precision == "auto" and info.device.type == "cuda")
-    return ParallelHooks(
+    return _watching(ParallelHooks(
         rank=info.rank, world_size=info.world_size,
-        wrap=lambda m: P.wrap_model(m, config.parallel, mixed_precision=mixed, info=info),
+        wrap=lambda m: P.wrap_model(m, mode, mixed_precision=mixed, info=info),
         all_reduce=lambda v: float(P.all_reduce_mean(float(v))), clip=P.clip_grad_norm,
         model_state=P.full_state_dict, optimizer_state=P.full_optimizer_state_dict,
-        load_state=P.load_full_state_dict, barrier=P.barrier, sync=P.sync_gradients, agree=P.any_rank)
+        load_state=P.load_full_state_dict, barrier=P.barrier, sync=P.sync_gradients, agree=P.any_rank))
+
+
+def _watching(hooks: ParallelHooks) -> ParallelHooks:
+    """The hooks of a process torchrun started, with launcher_gone set (parallel.setup.launcher_gone):
+    the loop stops, as for SIGTERM, after the step in which any rank saw its launcher die."""
+    from logitlab.parallel import setup
+
+    if setup.launched_by_torchrun():
+        hooks.launcher_gone = setup.launcher_gone
+    return hooks
 
 
 def sharded_hooks(config: TrainConfig, info: DistInfo | None = None, *, resume: bool = False,

@@ -9,8 +9,9 @@ RUN/metrics.jsonl and TensorBoard). TrainConfig (config.py), the loss (loss.py) 
 ParallelHooks (hooks.py) are importable from here too.
 
 Failure handling: a NaN/inf loss or gradient norm raises TrainingDiverged naming the step before
-the optimizer applies it (the last good checkpoint stays); SIGINT/SIGTERM finish the current
-step, save a checkpoint and return. Progress display is the caller's: `callback(event, record)`.
+the optimizer applies it (the last good checkpoint stays); SIGINT/SIGTERM, and under torchrun
+the death of its launcher, finish the current step, save a checkpoint and return. Progress
+display is the caller's: `callback(event, record)`.
 
 Several processes: ParallelHooks tells the loop this process's data-parallel rank (its slice of
 each global batch and of the validation windows), how to wrap the model (DDP/FSDP, before the
@@ -75,7 +76,7 @@ class TrainResult:
     step: int                      # optimizer steps completed
     last_loss: float | None
     val_loss: float | None
-    stopped: Literal["done", "signal", "time"]
+    stopped: Literal["done", "signal", "time", "launcher"]   # launcher: torchrun's agent died
     checkpoint: Path | None
     signal: int | None = None      # the signal that stopped the run (SIGINT 2, SIGTERM 15)
 
@@ -171,6 +172,8 @@ def train_step(run: Run) -> tuple[float, float, float]:
         x, y = run.sampler.next()
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         loss = _micro_step(run, x, y, micro == config.grad_accum - 1)
+        if run.routing is not None:
+            run.routing.add(run.compute_loss.last)
         if loss is not None:   # None: a pipeline rank without the last stage
             loss_sum, has_loss = loss_sum + float(loss), True
     step_loss = loss_sum / config.grad_accum if has_loss else None
@@ -310,6 +313,8 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         step, dt, tps = run.step, time.perf_counter() - t0, run.tokens_per_step
         record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.tokens_seen,
                   "tokens_per_s": tps / dt, "mfu": fpt * tps / dt / peak, "time_s": dt}
+        if run.routing is not None:       # an MoE: the router's losses and loads (train.moe)
+            record.update(run.routing.step(run.model))
         measured = run.route_record is not None   # this process's bf16 routes, on its first step's record
         if measured:
             record.update(run.route_record)
@@ -319,11 +324,8 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
             record.update(decided)
             emit("allocator", decided)
             measured = True
-        out_of_time = config.time_limit_s is not None and time.perf_counter() - started > config.time_limit_s
-        signalled = stop.signum is not None
-        if run.par.agree is not None:   # a signal or the time limit may reach the ranks at different steps
-            signalled, out_of_time = run.par.agree(signalled, out_of_time)
-        final = step == config.steps or signalled or out_of_time
+        reason = _stop_reason(run, stop, started)
+        final = step == config.steps or reason is not None
         if run.has_val and ((config.eval_every and step % config.eval_every == 0) or final):
             val_loss = evaluate_run(run)
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
@@ -334,15 +336,28 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
             sink.add(record)
         emit("step", record)
         if run.par.agree is None and stop.signum is not None:   # one process: a signal during this step's
-            signalled = True                                      # evaluation or callback stops it here too
-        if final or signalled or (save_every and step % save_every == 0) or step == _stable_end(run):
+            reason = reason or "signal"                           # evaluation or callback stops it here too
+        if final or reason is not None or (save_every and step % save_every == 0) or step == _stable_end(run):
             path = save(run, record.get("val_loss"))
             if path is not None:
                 emit("checkpoint", {"step": step, "path": str(path)})
                 run.last_ckpt = path
-        if signalled or out_of_time:
-            return ("signal" if signalled else "time"), last_loss, val_loss
+        if reason is not None:
+            return reason, last_loss, val_loss
     return "done", last_loss, val_loss
+
+
+def _stop_reason(run: Run, stop: _StopFlag, started: float) -> str | None:
+    """Whether the run stops after this step: "signal" (SIGINT/SIGTERM), "launcher" (torchrun's
+    agent died: ParallelHooks.launcher_gone), "time" (the time limit), or None. The ranks agree
+    (each flag OR'd over them): a signal, a dead launcher or the time limit may reach them at
+    different steps, and they must stop after the same one."""
+    limit = run.config.time_limit_s
+    flags = (stop.signum is not None, run.par.launcher_gone is not None and run.par.launcher_gone(),
+             limit is not None and time.perf_counter() - started > limit)
+    if run.par.agree is not None:
+        flags = run.par.agree(*flags)
+    return next((name for name, on in zip(("signal", "launcher", "time"), flags) if on), None)
 
 
 def _train(model, config: TrainConfig, run_dir: Path, tokenizer, resume: bool, emit, par: ParallelHooks,

@@ -135,8 +135,9 @@ def export_lora_checkpoint(ckpt: str | os.PathLike, out_dir: str | os.PathLike, 
 
     from safetensors.torch import load_file
 
-    from logitlab.io.checkpoint import load_for_inference, read_state
+    from logitlab.io.checkpoint import read_state
     from logitlab.io.hf import save_pretrained
+    from logitlab.io.loading import load_model_and_tokenizer
     from logitlab.train.lora import base_model
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
@@ -144,7 +145,8 @@ def export_lora_checkpoint(ckpt: str | os.PathLike, out_dir: str | os.PathLike, 
     if "lora" not in state or not state.get("base") or not (ckpt / "adapters.safetensors").is_file():
         raise ValueError(f"{ckpt} is not a LoRA SFT checkpoint (state.json lacks 'lora' / 'base', or "
                          f"adapters.safetensors is missing)")
-    model, tok = load_for_inference(state["base"])
+    base = load_model_and_tokenizer(state["base"])            # a directory, or a hub id pinned to its commit
+    model, tok = base.model, base.tokenizer
     fields = {f.name for f in dataclasses.fields(LoRAConfig)}
     recorded = {k: (tuple(v) if isinstance(v, list) else v) for k, v in state["lora"].items() if k in fields}
     config = LoRAConfig(**recorded)

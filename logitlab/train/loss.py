@@ -123,7 +123,7 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_tokens: int, devi
         with runtime.autocast(device, amp_dtype):
             logits = model(x)
         total += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
-        count += y.numel()
+        count += int((y != IGNORE_INDEX).sum())   # a padding batch's targets are all ignored
     model.train(was_training)
     if all_reduce is not None:
         total, count = all_reduce(total), all_reduce(float(count))

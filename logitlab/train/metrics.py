@@ -10,7 +10,8 @@ from pathlib import Path
 from logitlab.io import checkpoint as ckpt_io
 from logitlab.io import files
 
-SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss", "val_ppl")
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss", "val_ppl",
+           "ce_loss", "aux_loss", "z_loss", "router_entropy", "dropped")   # the last five: MoE runs
 
 
 def tensorboard_writer(run_dir: Path):

@@ -26,9 +26,8 @@ import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,31 +36,11 @@ from logitlab.data import sft as sft_data
 from logitlab.io import files
 from logitlab.train import lora, runtime
 from logitlab.train.build import Run, build_optimizer, load_resume, restore_optimizer, write_run_files
-from logitlab.train.config import TrainConfig
+from logitlab.train.config import SFTConfig, TrainConfig  # noqa: F401  (SFTConfig: importable from here)
 from logitlab.train.hooks import ParallelHooks
 from logitlab.train.loop import TrainResult, save, train_step
 from logitlab.train.loss import IGNORE_INDEX, cross_entropy
 from logitlab.train.metrics import MetricsSink
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    """What SFT adds to TrainConfig: the conversations and how they become rows."""
-
-    data: str = field(default="", metadata={"help": "conversations (.jsonl: messages, or prompt/completion)"})
-    val_data: str | None = field(default=None, metadata={"help": "held-out conversations (default: a split)"})
-    val_fraction: float = field(default=0.1, metadata={"help": "share held out when val_data is not given"})
-    train_on: Literal["all", "assistant", "last"] = field(
-        default="assistant", metadata={"help": "loss on all tokens, every assistant turn, or the last one"})
-    pack: bool = field(default=True, metadata={"help": "pack conversations into rows (False: one per row, padded)"})
-
-    def __post_init__(self) -> None:
-        if not self.data:
-            raise ValueError("SFTConfig.data is empty: give a .jsonl file of conversations")
-        if self.train_on not in sft_data.TRAIN_ON:
-            raise ValueError(f"train_on must be one of {sft_data.TRAIN_ON}, got {self.train_on!r}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
 
 
 def document_mask(segments: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,8 @@ class NDLayout:
         self.config, self.info = config, info
         self.plan = plan.resolve(info.world_size)
         self.par: Parallelized | None = None
+        if self.plan.pp > 1:
+            _check_microbatches(config.batch_size, self.plan)
 
     # -- the set-up ----------------------------------------------------------------------------
     def setup(self, model, config: TrainConfig, run_dir: Path, hooks, resume: bool, device, amp_dtype,
@@ -163,7 +165,7 @@ class NDLayout:
             check_new_run_dir(run.run_dir)
             if latest_sharded(run.run_dir) is not None:
                 raise ValueError(f"{run.run_dir} already holds sharded checkpoints; use --resume {run.run_dir} "
-                                 "or another --out-dir")
+                                 "or another --out")
             runtime.seed_everything(run.config.seed)
             return None
         latest = latest_sharded(run.run_dir) if resumes_sharded(run.run_dir) else ckpt_io.latest_checkpoint(run.run_dir)
@@ -228,7 +230,7 @@ class NDLayout:
             logits = model(x.to(device))                                   # (b, T, V), maybe sharded on V
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum")
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        return float(loss), y.numel()
+        return float(loss), int((y != IGNORE_INDEX).sum())                # a padding batch counts none
 
     def _eval_pipeline(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[float, int]:
         """A forward-only schedule step; the stages were built for `rows` rows per step, so a
@@ -281,6 +283,16 @@ class NDLayout:
         if float(bad) > 0 or not math.isfinite(float(bad)):
             raise ckpt_io.NonFiniteError(f"the weights hold NaN or inf values ({int(float(bad))} tensor shards); "
                                          f"step {step} was not saved")
+
+
+def _check_microbatches(batch_size: int, plan: ParallelPlan) -> None:
+    """Each data-parallel replica's rows of a micro-step must cut into the schedule's micro-batches."""
+    m = plan.microbatches()
+    if batch_size % (plan.dp * m):
+        raise ValueError(f"--pp {plan.pp}: each of the {plan.dp} data-parallel replicas gets {batch_size / plan.dp:g} "
+                         f"rows of --batch-size {batch_size}, which do not cut into {m} equal pipeline micro-batches "
+                         f"(2 x --pp x --virtual-stages); use a --batch-size that is a multiple of {plan.dp * m}, "
+                         "or a layout with fewer data-parallel replicas (a resume keeps the run's --batch-size)")
 
 
 def _numbered_names(config, n_params: int) -> tuple[list[str], dict[str, torch.Tensor]]:

@@ -1,0 +1,117 @@
+"""Subcommand `convert` (registered with `params` by cli/model.py): a Hugging Face directory or hub
+id <-> a logitlab model directory, optionally verified against transformers layer by layer.
+The direction comes from what MODEL is (io.loading.is_hf_dir)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    """Add `convert` to `subparsers`."""
+    from logitlab.cli.common import add_examples
+    from logitlab.cli.models import add_model_argument
+
+    c = subparsers.add_parser("convert", help="Hugging Face <-> logitlab model directories",
+                              description="Convert MODEL to the other format, into --out: a Hugging Face "
+                              "directory or hub id (an architecture logitlab.families.SUPPORTED_ARCHITECTURES "
+                              "lists) becomes a logitlab directory; a logitlab run, checkpoint or model directory "
+                              "becomes a Hugging Face directory. --verify compares every hidden state and the "
+                              "logits with transformers.")
+    add_examples(c, "convert runs/a --out hf/a --verify          # logitlab -> Hugging Face",
+                 "convert hf/a --out back/a                    # Hugging Face -> logitlab",
+                 "convert Qwen/Qwen3-0.6B --verify             # a hub id, checked against transformers")
+    add_model_argument(c)
+    c.add_argument("--out", metavar="DIR", help="directory to write (required from a logitlab model; from a "
+                   "Hugging Face one, leave it out to only --verify)")
+    c.add_argument("--overwrite", action="store_true", help="replace an --out directory that logitlab "
+                   "wrote before (only its own files; anything else there is kept). Without it --out must "
+                   "be new or empty")
+    c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
+                   "largest difference per layer and of the logits; exit 1 above tolerance")
+    c.set_defaults(func=_convert)
+
+
+def _print_report(report: dict) -> None:
+    from rich.table import Table
+
+    from logitlab.cli.common import console
+
+    t = Table(title=f"logitlab vs transformers ({report['dtype']}, ids {report['ids_shape']})")
+    t.add_column("output")
+    t.add_column("max |diff|", justify="right")
+    L = len(report["hidden"]) - 1
+    for i, d in enumerate(report["hidden"]):
+        label = "embeddings" if i == 0 else (f"block {i - 1}" if i < L else f"block {i - 1} + final norm")
+        t.add_row(label, f"{d:.2e}")
+    t.add_row("logits", f"{report['logits']:.2e}")
+    out = console()
+    out.print(t)
+    ok = "[green]OK[/green]" if report["ok"] else "[red]MISMATCH[/red]"
+    out.print(f"{ok} (tolerance {report['tolerance']:.0e} relative to max(1, |reference|))")
+
+
+def _hf_tokenizer(directory: Path):
+    """The directory's tokenizer (hf.load_tokenizer) or None: absent, or not byte-level BPE (a
+    note says why; the model is converted without it)."""
+    from logitlab.cli.common import error_console
+    from logitlab.io import hf
+
+    try:
+        return hf.load_tokenizer(directory)
+    except ValueError as exc:
+        error_console().print(f"note: tokenizer not converted: {exc}")
+        return None
+
+
+def _convert(args) -> int:
+    from logitlab.cli.common import console
+    from logitlab.io import hub
+    from logitlab.io.loading import is_hf_dir
+
+    source = hub.resolve_model(args.model, args.revision).directory
+    out = console()
+    if is_hf_dir(source):
+        model, reference = _hf_to_logitlab(args, source, out), source
+    else:
+        model, reference = _logitlab_to_hf(args, source, out), args.out
+    if args.verify:
+        from logitlab.io import hf
+
+        report = hf.verify_against_transformers(model, reference)
+        _print_report(report)
+        return 0 if report["ok"] else 1
+    return 0
+
+
+def _logitlab_to_hf(args, source: Path, out):
+    from logitlab.io import checkpoint, files, hf
+
+    if not args.out:
+        raise ValueError(f"{source} is a logitlab model: convert needs --out DIR, the Hugging Face directory to write")
+    files.check_output_dir(args.out, hf.HF_KIND, overwrite=args.overwrite, source=source)
+    model, tokenizer = checkpoint.load_for_inference(source, dtype=hf.parse_dtype(args.dtype))
+    hf.save_pretrained(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, source=source)
+    arch = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
+    out.print(f"wrote Hugging Face directory {args.out} ({arch}{', tokenizer.json' if tokenizer is not None else ''})")
+    return model
+
+
+def _hf_to_logitlab(args, source: Path, out):
+    from logitlab.io import checkpoint, files, hf
+
+    legacy = checkpoint.model_dir_entries(args.out) if args.out else None
+    if args.out:  # refused before the (possibly large) model is read
+        files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=source,
+                               legacy=legacy)
+    model = hf.load_pretrained(source, dtype=args.dtype)
+    if args.out:
+        tokenizer = _hf_tokenizer(source)
+        with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
+                                    source=source, legacy=legacy) as tmp:
+            checkpoint.write_model_files(model, tmp)
+            if tokenizer is not None:
+                tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
+        out.print(f"wrote logitlab directory {args.out}{' with its tokenizer' if tokenizer is not None else ''}")
+    return model

@@ -1,0 +1,229 @@
+"""What the cleaning rules measure: for one document, each number a rule of filters.py compares
+with its threshold.
+
+measures.py owns two ways to get them. The plain functions (mean_word_length, line_share,
+duplicate_ngram_fraction, alpha_share, ...) are the reference: one obvious loop each, the
+definitions of Gopher (Rae et al. 2021, appendix A) checkable by eye. `FastMeasures` computes the
+same numbers, equal to the last bit (tests/test_data_filters.py), with the loops in C: str methods
+over whole lists, bytes.translate, numpy. `prepare` uses it: a Python loop per character (the
+alphabetic share) or per n-gram cost more than encoding the text. `Measures` gives the plain
+numbers through the same interface, so the rules run unchanged on either. Words are the
+whitespace-separated tokens of str.split(). It imports nothing from logitlab.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import numpy as np
+
+BULLETS = ("•", "●", "-", "*", "‣", "◦", "–")
+ELLIPSES = ("...", "…")
+
+
+# --------------------------------------------------------------------------------------------
+# The reference: one plain loop per number
+# --------------------------------------------------------------------------------------------
+
+def mean_word_length(words: list[str]) -> float:
+    return sum(map(len, words)) / len(words) if words else 0.0
+
+
+def symbol_ratio(text: str, words: list[str]) -> float:
+    """("#" characters + ellipses) per word."""
+    symbols = text.count("#") + text.count("...") + text.count("…")
+    return symbols / max(len(words), 1)
+
+
+def line_share(lines: list[str], predicate) -> float:
+    """Share of the non-empty lines for which predicate(stripped line) holds."""
+    kept = [ln.strip() for ln in lines if ln.strip()]
+    return sum(1 for ln in kept if predicate(ln)) / len(kept) if kept else 0.0
+
+
+def duplicate_line_fraction(lines: list[str]) -> float:
+    """Share of non-empty lines equal to an earlier line of the document."""
+    seen, dup, total = set(), 0, 0
+    for ln in lines:
+        ln = ln.strip()
+        if not ln:
+            continue
+        total += 1
+        dup += ln in seen
+        seen.add(ln)
+    return dup / total if total else 0.0
+
+
+def duplicate_ngram_fraction(words: list[str], n: int) -> float:
+    """Share of word characters inside word n-grams that occur more than once (each word counted
+    once, however many repeated n-grams cover it)."""
+    if len(words) < n:
+        return 0.0
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    counts = collections.Counter(grams)
+    covered = [False] * len(words)
+    for i, gram in enumerate(grams):
+        if counts[gram] > 1:
+            covered[i:i + n] = [True] * n
+    total = sum(map(len, words))
+    return sum(len(w) for w, c in zip(words, covered) if c) / total if total else 0.0
+
+
+def alpha_share(text: str) -> float:
+    """Alphabetic characters / non-whitespace characters (0 for an empty text)."""
+    chars = [c for c in text if not c.isspace()]
+    return sum(c.isalpha() for c in chars) / len(chars) if chars else 0.0
+
+
+def alnum_share(text: str) -> float:
+    """Alphanumeric characters / all characters (0 for an empty text)."""
+    return sum(c.isalnum() for c in text) / len(text) if text else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# The same measurements with the loops in C (the fast path; tests check they equal the above)
+# --------------------------------------------------------------------------------------------
+
+def _ascii_rejects(test) -> bytes:
+    return bytes(b for b in range(128) if not test(chr(b)))
+
+
+_ASCII_REJECTS = {name: _ascii_rejects(getattr(str, name)) for name in ("isspace", "isalpha", "isalnum")}
+
+
+def count_chars(text: str, kind: str) -> int:
+    """How many characters of `text` pass str.<kind> ("isspace", "isalpha" or "isalnum"): the count
+    `sum(getattr(c, kind)() for c in text)`, with each distinct character tested once. ASCII text
+    is counted by bytes.translate deleting the bytes that fail; other text through its code points,
+    counted per distinct value by numpy."""
+    if text.isascii():
+        return len(text.encode("ascii").translate(None, _ASCII_REJECTS[kind]))
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    values, counts = np.unique(codes, return_counts=True)
+    test = getattr(str, kind)
+    return sum(n for v, n in zip(values.tolist(), counts.tolist()) if test(chr(v)))
+
+
+def _multipliers(n: int) -> np.ndarray:
+    """n odd 64-bit constants (odd: multiplying by one is a bijection of the 64-bit integers)."""
+    return np.array([(0x9E3779B97F4A7C15 * (2 * k + 1)) % (1 << 64) | 1 for k in range(n)], dtype=np.uint64)
+
+
+def fast_duplicate_ngram_fraction(words: list[str], n: int, total_chars: int | None = None) -> float:
+    """duplicate_ngram_fraction without a Python object per n-gram: n-gram i gets the 64-bit key
+    sum(hash(words[i+k]) * c_k) (mod 2^64; `hash` is Python's, so equal words hash alike), and
+    equal n-grams get equal keys. Sorting the keys finds the shared ones; only those candidates
+    are compared as word tuples, so a collision of keys never counts (exact, like the plain
+    one). `total_chars` is sum(map(len, words)) when the caller knows it."""
+    L = len(words)
+    if L < n:
+        return 0.0
+    hashes = np.fromiter(map(hash, words), dtype=np.int64, count=L).view(np.uint64)
+    m, c = L - n + 1, _multipliers(n)
+    keys = hashes[:m] * c[0]
+    for k in range(1, n):
+        keys += hashes[k:k + m] * c[k]  # wraps mod 2^64, as intended
+    order = np.argsort(keys)
+    ranked = keys[order]
+    same = ranked[1:] == ranked[:-1]
+    if not same.any():
+        return 0.0
+    shared = np.zeros(m, dtype=bool)  # in sorted order: a key equal to a neighbour's
+    shared[1:] = same
+    shared[:-1] |= same
+    candidates = order[shared].tolist()
+    grams = [tuple(words[i:i + n]) for i in candidates]
+    counts = collections.Counter(grams)
+    starts = np.array([i for i, g in zip(candidates, grams) if counts[g] > 1], dtype=np.int64)
+    if not starts.size:
+        return 0.0
+    edges = np.zeros(L + 1, dtype=np.int64)  # +1 where a repeated n-gram starts, -1 after it ends
+    edges[starts] += 1  # the starts are distinct positions
+    edges[starts + n] -= 1
+    covered = np.flatnonzero(np.cumsum(edges[:L]) > 0).tolist()
+    total = sum(map(len, words)) if total_chars is None else total_chars
+    return sum(len(words[i]) for i in covered) / total
+
+
+_BULLET_CHARS = "".join(BULLETS)  # every bullet is one character: a line's first one says it
+_ELLIPSIS_ENDS = "".join({e[-1] for e in ELLIPSES})  # the last characters an ellipsis can end with
+
+
+class Measures:
+    """What the rules compare with their thresholds, for one text, each by the plain function
+    above (the reference); computed when a rule asks, so a rule that is off costs nothing."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @functools.cached_property
+    def words(self) -> list[str]:
+        return self.text.split()
+
+    @functools.cached_property
+    def lines(self) -> list[str]:
+        return self.text.splitlines()
+
+    def mean_word_length(self) -> float:
+        return mean_word_length(self.words)
+
+    def symbol_ratio(self) -> float:
+        return symbol_ratio(self.text, self.words)
+
+    def bullet_lines(self) -> float:
+        return line_share(self.lines, lambda ln: ln.startswith(BULLETS))
+
+    def ellipsis_lines(self) -> float:
+        return line_share(self.lines, lambda ln: ln.endswith(ELLIPSES))
+
+    def duplicate_lines(self) -> float:
+        return duplicate_line_fraction(self.lines)
+
+    def duplicate_ngrams(self, n: int) -> float:
+        return duplicate_ngram_fraction(self.words, n)
+
+    def alpha_share(self) -> float:
+        return alpha_share(self.text)
+
+    def alnum_share(self) -> float:
+        return alnum_share(self.text)
+
+
+class FastMeasures(Measures):
+    """The same numbers, equal to the last bit (tests/test_data_filters.py), in fewer passes, most
+    of them loops in C: the non-empty stripped lines made once (a bullet line told by its first
+    character), duplicates as len - len(set), characters by count_chars (the words' characters
+    are the non-space ones), n-grams by fast_duplicate_ngram_fraction. What `prepare` uses."""
+
+    @functools.cached_property
+    def kept_lines(self) -> list[str]:
+        return list(filter(None, map(str.strip, self.lines)))
+
+    @functools.cached_property
+    def non_space(self) -> int:
+        return len(self.text) - count_chars(self.text, "isspace")
+
+    def mean_word_length(self) -> float:  # the words are the runs of non-space characters
+        return self.non_space / len(self.words) if self.words else 0.0
+
+    def bullet_lines(self) -> float:
+        kept = self.kept_lines  # non-empty: s[0] exists
+        return sum(1 for s in kept if s[0] in _BULLET_CHARS) / len(kept) if kept else 0.0
+
+    def ellipsis_lines(self) -> float:
+        kept = self.kept_lines
+        return sum(1 for s in kept if s[-1] in _ELLIPSIS_ENDS and s.endswith(ELLIPSES)) / len(kept) if kept else 0.0
+
+    def duplicate_lines(self) -> float:
+        kept = self.kept_lines
+        return (len(kept) - len(set(kept))) / len(kept) if kept else 0.0
+
+    def duplicate_ngrams(self, n: int) -> float:
+        return fast_duplicate_ngram_fraction(self.words, n, self.non_space)
+
+    def alpha_share(self) -> float:
+        return count_chars(self.text, "isalpha") / self.non_space if self.non_space else 0.0
+
+    def alnum_share(self) -> float:
+        return count_chars(self.text, "isalnum") / len(self.text) if self.text else 0.0

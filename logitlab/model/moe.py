@@ -1,0 +1,334 @@
+"""The mixture-of-experts MLP: a router picks K of E expert MLPs for each token, the token's output
+is the weighted sum of theirs (plus a shared expert's, where the model has one).
+
+moe.py owns the block's parts: `route` (the three scoring rules, as pure functions of the router
+logits), `Router`, `Experts` (E SwiGLU MLPs stored stacked, [E, ...] parameters, as torchtitan
+does), and `MoE`, which joins them with an optional shared expert. The expert products come in
+three forms that compute the same values (tests/test_moe.py checks them against each other):
+
+- "loop": for each expert, the tokens routed to it, through it, added back: the reference, read by eye;
+- "grouped": the (token, expert) assignments sorted by expert, the tokens gathered in that order,
+  one product per expert over its contiguous rows (torch's grouped matrix product where it runs,
+  one call for all experts), the outputs scattered back (training, prefill);
+- "gather": each token multiplies the weights of its own K experts, gathered (a handful of tokens
+  when decoding: no sort, no host sync, the same shapes every step, so it compiles).
+
+`MoE.impl` ("auto" by default) chooses "grouped", and "gather" for a handful of tokens (N * K <= E)
+under torch.compile, which cannot trace the grouped form's host-side counts without a graph break
+(eager on a CPU the grouped form decodes faster: bench/moe.py, docs/benchmarks.md). Dropless by
+default; with `capacity_factor` each expert takes at most C = ceil(capacity_factor * N * K / E)
+assignments per call, in token order, and drops the rest (the token keeps its residual), the same
+in all three forms. Which layers are MoE is config.mlp_kinds
+(layers.py builds the block); the losses that train the router, and the update of sigmoid_topk's
+correction bias, live in train/moe.py.
+
+Shapes: N tokens (B * T), D d_model, E experts, K experts per token, F one expert's width
+(config.moe_d_ff), Fs the shared expert's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from logitlab.model.mlp import SwiGLU
+
+MOE_IMPLS = ("auto", "loop", "grouped", "gather")
+
+
+# ------------------------------------------------------------------------------------------
+# Routing: logits (N, E) -> (weights (N, K), experts (N, K))
+# ------------------------------------------------------------------------------------------
+
+def route(logits: torch.Tensor, config, correction_bias: torch.Tensor | None = None):
+    """The router's choice for each token: logits (N, E) -> (weights (N, K) float32, experts (N, K)).
+
+    softmax_topk (Mixtral, Qwen-MoE): p = softmax(logits); the K largest p, renormalised to sum 1
+        when norm_topk_prob (Mixtral always; Qwen3-MoE's norm_topk_prob);
+    topk_softmax (gpt-oss): the K largest logits, then a softmax over those K;
+    sigmoid_topk (DeepSeek-V3): s = sigmoid(logits); the choice reads s + correction_bias (the
+        auxiliary-loss-free balancing bias, for selection only), limited to the topk_groups groups
+        whose two best experts score highest; the weights are s itself, renormalised when
+        norm_topk_prob.
+    Every kind ends multiplied by routed_scaling_factor (1.0 but for DeepSeek-V3's 2.5)."""
+    K = config.n_experts_per_token
+    logits = logits.float()
+    if config.router == "topk_softmax":
+        top, experts = torch.topk(logits, K, dim=-1)                       # (N, K)
+        weights = torch.softmax(top, dim=-1)
+    elif config.router == "softmax_topk":
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
+        if config.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = torch.sigmoid(logits)                                     # (N, E)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        experts = torch.topk(_limit_groups(choice, config), K, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if config.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor, experts
+
+
+def _limit_groups(choice: torch.Tensor, config) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): the E experts form G groups; a group scores the sum of
+    its two best experts' choice scores; experts outside the topk_groups best groups get -inf."""
+    G, best = config.n_expert_groups, config.topk_groups
+    if G == 1:
+        return choice
+    N, E = choice.shape
+    by_group = choice.view(N, G, E // G)                                   # (N, G, E/G)
+    group_score = by_group.topk(2, dim=-1).values.sum(dim=-1)              # (N, G)
+    kept = torch.zeros_like(group_score, dtype=torch.bool)
+    kept.scatter_(1, group_score.topk(best, dim=-1).indices, True)         # (N, G)
+    return by_group.masked_fill(~kept[..., None], float("-inf")).view(N, E)
+
+
+def capacity_keep(experts: torch.Tensor, n_experts: int, capacity: int | None) -> torch.Tensor | None:
+    """Which assignments an expert of `capacity` slots takes: experts (N, K) -> keep (N, K) bool,
+    the first `capacity` assignments of each expert in token order (row-major over (N, K)).
+    None (dropless) when capacity is None."""
+    if capacity is None:
+        return None
+    onehot = F.one_hot(experts.reshape(-1), n_experts)                     # (N*K, E)
+    rank = (onehot.cumsum(0) * onehot).sum(-1) - 1                         # place within its expert
+    return (rank < capacity).view(experts.shape)
+
+
+def expert_capacity(config, n_tokens: int) -> int | None:
+    """C = ceil(capacity_factor * N * K / E) slots per expert, or None (dropless)."""
+    if config.capacity_factor is None:
+        return None
+    return math.ceil(config.capacity_factor * n_tokens * config.n_experts_per_token / config.n_experts)
+
+
+class Router(nn.Module):
+    """The router: one linear map D -> E (weight (E, D), a bias only when router_bias), giving each
+    token a logit per expert. For sigmoid_topk routing it also holds `correction_bias` (E,), a
+    persistent buffer that the auxiliary-loss-free balancing updates outside the optimizer
+    (train.moe.update_correction_bias) and that only the selection reads."""
+
+    def __init__(self, config):
+        super().__init__()
+        E, D = config.n_experts, config.d_model
+        self.weight = nn.Parameter(torch.empty(E, D))
+        self.bias = nn.Parameter(torch.empty(E)) if config.router_bias else None
+        if config.router == "sigmoid_topk":
+            self.register_buffer("correction_bias", torch.zeros(E, dtype=torch.float32))
+        else:
+            self.correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, D) -> logits (N, E), float32."""
+        return F.linear(x, self.weight, self.bias).float()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, 0.0, std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+        if self.correction_bias is not None:
+            self.correction_bias.zero_()
+
+
+# ------------------------------------------------------------------------------------------
+# Experts, stacked
+# ------------------------------------------------------------------------------------------
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs as stacked parameters (the layout of nn.Linear weights, one per expert):
+
+        gate_up_proj (E, 2F, D)   rows: gate (F), then up (F), as the dense SwiGLU's gate_up_proj
+        down_proj    (E, D, F)
+        gate_up_bias (E, 2F), down_bias (E, D)   expert_bias only
+
+    expert e maps x (n, D) to down_e(act(gate_e x, up_e x)); act is silu(gate) * up, or gpt-oss's
+    clamped form (expert_act="clamped_swiglu"): gate <= limit, -limit <= up <= limit,
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, config):
+        super().__init__()
+        E, D, Fe = config.n_experts, config.d_model, config.moe_d_ff
+        self.n_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Fe, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, Fe))
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * Fe)) if config.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, D)) if config.expert_bias else None
+        self.clamped = config.expert_act == "clamped_swiglu"
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, down_std: float) -> None:
+        """Weights ~ Normal(0, std), the down (residual output) projection ~ Normal(0, down_std)."""
+        nn.init.normal_(self.gate_up_proj, 0.0, std)
+        nn.init.normal_(self.down_proj, 0.0, down_std)
+        for bias in (self.gate_up_bias, self.down_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """h (..., 2F), the gate then the up rows -> (..., F)."""
+        gate, up = h.chunk(2, dim=-1)
+        if not self.clamped:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def per_expert(self) -> list[tuple]:
+        """(gate_up, gate_up_bias, down, down_bias) of each expert, views made by one unbind per
+        tensor: its backward stacks the experts' gradients once, where indexing the stacked
+        parameter expert by expert would add a zero-filled gradient of all E experts for each."""
+        E = self.n_experts
+        parts = [t.unbind(0) if t is not None else (None,) * E
+                 for t in (self.gate_up_proj, self.gate_up_bias, self.down_proj, self.down_bias)]
+        return list(zip(*parts))
+
+    def expert(self, e: int, x: torch.Tensor, weights: list[tuple] | None = None) -> torch.Tensor:
+        """Expert e on x (n, D) -> (n, D); weights: per_expert(), when the caller runs several."""
+        w1, b1, w2, b2 = (weights or self.per_expert())[e]
+        return F.linear(self.act(F.linear(x, w1, b1)), w2, b2)
+
+
+# ------------------------------------------------------------------------------------------
+# The three forms: x (N, D), weights (N, K), experts (N, K), keep (N, K) or None -> (N, D)
+# ------------------------------------------------------------------------------------------
+
+def experts_loop(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
+    """The reference: for each expert, the (token, slot) pairs routed to it, through it, weighted,
+    added to those tokens' outputs."""
+    out = torch.zeros_like(x)
+    routed = experts if keep is None else experts.masked_fill(~keep, -1)   # dropped: no expert
+    per_expert = ex.per_expert()
+    for e in range(ex.n_experts):
+        token, slot = torch.nonzero(routed == e, as_tuple=True)
+        if token.numel():
+            y = ex.expert(e, x[token], per_expert) * weights[token, slot, None].to(x.dtype)
+            out.index_add_(0, token, y)
+    return out
+
+
+def experts_grouped(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
+    """Sorted dispatch: the N*K assignments ordered by expert (token order kept within one), the
+    tokens gathered in that order, one product per expert over its rows (group_products),
+    weighted and added back to their tokens."""
+    N, K = experts.shape
+    E = ex.n_experts
+    flat = experts.reshape(-1)                                             # (N*K,)
+    if keep is not None:
+        flat = flat.masked_fill(~keep.reshape(-1), E)                      # dropped: a last group
+    order = torch.argsort(flat, stable=True)                               # (N*K,) by expert
+    counts = torch.bincount(flat, minlength=E + 1)[:E]                     # (E,) rows per expert
+    used = order[:int(counts.sum())]                                       # the kept assignments
+    token = used // K                                                      # (n,) their tokens
+    y = group_products(ex, x[token], counts, flat[used])                   # (n, D)
+    y = y * weights.reshape(-1)[used, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def _grouped_mm_fits(rows: torch.Tensor) -> bool:
+    """Whether torch's grouped matrix product takes these rows: a CPU (float32 or bfloat16, not
+    float32 under torch.compile, whose kernel is bf16-only) or CUDA bfloat16 tensor whose rows are
+    a multiple of 16 bytes."""
+    if not hasattr(F, "grouped_mm") or rows.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if rows.dtype == torch.float32 and (rows.device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    return rows.device.type in ("cpu", "cuda") and (rows.shape[-1] * rows.element_size()) % 16 == 0
+
+
+def group_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """rows (n, D) grouped by expert, counts[e] of them for expert e in turn (ids[i]: row i's
+    expert) -> each row through its expert, (n, D): torch's grouped matrix product (one call per
+    projection for all groups) where it takes the rows, else one product per non-empty group."""
+    Fe = ex.down_proj.shape[-1]
+    if _grouped_mm_fits(rows) and (Fe * rows.element_size()) % 16 == 0 and rows.shape[0]:
+        offs = counts.cumsum(0).to(torch.int32)                            # (E,) end of each group
+        h = F.grouped_mm(rows, ex.gate_up_proj.transpose(1, 2), offs=offs)              # (n, 2F)
+        if ex.gate_up_bias is not None:
+            h = h + ex.gate_up_bias[ids]
+        y = F.grouped_mm(ex.act(h), ex.down_proj.transpose(1, 2), offs=offs)            # (n, D)
+        return y + ex.down_bias[ids] if ex.down_bias is not None else y
+    per_expert, sizes = ex.per_expert(), counts.tolist()
+    ys = [ex.expert(e, chunk, per_expert) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
+    return torch.cat(ys) if ys else rows
+
+
+def experts_gather(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
+    """Each token through its own K experts' gathered weights: (N, K, 2F, D) and (N, K, D, F)
+    copies, so meant for a handful of tokens (decoding)."""
+    h = torch.einsum("nd,nkfd->nkf", x, ex.gate_up_proj[experts])         # (N, K, 2F)
+    if ex.gate_up_bias is not None:
+        h = h + ex.gate_up_bias[experts]
+    y = torch.einsum("nkf,nkdf->nkd", ex.act(h), ex.down_proj[experts])    # (N, K, D)
+    if ex.down_bias is not None:
+        y = y + ex.down_bias[experts]
+    w = weights if keep is None else weights * keep
+    return torch.einsum("nkd,nk->nd", y, w.to(x.dtype))
+
+
+_FORMS = {"loop": experts_loop, "grouped": experts_grouped, "gather": experts_gather}
+
+
+# ------------------------------------------------------------------------------------------
+# The block's MLP
+# ------------------------------------------------------------------------------------------
+
+class MoE(nn.Module):
+    """The MoE MLP of a block: y = sum over the token's K experts of weight * expert(x), plus
+    sigmoid(shared_gate(x)) * shared(x) when the model has a shared expert (the gate only where
+    shared_expert_gate: Qwen's form; DeepSeek's shared expert is ungated).
+
+    Keys under blocks.{i}.mlp.: router.weight (E, D) [router.bias (E,)] [router.correction_bias
+    (E,), a buffer], experts.* (see Experts), shared.gate_up_proj / shared.down_proj (a SwiGLU of
+    width Fs), shared_gate.weight (1, D). `impl` picks the form of the expert products (MOE_IMPLS)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.impl = "auto"
+        self.router = Router(config)
+        self.experts = Experts(config)
+        Fs = config.shared_expert_d_ff
+        self.shared = SwiGLU(config, d_ff=Fs) if Fs else None
+        self.shared_gate = nn.Linear(config.d_model, 1, bias=False) if config.shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor, record: dict | None = None) -> torch.Tensor:
+        """x (B, T, D) -> (B, T, D). record: a dict that receives this call's router_logits (N, E),
+        experts (N, K), weights (N, K) and dropped (the share of assignments over capacity)."""
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)                                         # (N, D)
+        logits = self.router(flat)                                         # (N, E) float32
+        weights, experts = route(logits, self.config, self.router.correction_bias)
+        keep = capacity_keep(experts, self.config.n_experts, expert_capacity(self.config, B * T))
+        out = _FORMS[self.form(B * T)](self.experts, flat, weights, experts, keep)
+        if self.shared is not None:
+            shared = self.shared(flat)                                     # (N, D)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
+        if record is not None:
+            dropped = (1.0 - keep.float().mean()) if keep is not None else torch.zeros((), device=x.device)
+            record.update(router_logits=logits, experts=experts, weights=weights, dropped=dropped)
+        return out.view(B, T, D)
+
+    def form(self, n_tokens: int) -> str:
+        """The form `impl` names; "auto": grouped, or gather for a few tokens (N * K <= E) while
+        torch.compile traces (static shapes, no host sync: the compiled decode step)."""
+        if self.impl not in MOE_IMPLS:
+            raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {self.impl!r}")
+        if self.impl != "auto":
+            return self.impl
+        few = n_tokens * self.config.n_experts_per_token <= self.config.n_experts
+        return "gather" if few and torch.compiler.is_compiling() else "grouped"
+
+
+def set_moe_impl(model: nn.Module, impl: str) -> None:
+    """Set the expert-product form (MOE_IMPLS) of every MoE layer of `model`."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.impl = impl

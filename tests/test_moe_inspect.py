@@ -1,0 +1,88 @@
+"""A mixture of experts seen from outside: inspect.expert_routing and `logitlab inspect --experts`,
+and a model directory that saves and loads its experts, router and correction bias."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from logitlab.inspect.experts import expert_routing
+from logitlab.model import ModelConfig, Transformer
+
+BASE = dict(context_length=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, norm="rmsnorm", mlp="swiglu",
+            positions="rope", bias=False, n_experts=6, n_experts_per_token=2, moe_d_ff=16, d_ff=24)
+
+
+def _model(vocab_size=61, **changes):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=vocab_size, **{**BASE, **changes})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "router" in name:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def test_routing_per_layer_is_the_routers_choice_heaviest_first():
+    model = _model(mlp_types=("moe", "dense", "moe"))
+    ids = [3, 14, 15, 9, 26, 5, 35]
+    routing = expert_routing(model, ids)
+    assert [r.layer for r in routing] == [0, 2]
+    records = []
+    with torch.no_grad():
+        model(torch.tensor([ids]), records=records)
+    for r, rec in zip(routing, records):
+        assert len(r.experts) == len(ids) and all(len(set(e)) == 2 for e in r.experts)
+        for t in range(len(ids)):
+            assert set(r.experts[t]) == set(rec["experts"][t].tolist())
+            assert r.weights[t] == sorted(r.weights[t], reverse=True)
+            assert sum(r.weights[t]) == pytest.approx(1.0, abs=1e-6)           # renormalised top-k
+        assert sum(r.load) == len(ids) * 2 and len(r.load) == 6
+        assert all(0 <= h <= math.log(6) + 1e-6 for h in r.entropy) and r.dropped == 0.0
+    with pytest.raises(ValueError, match="no mixture-of-experts layer"):
+        expert_routing(Transformer(ModelConfig(vocab_size=61, context_length=16, d_model=16, n_layers=1,
+                                               n_heads=2)), ids)
+
+
+def test_capacity_drops_show_in_the_routing():
+    routing = expert_routing(_model(capacity_factor=0.5), list(range(1, 17)))
+    assert all(0 < r.dropped < 1 for r in routing)
+
+
+def test_model_directory_keeps_experts_router_and_correction_bias(tmp_path):
+    from logitlab.io import checkpoint
+
+    model = _model(router="sigmoid_topk", router_bias=True, expert_bias=True, shared_expert_d_ff=8,
+                   shared_expert_gate=True)
+    with torch.no_grad():
+        model.blocks[1].mlp.router.correction_bias.normal_()
+    checkpoint.save_model(model, tmp_path / "m")
+    again = checkpoint.load_model(tmp_path / "m")
+    assert again.config == model.config
+    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), k
+    ids = torch.randint(0, 61, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids), rtol=0, atol=0)
+
+
+def test_inspect_command_shows_experts_and_load(tmp_path, capsys):
+    from logitlab.cli.main import main
+    from logitlab.io import checkpoint
+    from tests.test_generate import small_tokenizer
+
+    tok = small_tokenizer()
+    model = _model(vocab_size=tok.vocab_size)
+    checkpoint.save_model(model, tmp_path / "m")
+    tok.save(tmp_path / "m" / checkpoint.TOKENIZER_FILE)
+    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), "The cat sat", "--experts", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    T = len(tok.encode("The cat sat"))
+    assert [r["layer"] for r in out["experts"]] == [0, 1, 2] and len(out["experts"][0]["experts"]) == T
+    assert main(["inspect", "--checkpoint", str(tmp_path / "m"), "The cat sat", "--experts"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MoE layer 2: each token's experts, heaviest first" in text
+    assert f"layer 0 load over the text ({2 * T} assignments, {2 * T / 6:.1f} per expert if balanced)" in text
