@@ -25,7 +25,7 @@ from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot
 from logitlab.cli.extend import EXTEND_MAY_CHANGE, extend_run, show_extension
 from logitlab.cli.launched import env_world_size, fit_resumed_mesh
 from logitlab.cli.progress import LiveProgress
-from logitlab.cli.train_budget import fit_time_budget, given
+from logitlab.cli.train_budget import PlanView, few_steps_warning, fit_time_budget, given
 
 # --------------------------------------------------------------------------------------------
 # Shared pieces
@@ -41,17 +41,24 @@ def exit_code(result) -> int:
 
 
 def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool, parallel=None,
-                  lock: bool = True):
+                  lock: bool = True, time_fit=None):
+    """train() with the CLI's view: the live bar in a terminal, elsewhere (a pipe, a log) its lines
+    and a status line now and then (train.progress.TextProgress); a time fit's plans (PlanView)."""
     from logitlab.train.loop import train
+    from logitlab.train.progress import TextProgress, chain
+    from logitlab.train.timefit import FEW_STEPS
 
-    live = LiveProgress(con, progress)
+    live, plans = LiveProgress(con, progress), PlanView(con)
+    status = TextProgress(con.file, status_only=True) if progress and not (con.is_terminal or con.quiet) else None
     try:
-        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live, parallel=parallel,
-                       lock=lock)
+        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, parallel=parallel, lock=lock,
+                       progress=chain(live, status, plans), time_fit=time_fit)
     finally:
         live.close()
     if result.stopped == "time":
-        con.print(f"[yellow]time limit reached at step {result.step} of {train_cfg.steps}[/yellow]")
+        con.print(f"[yellow]time limit reached at step {result.step} of {plans.steps or train_cfg.steps}[/yellow]")
+        if time_fit is not None and result.step < FEW_STEPS and not plans.warned:
+            con.print(f"[yellow]warning: {few_steps_warning(result.step)}[/yellow]")
     if result.stopped == "signal":
         con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
     elif result.stopped == "launcher":
@@ -305,10 +312,11 @@ def _start(args, table: dict, train_cfg, con, hooks) -> int:
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
               f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}"
               + _experts_line(model))
-    train_cfg = fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
+    train_cfg, time_fit = fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
     con.print(f"learning rate {train_cfg.lr:g}" + ("" if given(args, table, "lr") else
               " (the default for a model of this size: 3e-3 under 50 M parameters, else 3e-4)"))
-    result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False)
+    result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False,
+                           time_fit=time_fit)
     return exit_code(result)
 
 
