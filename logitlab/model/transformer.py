@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from logitlab.model.attention import Attention, ValueEmbedding
+from logitlab.model.attention import Attention, ValueEmbedding, make_value_embeddings
 from logitlab.model.cache import KVCache
 from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's old home)
     ModelConfig,
@@ -73,6 +73,7 @@ from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's o
     describe_type,
 )
 from logitlab.model.deltanet import GatedDeltaNet
+from logitlab.model.hooks import final_norm, tap
 from logitlab.model.layers import ATTN_IMPLS, Block
 from logitlab.model.moe import Experts, Router
 from logitlab.model.norms import LayerNorm, RMSNorm, ZeroCenteredRMSNorm, make_norm
@@ -96,6 +97,11 @@ class Transformer(nn.Module):
     graph; the cache length becomes a dynamic size after it first changes, not a recompile per step).
     """
 
+    HOOKS = {"embed": "(B, T, D) token embeddings", "pos_embed": "(B|1, T, D) position embeddings (learned, "
+             "sinusoidal)", "final_norm.scale": "(B, T, 1) float32: 1 / rms (1 / std for LayerNorm) of the "
+             "final norm", "logits": "(B, T, V)"}
+    _taps = None                                                   # hooks.py: hooks set for a call
+
     def __init__(self, config: ModelConfig, attn_impl: str = "sdpa"):
         super().__init__()
         if not isinstance(config, ModelConfig):
@@ -115,9 +121,7 @@ class Transformer(nn.Module):
                      if config.positions == "rope" else None)
         kinds = zip(config.layer_kinds, config.mlp_kinds)          # token mixer, MLP (dense or moe)
         self.blocks = nn.ModuleList(Block(config, mixer, mlp) for mixer, mlp in kinds)
-        self.value_embeds = (nn.ModuleDict({str(i): ValueEmbedding(V, config.n_kv_heads, config.head_dim)
-                                            for i in range(config.n_layers) if config.has_value_embedding(i)})
-                             if config.value_embeddings != "none" else None)
+        self.value_embeds = make_value_embeddings(config, V)      # value_embeds.{i} (attention.py)
         self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered, config.norm_affine)
         self.lm_head = nn.Linear(D, V, bias=False)
         # The padded head's product h @ weight[:V]^T; a kernel installed from outside may replace
@@ -180,12 +184,10 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, (RMSNorm, LayerNorm, ZeroCenteredRMSNorm, GatedDeltaNet)):
+            elif isinstance(module, (RMSNorm, LayerNorm, ZeroCenteredRMSNorm, GatedDeltaNet, ValueEmbedding)):
                 module.reset_parameters()                          # GatedDeltaNet: its decay, conv, norm
             elif isinstance(module, Attention) and module.sinks is not None:
                 nn.init.zeros_(module.sinks)
-            elif isinstance(module, ValueEmbedding):
-                nn.init.zeros_(module.gate)                        # its table: the nn.Embedding branch
             elif isinstance(module, Router):                       # an MoE's router and experts (moe.py)
                 module.reset_parameters(std)
             elif isinstance(module, Experts):
@@ -210,8 +212,8 @@ class Transformer(nn.Module):
         checked its ids already passes it), as validate_inputs=False does for every call. records: a
         list that receives what some layers record, one dict per layer with its index under "layer"
         (an MoE layer's routing, which its training losses read; see _run)."""
-        return self.unembed(self._run(ids, cache, positions, attn_mask, check_values=check_values,
-                                      records=records)[0])
+        h = self._run(ids, cache, positions, attn_mask, check_values=check_values, records=records)[0]
+        return tap(self, "logits", self.unembed(h))
 
     def forward_features(self, ids, *, cache=None, positions=None, attn_mask=None) -> torch.Tensor:
         """-> h (B, T, D), the last block's output BEFORE the final norm; forward(ids) equals
@@ -241,7 +243,7 @@ class Transformer(nn.Module):
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, T, D), a residual-stream state before the final norm -> logits (B, T, V):
         final norm, LM head, padded columns dropped (the logit lens reads any block this way)."""
-        return self._head(self.final_norm(h))
+        return self._head(final_norm(self, h))                     # self.final_norm(h), hook points: hooks.py
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, T, D) after the final norm -> logits (B, T, V).
@@ -288,9 +290,9 @@ class Transformer(nn.Module):
         window = (attn_mask, torch.arange(past, S, device=ids.device))
         pad = attn_mask[:, past:S] if attn_mask is not None else None
 
-        x = self.tok_emb(ids)                                      # (B, T, D)
+        x = tap(self, "embed", self.tok_emb(ids))                  # (B, T, D)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
+            x = x + tap(self, "pos_embed", self.pos_emb(positions))   # (B or 1, T, D) broadcast over B
         rope, key_rope = self._rope_tables(positions, cache, S, x.dtype)
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):
@@ -313,9 +315,8 @@ class Transformer(nn.Module):
     def value_embedding(self, layer: int, ids: torch.Tensor) -> torch.Tensor | None:
         """Layer `layer`'s value embedding of ids (B, T) -> (B, Hkv, T, Dh), or None when the layer
         has none (ModelConfig.value_embeddings); a loop that runs the blocks itself passes it on."""
-        if self.value_embeds is None or str(layer) not in self.value_embeds:
-            return None
-        return self.value_embeds[str(layer)](ids)
+        ve = self.value_embeds
+        return ve[str(layer)](ids) if ve is not None and str(layer) in ve else None
 
     def _rope_tables(self, positions, cache, S, dtype):
         """(cos, sin) for the queries' positions, in the residual stream's dtype, and for a cache
