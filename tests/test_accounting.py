@@ -60,17 +60,27 @@ def _random_config(rng) -> "acc.ModelConfig":
     n_layers = rng.randint(1, 5)
     hybrid = rng.random() < 0.3
     kinds = tuple(rng.choice(["full_attention", "linear_attention"]) for _ in range(n_layers)) if hybrid else None
-    mlp, positions = rng.choice(["gelu", "swiglu"]), rng.choice(["learned", "sinusoidal", "rope", "alibi", "none"])
+    mlp = rng.choice(["gelu", "swiglu", "relu2"])
+    positions = rng.choice(["learned", "sinusoidal", "rope", "alibi", "none"])
     return acc.ModelConfig(
         vocab_size=rng.randint(5, 300), context_length=rng.randint(4, 64), d_model=8 * rng.randint(1, 6),
         n_layers=n_layers, n_heads=4, n_kv_heads=rng.choice([1, 2, 4]), head_dim=rng.choice([None, 4, 6]),
-        d_ff=rng.choice([None, 24]), norm="rmsnorm" if hybrid else rng.choice(["layernorm", "rmsnorm"]), mlp=mlp,
+        d_ff=rng.choice([None, 24]), mlp=mlp,
         positions="rope" if hybrid else positions, bias=rng.random() < 0.5,
         qkv_bias=rng.choice([None, True, False]), qk_norm=rng.random() < 0.5,
         tie_embeddings=rng.random() < 0.5, vocab_pad_multiple=rng.choice([1, 8, 64]), layer_types=kinds,
         attn_gate=rng.choice(["none", "headwise", "elementwise"]), attn_sinks=rng.random() < 0.3,
-        norm_zero_centered=hybrid and rng.random() < 0.5, linear_conv_kernel=rng.randint(2, 5),
+        linear_conv_kernel=rng.randint(2, 5),
+        value_embeddings=rng.choice(["none", "alternate", "all"]), **_random_norms(rng, hybrid),
         **(_random_moe(rng, n_layers) if mlp == "swiglu" and rng.random() < 0.5 else {}))
+
+
+def _random_norms(rng, hybrid: bool) -> dict:
+    """The norm switches: LayerNorm or RMSNorm, zero-centred, or parameter-free (norm_affine=False)."""
+    if hybrid:
+        return dict(norm="rmsnorm", norm_zero_centered=rng.random() < 0.5)
+    norm = rng.choice(["layernorm", "rmsnorm", "rmsnorm-free"])
+    return dict(norm="rmsnorm", norm_affine=False) if norm == "rmsnorm-free" else dict(norm=norm)
 
 
 def _random_moe(rng, n_layers: int) -> dict:

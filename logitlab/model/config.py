@@ -33,12 +33,11 @@ def _help(text: str):
 # vocabularies of 262,144, contexts of 10M positions, widths of 16,384 and 126 layers). A config read
 # from an untrusted file is refused by these before anything is built or allocated; what a config
 # within them costs is then estimated (model/memory.py) against the memory the machine has.
-SIZE_LIMITS = {"vocab_size": 2**24, "context_length": 2**24, "d_model": 2**17, "n_layers": 10_000,
-               "n_heads": 2**12, "n_kv_heads": 2**12, "head_dim": 2**17, "d_ff": 2**20, "vocab_pad_multiple": 2**16,
-               "sliding_window": 2**24, "linear_n_k_heads": 2**12, "linear_n_v_heads": 2**12,
+SIZE_LIMITS = {"vocab_size": 2**24, "context_length": 2**24, "d_model": 2**17, "n_layers": 10_000, "n_heads": 2**12,
+               "n_kv_heads": 2**12, "head_dim": 2**17, "d_ff": 2**20, "vocab_pad_multiple": 2**16, "moe_d_ff": 2**20,
+               "sliding_window": 2**24, "linear_n_k_heads": 2**12, "linear_n_v_heads": 2**12, "n_experts": 2**14,
                "linear_k_head_dim": 2**17, "linear_v_head_dim": 2**17, "linear_conv_kernel": 2**12,
-               "original_context_length": 2**24, "n_experts": 2**14, "n_experts_per_token": 2**14,
-               "moe_d_ff": 2**20, "shared_expert_d_ff": 2**20}
+               "original_context_length": 2**24, "n_experts_per_token": 2**14, "shared_expert_d_ff": 2**20}
 
 
 def check_size_limits(config, prefix: str = "") -> None:

@@ -25,6 +25,8 @@ GB = 10**9
 
 
 def _norm(config: ModelConfig, dim: int) -> int:
+    if not config.norm_affine:                                     # a parameter-free RMSNorm
+        return 0
     return 2 * dim if config.norm == "layernorm" else dim         # LayerNorm: weight and bias
 
 
@@ -34,8 +36,9 @@ def attention_layer_parameters(config: ModelConfig) -> int:
     D, H, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     qkv = (H + 2 * Hkv) * Dh
     gates = {"none": 0, "headwise": H, "elementwise": H * Dh}[c.attn_gate]
+    qk_norms = 2 * Dh if c.qk_norm and c.norm_affine else 0       # two RMSNorms, parameter-free or not
     return (D * qkv + (qkv if c.qkv_bias else 0) + H * Dh * D + (D if c.bias else 0)
-            + (2 * Dh if c.qk_norm else 0) + D * gates + (gates if c.qkv_bias else 0) + (H if c.attn_sinks else 0))
+            + qk_norms + D * gates + (gates if c.qkv_bias else 0) + (H if c.attn_sinks else 0))
 
 
 def linear_layer_parameters(config: ModelConfig) -> int:
@@ -68,15 +71,21 @@ def moe_parameters(config: ModelConfig) -> int:
 def parameter_terms(config: ModelConfig) -> dict[str, int]:
     """Parameters by the field that drives them, from the numbers alone (no module is built):
     "vocab_size" the embedding table and an untied LM head (V_padded x D each), "context_length"
-    learned positions (context x D), "n_layers" every block (mixer, MLP and both norms),
+    learned positions (context x D), "n_layers" every block (mixer, MLP, both norms, a value embedding),
     "final_norm". Their sum is accounting.count_parameters(config).total exactly."""
     c = config
     kinds = c.layer_kinds
     n_linear = kinds.count("linear_attention")
     n_moe = c.mlp_kinds.count("moe")
+    # value embeddings: a (V_padded x Hkv·Dh) table and Hkv gates on every attention layer ("all"),
+    # or on every other one counted back from the last ("alternate"); counted with the layers
+    attention = [kind != "linear_attention" for kind in kinds[::-1]]
+    n_value = {"none": 0, "all": sum(attention), "alternate": sum(attention[::2])}[c.value_embeddings]
+    values = n_value * (c.padded_vocab_size * c.n_kv_heads * c.head_dim + c.n_kv_heads)
     layers = (c.n_layers * 2 * _norm(c, c.d_model) + (c.n_layers - n_moe) * mlp_parameters(c)
               + (n_moe * moe_parameters(c) if n_moe else 0)
-              + (c.n_layers - n_linear) * attention_layer_parameters(c) + n_linear * linear_layer_parameters(c))
+              + (c.n_layers - n_linear) * attention_layer_parameters(c) + n_linear * linear_layer_parameters(c)
+              + values)
     return {"vocab_size": c.padded_vocab_size * c.d_model * (1 if c.tie_embeddings else 2),
             "context_length": c.context_length * c.d_model if c.positions == "learned" else 0,
             "n_layers": layers, "final_norm": _norm(c, c.d_model)}

@@ -124,8 +124,7 @@ class Transformer(nn.Module):
         self.value_embeds = make_value_embeddings(config, V)      # value_embeds.{i} (attention.py)
         self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered, config.norm_affine)
         self.lm_head = nn.Linear(D, V, bias=False)
-        # The padded head's product h @ weight[:V]^T; a kernel installed from outside may replace
-        # it (kernels.cpu_bf16.install) with a function computing the same values.
+        # The padded head's product h @ weight[:V]^T; kernels.cpu_bf16.install may replace it by equal values.
         self.head_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
         if config.tie_embeddings:
             self.tie_weights()
