@@ -118,8 +118,13 @@ def test_resolve_turns_train_progress_argument_into_a_callback(monkeypatch):
         resolve("yes")
 
 
-def test_train_prints_nothing_by_default_and_its_progress_when_asked(corpus, tmp_path, capsys):
-    train(tiny_model(), _cfg(corpus, tmp_path / "quiet", steps=2, save_every=0))
+def test_train_is_silent_off_a_terminal_by_default_and_shows_its_progress_when_asked(corpus, tmp_path, capsys,
+                                                                                     monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    train(tiny_model(), _cfg(corpus, tmp_path / "quiet", steps=2, save_every=0))          # "auto", no terminal
+    train(tiny_model(), _cfg(corpus, tmp_path / "none", steps=2, save_every=0), progress=None)
     assert capsys.readouterr() == ("", "")
     train(tiny_model(), _cfg(corpus, tmp_path / "shown", steps=4, save_every=0), progress=True)
     err = capsys.readouterr().err.splitlines()

@@ -118,15 +118,15 @@ class _StopFlag:
 def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = None, tokenizer=None,
           resume: bool = False, callback: Callable[[str, dict], None] | None = None,
           parallel: ParallelHooks | None = None, extra_state: dict | None = None,
-          lock: bool = True, progress=None, time_fit: TimeFit | None = None) -> TrainResult:
+          lock: bool = True, progress="auto", time_fit: TimeFit | None = None) -> TrainResult:
     """Train `model` (an unwrapped Transformer, already initialised) per `config`.
 
     With resume=True the latest checkpoint of the run directory is loaded (weights, optimizer,
     schedule step, sampler position, RNG states, metrics) and the run continues exactly.
     `callback(event, record)` receives "start", "step", "eval", "checkpoint", "plan" (time_fit)
-    and "end". `progress`: what shows the run's progress, none by default (the library prints
-    nothing unless asked): True for train.progress.TextProgress on stderr, "auto" for it only
-    in a terminal or a notebook, or a callback of its own (the CLI's live view).
+    and "end". `progress`: "auto" (default) writes train.progress.TextProgress to stderr when it is
+    a terminal or in a notebook (silent in a pipe, a log or a test); True always; None never; or a
+    callback of its own (the CLI's live view).
     `time_fit` (timefit.TimeFit, with config.time_limit_s): a new run re-plans its step count,
     warmup and evaluation interval from its own first steps so that the schedule ends inside
     the limit ("plan" events say what was planned; one process only).

@@ -51,7 +51,7 @@ def train_parallel(model, config: TrainConfig, plan: ParallelPlan, *, run_dir: s
         if event == "step":
             losses.append(record["loss"])
 
-    result = train(model, config, run_dir=run_dir, tokenizer=tokenizer, resume=resume, callback=collect,
+    result = train(model, config, run_dir=run_dir, tokenizer=tokenizer, resume=resume, callback=collect, progress=None,
                    parallel=hooks)
     return ParallelResult(run_dir, result.step, losses, result.checkpoint, result.val_loss)
 
