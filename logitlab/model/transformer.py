@@ -24,6 +24,13 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     blocks.{i}.attn.q_norm.weight, k_norm.weight (Dh,)  qk_norm only
     blocks.{i}.attn.gate_proj.weight / .bias    (H*Dh or H, D)         attn_gate elementwise / headwise
     blocks.{i}.attn.sinks                       (H,)                   attn_sinks only
+    (multi-head latent attention, config.is_mla, has instead, mla.py; R kv_lora_rank, Rq q_lora_rank,
+     Dn + Dr = Dh the query/key head, Dv v_head_dim:)
+    blocks.{i}.attn.q_a_proj / q_a_norm / q_b_proj (Rq, D) / (Rq,) / (H*Dh, Rq)   or attn.q_proj (H*Dh, D)
+    blocks.{i}.attn.kv_a_proj.weight            (R + Dr, D)            rows: latent c, then the RoPE key
+    blocks.{i}.attn.kv_a_norm.weight            (R,)
+    blocks.{i}.attn.kv_b_proj.weight            (H*(Dn + Dv), R)       per head: Dn key rows, Dv value rows
+    blocks.{i}.attn.o_proj.weight               (D, H*Dv)
     blocks.{i}.linear_attn.*                    a Gated DeltaNet layer (layer type "linear_attention",
                                                 no attn.*): in_proj_qkv, in_proj_z, in_proj_b,
                                                 in_proj_a, conv1d, dt_bias, A_log, norm, out_proj
