@@ -77,7 +77,7 @@ def moe_architecture(c, bad) -> str:
 
 def is_moe_key(sub: str) -> bool:
     """Whether a name under model.layers.{i}. belongs to an MoE layer's router, experts or shared expert."""
-    return bool(re.match(r"(block_sparse_moe\.|mlp\.(gate|router|experts|shared_experts?)[.]|mlp\.shared_expert_gate\.)",
+    return bool(re.match(r"(block_sparse_moe\.|mlp\.(gate|router|experts|shared_experts?|shared_expert_gate)\.)",
                          sub + "."))
 
 
