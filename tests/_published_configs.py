@@ -29,6 +29,7 @@ class Published:
     tokenizer_note: str | None = None  # what logitlab does with this tokenizer, when not plain support
     fast: bool = False              # the parity check runs in the default test run (else: pytest -m slow)
     layers: tuple = field(default=())  # Qwen3.5: the 2 layer kinds checked (one of each)
+    totals: tuple = field(default=())  # mixtures of experts: (total, active) parameters as published (30.5B / 3.3B)
 
     @property
     def architecture(self) -> str:
@@ -107,13 +108,18 @@ QWEN25_05B = {"architectures": ["Qwen2ForCausalLM"], "bos_token_id": 151643, "eo
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
                  "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
                  "decoder_sparse_step": 1, "mlp_only_layers": [], "num_attention_heads": 32, "num_experts": 128,
-                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
-                 "tie_word_embeddings": False, "vocab_size": 151936}
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "num_hidden_layers": 48,
+                 "num_key_value_heads": 4, "attention_bias": False, "max_position_embeddings": 40960,
+                 "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+                 "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": False,
+                 "vocab_size": 151936}
 
-MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
-                "intermediate_size": 14336, "num_attention_heads": 32, "num_experts_per_tok": 2,
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+                "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_experts_per_tok": 2,
                 "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
-                "tie_word_embeddings": False, "vocab_size": 32000}
+                "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+                "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+                "vocab_size": 32000}
 
 GEMMA2_2B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "head_dim": 256,
              "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 8192,
@@ -144,9 +150,12 @@ PUBLISHED = [
     Published("Qwen/Qwen2.5-0.5B", QWEN25_05B, f"huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json, {_QUOTED}",
               BYTE_LEVEL_NFC),
     Published("Qwen/Qwen3-30B-A3B", QWEN3_30B_A3B, "its config.json's architecture fields as quoted in public "
-              "MoE test fixtures", BYTE_LEVEL_NFC, refused=r"unsupported architecture 'Qwen3MoeForCausalLM'"),
+              "MoE test fixtures; context, RoPE base and norm epsilon as in the Qwen3 family's dense configs "
+              "quoted above and in public serving-engine fixtures", BYTE_LEVEL_NFC,
+              totals=(30_532_122_624, 3_353_032_704)),
     Published("mistralai/Mixtral-8x7B-v0.1", MIXTRAL_8X7B, "its config.json's architecture fields as quoted in "
-              "public MoE test fixtures", SENTENCEPIECE, refused=r"unsupported architecture 'MixtralForCausalLM'"),
+              "public MoE test fixtures and benchmarks; context, RoPE base and epsilon as in its model card's "
+              "config", SENTENCEPIECE, totals=(46_702_792_704, 12_879_925_248)),
     Published("google/gemma-2-2b", GEMMA2_2B, "its config.json's fields as quoted in public parsers' fixtures "
               "(hidden 2304, 8 / 4 heads, soft-capping 50 / 30)", SENTENCEPIECE,
               refused=r"unsupported architecture 'Gemma2ForCausalLM'"),
@@ -161,7 +170,9 @@ def published_config(repo_id: str) -> dict:
 
 def two_layer_config(repo_id: str) -> dict:
     """The published config.json with 2 layers and every other field as published (Qwen3.5: its
-    text_config with one Gated DeltaNet and one full-attention layer, so both kinds are checked)."""
+    text_config with one Gated DeltaNet and one full-attention layer, so both kinds are checked; a
+    mixture of experts: every width as published, but one expert more than a token uses, so the
+    router still chooses and the model fits in memory)."""
     config = published_config(repo_id)
     if "n_layer" in config:
         config["n_layer"] = 2
@@ -170,4 +181,7 @@ def two_layer_config(repo_id: str) -> dict:
         text["num_hidden_layers"], text["layer_types"] = 2, list(BY_ID[repo_id].layers)
     else:
         config["num_hidden_layers"] = 2
+    for experts in ("num_experts", "num_local_experts"):   # a mixture of experts: one more than a token uses
+        if experts in config:
+            config[experts] = config["num_experts_per_tok"] + 1
     return config

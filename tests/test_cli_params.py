@@ -128,3 +128,16 @@ def test_params_prints_each_zero_stage_per_rank(capsys):
     stages = {r.parallel: r for r in plan_all_stages(get_preset("llama3-8b"), 8, context=4096)}
     assert stages["fsdp"].weights * 8 == pytest.approx(stages["ddp"].weights, rel=1e-6)  # ZeRO-3 shards weights
     assert stages["zero1"].optimizer * 8 == pytest.approx(stages["ddp"].optimizer, rel=1e-6)
+
+
+def test_params_shows_the_quantized_sizes(capsys):
+    from logitlab.quant.apply import weight_bytes
+    from logitlab.quant.linear import QuantConfig
+
+    out = _params(capsys, "llama3.2-1b", "--json", "--tflops", "1")
+    sizes = json.loads(out)["quantized_weight_bytes"]
+    cfg = get_preset("llama3.2-1b")
+    assert sizes["int8"] == weight_bytes(cfg, QuantConfig("int8"))
+    assert sizes["int4 g32"] == weight_bytes(cfg, QuantConfig("int4", 32)) > sizes["int4 g128"]
+    text = " ".join(_params(capsys, "llama3.2-1b", "--tflops", "1").split())
+    assert "quantized (--quantize:" in text and "int4 g64" in text

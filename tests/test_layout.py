@@ -16,7 +16,8 @@ ALLOWED = {
     "tokenizer": set(),
     "model": set(),
     "kernels": {"model"},
-    "io": {"model", "tokenizer"},
+    "quant": {"model"},
+    "io": {"model", "tokenizer", "quant"},                  # reading quantized model directories
     "data": {"io"},
     "parallel": {"model"},
     "generate": {"model", "tokenizer"},

@@ -78,6 +78,10 @@ def test_params_by_hub_id_reads_config_json_only(tmp_path, monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["config"]["d_model"] == 1024 and report["config"]["n_layers"] == 28
     assert report["exact"]["total"] == 596_049_920         # Qwen3-0.6B's published count, tied head once
+    for p in (p for p in PUBLISHED if p.totals):       # mixtures of experts: total against active
+        assert main(["params", p.repo_id, "--json", "--tflops", "100"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["exact"]["total"], report["exact"]["active"]) == p.totals, p.repo_id
     for p in REFUSED:
         assert main(["params", p.repo_id, "--tflops", "100"]) == 2
         err = capsys.readouterr().err
@@ -146,6 +150,8 @@ def _need_memory(config: dict) -> None:
     vocab = text["vocab_size"]
     width = text.get("hidden_size", text.get("n_embd"))
     ff = text.get("intermediate_size", 4 * width)
+    experts = text.get("num_experts", text.get("num_local_experts", 1))
+    ff = experts * text.get("moe_intermediate_size", ff)
     tables = 1 if text.get("tie_word_embeddings", True) else 2
     params = tables * vocab * width + 2 * (4 * width * width + 3 * width * ff)
     need = int(params * 4 * 2.5)                       # one model, its file, the other model, activations

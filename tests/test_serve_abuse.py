@@ -207,7 +207,7 @@ def test_cli_serve_takes_the_key_from_the_flag_or_the_environment_and_warns_with
     assert main(["serve", str(d), "--api-key", ""]) == 2 and "--api-key is empty" in capsys.readouterr().err
     monkeypatch.delenv("LOGITLAB_API_KEY")
     monkeypatch.setattr(cli_serve, "build_app", lambda args: SimpleNamespace(state=SimpleNamespace(
-        served=SimpleNamespace(name="m"))))                                  # the model is not needed below
+        served=SimpleNamespace(name="m"), notes=[])))                                  # the model is not needed below
     for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", KEY, False), ("::1", None, False)):
         assert main(["serve", str(d), "--host", host, *(["--api-key", key] if key else [])]) == 0
         err = capsys.readouterr().err

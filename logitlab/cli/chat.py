@@ -17,9 +17,11 @@ import sys
 from logitlab.cli.common import add_examples
 from logitlab.cli.generate import (
     _decode_step,
+    _inference_flags,
     _model_flags,
     _sample_flags,
     _timings,
+    prepare,
     sample_config,
     stream_text,
 )
@@ -38,6 +40,7 @@ def register(subparsers) -> None:
     add_examples(c, "chat runs/a --temperature 0.7", "chat Qwen/Qwen3-0.6B --system \"Answer briefly.\"",
                  "chat runs/sft --max-new-tokens 128 --verbose")
     _sample_flags(c)
+    _inference_flags(c)
     c.add_argument("--system", default="", help="text placed at the top of the transcript")
     c.add_argument("--ordinary", action=argparse.BooleanOptionalAction, default=True,
                    help="encode the transcript (your lines, --system, earlier replies) as plain text: "
@@ -120,11 +123,12 @@ class _Session:
 
 
 def _chat(args) -> int:
-    from logitlab.cli.common import console
+    from logitlab.cli.common import console, error_console
     from logitlab.cli.models import load
     from logitlab.generate.loop import make_generator
 
     m = load(args)
+    prepare(args, m, error_console())
     cfg = sample_config(args, m.end_ids[1:], m.generation)
     cfg = dataclasses.replace(cfg, stop_bytes=cfg.stop_bytes + (b"\nUser:",))
     generator = make_generator(cfg.seed)

@@ -27,6 +27,7 @@ FEATURES: dict[str, tuple[dict[str, str], str]] = {
     "kernels": ({"triton": "triton"}, "the Triton kernels (train --attention-kernel triton on a GPU)"),
     "post": ({"jinja2": "jinja2", "peft": "peft"},
              "chat templates (chat, sft, serve's chat route) and LoRA adapters in PEFT's format"),
+    "quant": ({"gguf": "gguf"}, "GGUF files, llama.cpp's format (a MODEL.gguf; quant.gguf)"),
 }
 
 

@@ -36,10 +36,14 @@ def register(subparsers) -> None:
     g.add_argument("--ordinary", action="store_true", help="encode PROMPT as plain text: special-token text "
                    "such as <|endoftext|> stays text (default: it becomes the special token's id)")
     _sample_flags(g)
+    _inference_flags(g, draft=True)
+    g.add_argument("--compare-plain", action="store_true", help="with --draft: also generate without it, and report "
+                   "the speed-up (and, greedy, whether the text is the same)")
     add_examples(g, 'generate runs/a "def parse(" --max-new-tokens 48 --temperature 0.8',
                  'generate Qwen/Qwen3-0.6B "The capital of France is" --temperature 0 --verbose',
                  'generate runs/a "" --num-samples 3 --seed 0            # three unconditional samples',
-                 'generate runs/a "import os" --stop "\\n\\n" --json')
+                 'generate runs/a "import os" --stop "\\n\\n" --json',
+                 'generate runs/a "def parse(" --quantize int8 --dtype bf16 --draft ngram --draft-k 4')
     g.add_argument("--json", action="store_true",
                    help="print one JSON object at the end instead of streaming (one line per sample)")
     g.add_argument("--num-samples", type=int, default=1, metavar="N",
@@ -78,6 +82,25 @@ def _model_flags(p) -> None:
 
     add_model_argument(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _inference_flags(p, draft: bool = False) -> None:
+    from logitlab.cli.models import add_inference_flags
+
+    add_inference_flags(p, draft=draft)
+
+
+def prepare(args, m, err) -> object:
+    """--quantize (and the quantized kernels) on the loaded model, said on stderr; -> the --draft
+    drafter or None."""
+    from logitlab.cli.models import load_draft, prepare_model
+
+    for line in prepare_model(args, m.model):
+        err.print(line, style="dim", markup=False, highlight=False, soft_wrap=True)
+    draft = load_draft(args, m.model)
+    if draft is not None and getattr(args, "compile", False):
+        raise ValueError("--compile compiles the one-token decode step, which --draft does not use: give one of them")
+    return draft
 
 
 def _sample_flags(p) -> None:
@@ -220,6 +243,7 @@ def _generate(args) -> int:
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     m = load(args)
+    draft = prepare(args, m, error_console())
     cfg = sample_config(args, m.end_ids[1:], m.generation)
     prompt = _unescape(args.prompt)
     ids = m.tokenizer.encode(prompt, allowed_special="none" if args.ordinary else "all", add_bos=True)
@@ -231,30 +255,68 @@ def _generate(args) -> int:
         this = cfg if cfg.seed is None or i == 0 else dataclasses.replace(cfg, seed=cfg.seed + i)
         if args.num_samples > 1 and not args.json:
             out.print(f"--- sample {i + 1} of {args.num_samples}", style="dim", markup=False, highlight=False)
-        _one_sample(args, m, ids, prompt, this, step, out, error_console())
+        _one_sample(args, m, ids, prompt, this, step, out, error_console(), draft)
     return 0
 
 
-def _one_sample(args, m, ids, prompt, cfg, step, out, err) -> None:
+def _stream(args, m, ids, cfg, step, draft):
+    from logitlab.generate.loop import stream
+    from logitlab.generate.speculative import SpeculativeStream
+
+    if draft is None:
+        return stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes, step=step)
+    return SpeculativeStream(m.model, ids, cfg, draft=draft, k=args.draft_k, eot_id=m.eot_id,
+                             token_bytes=m.tokenizer.token_bytes)
+
+
+def _one_sample(args, m, ids, prompt, cfg, step, out, err, draft=None) -> None:
     """Stream one continuation to stdout (text, then a newline where a terminal or a pipe reads it)
     and the timings to stderr; with --json, one JSON object per line instead."""
-    from logitlab.generate.loop import stream
-
-    s = stream(m.model, ids, cfg, eot_id=m.eot_id, token_bytes=m.tokenizer.token_bytes, step=step)
+    s = _stream(args, m, ids, cfg, step, draft)
     if not args.json:
         _write_prompt(out, prompt)
     text = _write_pieces(stream_text(m.tokenizer, s, cfg.stop_ids + m.end_ids, cfg.stop_bytes), not args.json)
     r = s.result
+    speculative = _speculative_report(args, m, ids, cfg, step, r) if draft is not None else None
     if args.json:
         print(json.dumps(dict(prompt=prompt, prompt_ids=ids, text=text, ids=r.tokens[0], seed=cfg.seed,
                               stop_reason=r.stop_reasons[0], prefill_seconds=r.prefill_seconds,
                               decode_tokens=r.decode_tokens, decode_seconds=r.decode_seconds,
-                              decode_tokens_per_second=r.decode_tokens_per_second), ensure_ascii=False))
+                              decode_tokens_per_second=r.decode_tokens_per_second,
+                              **({"speculative": speculative} if speculative else {})), ensure_ascii=False))
         return
     if _reader_wants_newline():
         sys.stdout.write("\n")
         sys.stdout.flush()
     _timings(err, r, len(ids), newline=False)  # stderr: `> out.txt` is the text alone
+    if speculative:
+        _speculative_line(err, speculative)
+
+
+def _speculative_report(args, m, ids, cfg, step, r) -> dict:
+    """The drafting record of a speculative run; with --compare-plain, the same prompt generated
+    without the drafter and the speed-up of decode tok/s."""
+    out = dict(draft=args.draft, k=args.draft_k, drafted=r.drafted, accepted=r.accepted,
+               acceptance_rate=r.acceptance_rate if r.drafted else None, target_passes=r.target_passes,
+               tokens_per_pass=r.tokens_per_pass if r.target_passes else None)
+    if getattr(args, "compare_plain", False):
+        s = _stream(args, m, ids, cfg, step, None)
+        plain = list(s)
+        out.update(plain_decode_tokens_per_second=s.result.decode_tokens_per_second,
+                   speedup=r.decode_tokens_per_second / s.result.decode_tokens_per_second,
+                   same_tokens=plain == r.tokens[0])
+    return out
+
+
+def _speculative_line(err, sp: dict) -> None:
+    rate = f"{sp['acceptance_rate']:.0%}" if sp["acceptance_rate"] is not None else "-"
+    per = f"{sp['tokens_per_pass']:.2f}" if sp["tokens_per_pass"] is not None else "-"
+    line = (f"speculative ({sp['draft']}, k {sp['k']}): {sp['accepted']} of {sp['drafted']} drafts accepted ({rate}) "
+            f"· {per} tokens per pass of the model")
+    if "speedup" in sp:
+        line += (f" · without the draft {sp['plain_decode_tokens_per_second']:.1f} tok/s: speed-up "
+                 f"{sp['speedup']:.2f}x · same tokens: {'yes' if sp['same_tokens'] else 'no'}")
+    err.print(line, style="dim", markup=False, highlight=False, soft_wrap=True)
 
 
 def _reader_wants_newline() -> bool:

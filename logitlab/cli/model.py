@@ -111,6 +111,7 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
     from logitlab.model import accounting as acc
     from logitlab.model import planner
     from logitlab.model.accounting_moe import moe_summary
+    from logitlab.quant import apply as quant
 
     exact = acc.count_parameters(config)
     formula = acc.formula_count(config)
@@ -122,6 +123,7 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
             "classic_table": planner.classic_table(config),
             "flops_per_token": acc.flops_per_token(config, plan.context),
             "weight_bytes": acc.weight_bytes(exact.total),
+            "quantized_weight_bytes": quant.quantized_sizes(config),
             "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
             "moe": moe_summary(config, exact, acc.matmul_params(config)),
             "fits_instead": advice.as_dict() if advice is not None else None,
@@ -208,7 +210,11 @@ def _params(args) -> int:
               f"{si(fl['dense'], 'FLOP')} + attention 4·H·Dh per key read {si(fl['attention'], 'FLOP')}{state}), "
               f"training {si(fl['training'], 'FLOP')} (3x: forward + backward)")
     w = r["weight_bytes"]
-    out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])}")
+    out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])} "
+              "(1 byte a parameter)")
+    quantized = ", ".join(f"{name} {_bytes(n)}" for name, n in r["quantized_weight_bytes"].items())
+    out.print(f"quantized (--quantize: linear layers int8 per row or int4 in groups of G, with their scales and "
+              f"zero points; the rest bf16): {quantized}", soft_wrap=True)
     kv = r["kv_cache"]
     out.print(f"KV cache ({args.dtype}): {_bytes(kv['per_token'])} per token, {_bytes(kv['total'])} "
               f"at {kv['tokens']:,} tokens")
@@ -232,19 +238,19 @@ def _mlp_rows(e: dict, f: dict, c, moe: dict | None) -> list[list[str]]:
     if n_moe < L:
         rows.append([f"MLP ({L - n_moe} dense layers)", "", "", _n(f["mlp_per_layer"]),
                      _n(f["mlp_per_layer"] * (L - n_moe))])
-    shared = " + a shared expert" if moe["shared_expert_d_ff"] else ""
-    rows += [[f"MoE ({n_moe} layers: router + {moe['n_experts']} experts{shared})", "", "",
-              _n(moe["layer_formula"]), _n(moe["layer_formula"] * n_moe)],
+    rows += [[f"MoE ({n_moe} layers)", "", "", _n(moe["layer_formula"]), _n(moe["layer_formula"] * n_moe)],
              ["MLP, all layers", _n(e["mlp_per_layer"]), _n(e["mlp"]), "", ""],
-             [f"  routed experts ({_n(moe['per_expert'])} each)", "", _n(moe["routed_experts"]), "", ""]]
+             ["  experts", "", _n(moe["routed_experts"]), "", ""]]
     return rows
 
 
 def _print_moe(out, moe: dict) -> None:
     """Total against active parameters (accounting_moe.moe_summary)."""
     K, E = moe["experts_per_token"], moe["n_experts"]
-    out.print(f"mixture of experts: a token uses {K} of the {E} experts in each of {moe['n_moe_layers']} MoE layers, "
-              f"so {_n(moe['inactive'])} parameters are idle for it", markup=False, highlight=False)
+    shared = " and a shared expert" if moe["shared_expert_d_ff"] else ""
+    out.print(f"mixture of experts: each MoE layer is a router{shared} and {E} experts of "
+              f"{_n(moe['per_expert'])} parameters; a token uses {K} of them in each of {moe['n_moe_layers']} "
+              f"MoE layers, so {_n(moe['inactive'])} parameters are idle for it", markup=False, highlight=False)
     out.print(f"total {_n(moe['total'])} ({_short(moe['total'])}), active per token {_n(moe['active'])} "
               f"({_short(moe['active'])}, {moe['active_share']:.1%}); weights multiplied per token "
               f"{_n(moe['active_matmul'])} ({_short(moe['active_matmul'])}: blocks and LM head, not the embedding "

@@ -18,7 +18,8 @@ import dataclasses
 import json
 
 MODEL_HELP = ("the model: a run directory (its latest checkpoint), a checkpoint or logitlab model directory, a "
-              "Hugging Face directory, or a hub id ORG/NAME[@REVISION] (fetched into the Hugging Face cache)")
+              "Hugging Face directory, a hub id ORG/NAME[@REVISION] (fetched into the Hugging Face cache), or a "
+              "GGUF file beside its tokenizer")
 LEGACY_NOTE = "note: {flag} DIR is now the positional MODEL (the old spelling works for one more release): {example}"
 
 
@@ -107,3 +108,68 @@ def describe_settings(cfg, sources: dict[str, str]) -> list[str]:
     """Lines `temperature = 0.6  (the model's generation_config.json)` for --verbose."""
     shown = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop_ids")
     return [f"{name} = {json.dumps(getattr(cfg, name))}  ({sources.get(name, 'logitlab')})" for name in shown]
+
+
+# -------------------- Quantized weights and speculative decoding (generate, chat, serve)
+
+def add_inference_flags(p, draft: bool = True) -> None:
+    """--quantize, --group-size, --quant-kernel, and with `draft` --draft and --draft-k."""
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="quantize the model's linear layers once loaded (weights only: int8 with a scale per output "
+                   "row; int4 in groups of --group-size columns with a scale and zero point each); a model saved "
+                   "quantized loads quantized without it")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="with --quantize int4: columns per group (default 64; smaller follows the weights more "
+                   "closely and stores more scales)")
+    p.add_argument("--quant-kernel", choices=["auto", "reference", "packed"], default="auto",
+                   help="matrix products of the quantized layers: torch's packed CPU kernels (packed), the plain "
+                   "dequantize-then-matmul (reference), or whichever measured faster here (auto, the default)")
+    if draft:
+        p.add_argument("--draft", metavar="MODEL|ngram", default=None,
+                       help="speculative decoding: a smaller MODEL sharing the tokenizer proposes tokens, or 'ngram' "
+                       "proposes what followed the latest repeat of the last few tokens (no second model); the "
+                       "model checks them in one pass. Greedy output is unchanged, sampled output keeps its "
+                       "distribution (no repetition/frequency/presence penalties)")
+        p.add_argument("--draft-k", type=int, default=4, metavar="K",
+                       help="with --draft: tokens proposed per round (default 4)")
+
+
+def prepare_model(args, model) -> list[str]:
+    """--quantize applied to a loaded model, and the quantized layers' kernels chosen
+    (--quant-kernel) -> lines for stderr saying what was done and what the weights weigh."""
+    from logitlab.quant import routes
+    from logitlab.quant.apply import model_bytes, quantization_of, quantize_model
+    from logitlab.quant.linear import QuantConfig
+
+    lines, method = [], getattr(args, "quantize", None)
+    if method:
+        report = quantize_model(model, QuantConfig(method, getattr(args, "group_size", 64)))
+        reasons = ", ".join(sorted(set(report.skipped.values())))
+        kept = f" ({len(report.skipped)} kept: {reasons})" if report.skipped else ""
+        lines.append(f"quantized {len(report.layers)} linear layers to {report.config.label}{kept}: weights "
+                     f"{report.bytes_before / 2**20:,.1f} MiB -> {report.bytes_after / 2**20:,.1f} MiB")
+    quantization = quantization_of(model)
+    if quantization is not None:
+        handle = routes.install(model, getattr(args, "quant_kernel", "auto"))
+        if not method:
+            lines.append(f"weights quantized ({quantization.label}): {model_bytes(model) / 2**20:,.1f} MiB")
+        lines.append(f"quantized matmuls: {handle.route} ({handle.layers} layers on torch's packed kernels)")
+    return lines
+
+
+def load_draft(args, target):
+    """The --draft drafter: "ngram", or the draft MODEL loaded as the target was (--dtype,
+    --quantize), which must share the target's vocabulary. None without --draft."""
+    spec = getattr(args, "draft", None)
+    if spec is None:
+        return None
+    if getattr(args, "draft_k", 4) < 1:
+        raise ValueError(f"--draft-k must be >= 1, got {args.draft_k}")
+    if spec == "ngram":
+        return "ngram"
+    draft = load_model(spec, None, getattr(args, "dtype", None)).model
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--draft {spec}: its vocabulary has {draft.config.vocab_size} tokens, the model's "
+                         f"{target.config.vocab_size}: a draft model must share the tokenizer")
+    prepare_model(args, draft)
+    return draft

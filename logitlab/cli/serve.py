@@ -13,7 +13,7 @@ API_KEY_ENV = "LOGITLAB_API_KEY"
 
 
 def register(subparsers) -> None:
-    from logitlab.cli.models import add_model_argument
+    from logitlab.cli.models import add_inference_flags, add_model_argument
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server and the explorer page",
                               description="Serve MODEL over HTTP: /v1/completions and /v1/chat/completions "
@@ -22,7 +22,8 @@ def register(subparsers) -> None:
                               "http://HOST:PORT/v1.")
     add_model_argument(p)
     add_examples(p, "serve runs/a                          # http://127.0.0.1:8000/v1 and the explorer at /",
-                 "serve Qwen/Qwen3-0.6B --port 8080 --dtype bf16")
+                 "serve Qwen/Qwen3-0.6B --port 8080 --dtype bf16",
+                 "serve runs/a --quantize int8 --dtype bf16 --draft ngram   # a request alone: speculative")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for "
                    "every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -32,6 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health and the explorer page "
                    f"(default: the environment variable {API_KEY_ENV}, if set; else no key)")
+    add_inference_flags(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=_serve)
 
@@ -39,6 +41,7 @@ def register(subparsers) -> None:
 def build_app(args):
     """The ASGI app for the parsed arguments (the model loaded), without starting a server."""
     from logitlab.cli.eval import load_path
+    from logitlab.cli.models import load_draft, prepare_model
     from logitlab.serve.app import create_app
 
     if not 0 <= args.port <= 65535:
@@ -47,12 +50,20 @@ def build_app(args):
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     key = api_key(args)
     m = load_path(args.model, args.dtype, args.revision)
+    notes = prepare_model(args, m.model)
+    draft = load_draft(args, m.model)
     name = args.name or (args.model if m.provenance.get("revision") else Path(args.model).resolve().name)
     from logitlab.io.generation_config import sample_defaults
+    from logitlab.serve.engine import Engine
 
-    return create_app(m.model, m.tokenizer, name=name, max_batch=args.max_batch,
-                      max_body_bytes=args.max_body_bytes, end_ids=m.end_ids, api_key=key,
-                      sample_defaults=sample_defaults(m.generation))
+    engine = Engine(m.model, eot_id=m.tokenizer.eot_id, token_bytes=m.tokenizer.token_bytes, max_batch=args.max_batch,
+                    speculative=None if draft is None else (draft, args.draft_k))
+    app = create_app(m.model, m.tokenizer, name=name, max_batch=args.max_batch,
+                     max_body_bytes=args.max_body_bytes, end_ids=m.end_ids, api_key=key,
+                     sample_defaults=sample_defaults(m.generation), engine=engine)
+    app.state.notes = notes + ([f"a request alone is decoded speculatively (--draft {args.draft}, k {args.draft_k})"]
+                               if draft is not None else [])
+    return app
 
 
 def api_key(args) -> str | None:
@@ -81,6 +92,8 @@ def _serve(args) -> int:
 
     app = build_app(args)
     name, console = app.state.served.name, error_console()
+    for note in app.state.notes:
+        console.print(note, markup=False, soft_wrap=True)
     keyed = api_key(args) is not None
     console.print(f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1, explorer at /"
                   f"{'; API key required' if keyed else ''})", markup=False, soft_wrap=True)

@@ -264,6 +264,11 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
 
     model = _unwrap(model)
     config: ModelConfig = model.config
+    from logitlab.quant.apply import quantization_of
+
+    if quantization_of(model) is not None:
+        raise ValueError(f"the model's weights are quantized ({quantization_of(model).label}): a Hugging Face "
+                         "directory holds dense weights; export the model before quantizing it")
     dtype = next(model.parameters()).dtype
     hf_config = families.config_to_hf(config, dtype=str(dtype).removeprefix("torch."))
     # Always written: left out, transformers falls back to its class defaults (GPT-2: 50256,

@@ -1,12 +1,13 @@
 """Any model a user can name, with its tokenizer and its own settings, in one call.
 
 loading.py owns the step from a name to a model ready to run. The name is a run directory (its
-latest checkpoint), a checkpoint or logitlab model directory, a Hugging Face directory, or a hub
-id ORG/NAME[@REVISION] (hub.py fetches it into the hub cache); which kind it is comes from what is
-on disk. The result carries what generation needs besides the weights: the tokenizer (with its
-chat template), the ids that end generation (end-of-text, then the model's eos ids from
-config.json and generation_config.json), the model's generation_config.json (generation_config.py)
-and where the model came from (hub.Resolved.provenance(), recorded in runs and exports).
+latest checkpoint), a checkpoint or logitlab model directory, a Hugging Face directory, a hub id
+ORG/NAME[@REVISION] (hub.py fetches it into the hub cache), or a GGUF file beside its tokenizer;
+which kind it is comes from what is on disk. The result carries what generation needs besides
+the weights: the tokenizer (with its chat template), the ids that end generation (end-of-text,
+then the model's eos ids from config.json and generation_config.json), the model's
+generation_config.json (generation_config.py) and where the model came from
+(hub.Resolved.provenance(), recorded in runs and exports).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = Non
                              device: str = "cpu") -> Loaded:
     """Any model (see the module docstring) with its tokenizer, in eval mode, cast to `dtype`
     (None keeps the stored dtype). A model without a tokenizer is a FileNotFoundError naming it."""
+    if str(spec).endswith(".gguf"):
+        return load_gguf_and_tokenizer(spec, dtype, device)
     resolved = hub.resolve_model(spec, revision)
     d = resolved.directory
     dtype = hf.parse_dtype(dtype)
@@ -67,3 +70,23 @@ def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = Non
     end = [tok.eot_id] if tok.eot_id is not None else []
     end += [i for i in eos if isinstance(i, int) and i not in end and 0 <= i < model.config.vocab_size]
     return Loaded(model.eval(), tok, tuple(end), resolved.provenance(), generation, resolved.pinned())
+
+
+def load_gguf_and_tokenizer(path: str | os.PathLike, dtype=None, device: str = "cpu") -> Loaded:
+    """A GGUF file (quant.gguf.load_gguf: its weights dequantized, float32 unless `dtype`) with the
+    tokenizer of the directory it lies in (tokenizer.json, GPT-2 files or logitlab's own): the
+    tokenizer inside the GGUF file is not read."""
+    from pathlib import Path
+
+    from logitlab.quant.gguf import load_gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file {path}")
+    model = load_gguf(path, dtype=hf.parse_dtype(dtype), device=device)
+    tok = hf.load_tokenizer(path.parent)
+    if tok is None:
+        raise FileNotFoundError(f"{path}: a GGUF file's own tokenizer is not read; put the model's tokenizer.json "
+                                f"(or {checkpoint.TOKENIZER_FILE}) beside it in {path.parent}")
+    end = [tok.eot_id] if tok.eot_id is not None else []
+    return Loaded(model.eval(), tok, tuple(end), {"source": str(path.resolve())})

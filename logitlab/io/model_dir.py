@@ -69,6 +69,9 @@ def write_model_files(model, directory: str | os.PathLike, state: dict | None = 
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": MODEL_FORMAT})
     payload = {"format": MODEL_FORMAT, "model": model.config.to_dict()}
+    quantization = quantization_of(model)
+    if quantization is not None:           # the layers' int8 / int4 tensors are in the state dict
+        payload["quantization"] = quantization.to_dict()
     (directory / CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
 
 
@@ -115,6 +118,28 @@ def read_model_config(directory: str | os.PathLike):
         return ModelConfig.from_dict(payload["model"])
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
+
+
+def quantization_of(model):
+    """The QuantConfig a quantized model was quantized with (quant.apply), or None."""
+    from logitlab.quant.apply import quantization_of as of
+
+    return of(model)
+
+
+def read_quantization(directory: str | os.PathLike):
+    """The QuantConfig of a logitlab model directory whose weights are quantized (config.json's
+    "quantization"), or None; a malformed one is a ValueError naming the file."""
+    path = Path(directory) / CONFIG_FILE
+    data = read_json_object(path, "config file").get("quantization")
+    if data is None:
+        return None
+    from logitlab.quant.linear import QuantConfig
+
+    try:
+        return QuantConfig.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: \"quantization\": {exc}") from exc
 
 
 def open_safetensors(path) -> "SafetensorsFile":
@@ -209,6 +234,12 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
     with torch.device("meta"):
         model = Transformer(config)
+    quantization = read_quantization(directory)
+    kept = set()                                       # quantized tensors keep their stored dtypes
+    if quantization is not None:
+        from logitlab.quant.apply import quantized_layout
+
+        kept = {f"{name}.{leaf}" for name in quantized_layout(model, quantization) for leaf in ("qweight", "scales")}
     expected = model.state_dict()
     if config.tie_embeddings:
         expected.pop("lm_head.weight", None)
@@ -231,7 +262,8 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None):
         for key in expected:  # each tensor cast as it arrives: only the final model is kept
             tensor = legacy.pop(key) if legacy is not None else f.get_tensor(key)
             require_finite(weights, key, tensor)
-            state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            cast = dtype if tensor.is_floating_point() and key not in kept else None
+            state[key] = tensor.to(device=device, dtype=cast)
             del tensor
         model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:

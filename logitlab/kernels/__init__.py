@@ -11,8 +11,9 @@
   triton_basics (vector add, fused softmax, RMSNorm forward), triton_attention_steps (naive and
   tiled attention with the online softmax), triton_flash_fwd / triton_flash_bwd (FlashAttention:
   causal block skipping, GQA, the backward from the saved log-sum-exp), triton_attention (its
-  autograd.Function), triton_norm, triton_swiglu and triton_cross_entropy (fused training
-  kernels), triton_install (install(model) -> handle with remove()), triton_common and triton_io
+  differentiable custom operator), triton_norm, triton_swiglu and triton_cross_entropy (fused
+  training kernels; each a custom operator too, so torch.compile(fullgraph=True) keeps it as one
+  op), triton_install (install(model) -> handle with remove()), triton_common and triton_io
   (shared helpers and the memory-traffic counts). Reference: model.attention.eager_attention,
   the norms, the MLP and train.loss.
 """

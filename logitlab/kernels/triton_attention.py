@@ -1,5 +1,5 @@
-"""flash_attention: the Triton FlashAttention kernels (kernels.triton_flash_fwd, _bwd) behind a
-torch.autograd.Function, with the checks that make a bad call fail before any kernel runs.
+"""flash_attention: the Triton FlashAttention kernels (kernels.triton_flash_fwd, _bwd) as a
+differentiable custom operator, with the checks that make a bad call fail before any kernel runs.
 
     out = flash_attention(q, k, v, causal=True)   # q (B, H, T, Dh); k, v (B, Hkv, S, Dh)
 
@@ -13,6 +13,14 @@ A decode step (T = 1 or a few queries against a long S) runs the same kernel: on
 per head, padded to 16 rows, with the keys streamed by one program per head. That is correct
 but leaves most of a GPU idle (no split over S); docs/kernels.md says when SDPA is the better
 choice for it.
+
+Inside torch.compile the kernels are two custom operators, logitlab::flash_attention_forward and
+logitlab::flash_attention_backward (torch.library.custom_op), each with a fake implementation
+that gives only the shapes and dtypes of its outputs, and the forward's register_autograd calls
+the backward. The compiler sees one opaque op per pass and never traces the launches (their
+autotuner's pre_hooks and host-side tensor descriptors are not traceable, and a pointer's
+alignment is no symbol), so `torch.compile(fullgraph=True)` of a model with the kernel
+installed has no graph break. Eager calls go through the same operators.
 """
 
 from __future__ import annotations
@@ -58,25 +66,52 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         raise ValueError(f"causal attention needs T <= S (queries are the last T of S positions); got T={T}, S={S}")
 
 
-class FlashAttention(torch.autograd.Function):
-    """out = softmax(q k^T * scale [+ causal mask]) v over grouped heads, forward and backward in
-    Triton. Saves q, k, v, out and the base-2 log-sum-exp (B, H, T) float32; nothing T x S."""
+@torch.library.custom_op("logitlab::flash_attention_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, T, Dh), k, v (B, Hkv, S, Dh) -> (out (B, H, T, Dh) in q's dtype, lse2 (B, H, T)
+    float32: the base-2 log-sum-exp of each score row, which the backward pass reads)."""
+    q, k, v = (_descriptor_ready(x) for x in (q, k, v))
+    return flash_forward(q, k, v, causal, scale, upcast_dots(q.dtype), dot_precision(q.dtype))
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        q, k, v = (_descriptor_ready(x) for x in (q, k, v))
-        upcast, precision = upcast_dots(q.dtype), dot_precision(q.dtype)
-        out, lse2 = flash_forward(q, k, v, causal, scale, upcast, precision)
-        ctx.save_for_backward(q, k, v, out, lse2)
-        ctx.causal, ctx.scale, ctx.upcast, ctx.precision = causal, scale, upcast, precision
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse2 = ctx.saved_tensors
-        do = _descriptor_ready(grad_out.to(out.dtype))
-        dq, dk, dv = flash_backward(do, q, k, v, out, lse2, ctx.causal, ctx.scale, ctx.upcast, ctx.precision)
-        return dq, dk, dv, None, None
+@_forward_op.register_fake
+def _forward_fake(q, k, v, causal, scale):
+    B, H, T, Dh = q.shape
+    return q.new_empty((B, H, T, Dh)), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("logitlab::flash_attention_backward", mutates_args=())
+def _backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse2: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
+    q, k, v, out = (_descriptor_ready(x) for x in (q, k, v, out))
+    do = _descriptor_ready(grad_out.to(out.dtype))
+    return flash_backward(do, q, k, v, out, lse2.contiguous(), causal, scale, upcast_dots(q.dtype),
+                          dot_precision(q.dtype))
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_out, q, k, v, out, lse2, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves q, k, v, out and lse2 (B, H, T) float32; nothing T x S."""
+    q, k, v, causal, scale = inputs
+    out, lse2 = output
+    ctx.save_for_backward(q, k, v, out, lse2)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse2)
+
+
+def _backward(ctx, grad_out, grad_lse2):
+    q, k, v, out, lse2 = ctx.saved_tensors
+    dq, dk, dv = _backward_op(grad_out, q, k, v, out, lse2, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -90,4 +125,4 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
-    return FlashAttention.apply(q, k, v, bool(causal), scale)
+    return _forward_op(q, k, v, bool(causal), scale)[0]

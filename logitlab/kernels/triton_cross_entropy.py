@@ -14,6 +14,12 @@ instead of (N, V) float32 logits, their log-softmax and their gradient.
 The reference is logitlab.train.loss.cross_entropy(h @ weight^T, targets): mean over targets
 that are not ignore_index (-100), NaN when every target is ignored (as F.cross_entropy).
 Shapes: N rows (B*T), D model width, V vocabulary, C rows per chunk.
+
+The forward pass is the custom operator logitlab::linear_cross_entropy (torch.library.custom_op,
+returning the loss and both gradients, with a fake implementation for their shapes); its
+register_autograd backward only scales the saved gradients. torch.compile keeps it as one
+opaque op: the count of valid targets and the range check of the targets, which read values,
+happen inside it, where they break no graph.
 """
 
 from __future__ import annotations
@@ -65,41 +71,58 @@ def _check(h, weight, targets, ignore_index):
     if targets.shape != (h.shape[0],) or targets.dtype != torch.long or targets.device != h.device:
         raise ValueError(f"targets must be int64 of shape ({h.shape[0]},) on {h.device}, got {targets.dtype} "
                          f"{tuple(targets.shape)} on {targets.device}")
-    V = weight.shape[0]
+
+
+def _check_targets(targets: torch.Tensor, V: int, ignore_index: int) -> None:
+    """ValueError naming the first target outside [0, V) that is not ignore_index (reads values)."""
     bad = ((targets < 0) | (targets >= V)) & (targets != ignore_index)
     if bool(bad.any()):
         raise ValueError(f"targets must be in [0, {V}) or ignore_index ({ignore_index}); got "
                          f"{int(targets[bad][0])}")
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """mean over valid rows of cross_entropy(h @ weight^T, targets), gradients made in forward."""
+@torch.library.custom_op("logitlab::linear_cross_entropy", mutates_args=())
+def _forward_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h (N, D), weight (V, D), targets (N,) -> (mean loss over valid rows, float32 scalar;
+    its gradient for h (N, D) in h's dtype; for weight (V, D) in weight's dtype)."""
+    N, D = h.shape
+    V = weight.shape[0]
+    _check_targets(targets, V, ignore_index)
+    w = weight.to(h.dtype)                                         # (V, D): the head product's dtype
+    n_valid = int((targets != ignore_index).sum())
+    losses = torch.empty(N, dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h)
+    grad_w = torch.zeros(V, D, dtype=torch.float32, device=h.device)
+    block_v = min(triton.next_power_of_2(V), 1024 if INTERPRET else 4096)
+    for start in range(0, N, chunk_rows):
+        h_c, t_c = h[start:start + chunk_rows], targets[start:start + chunk_rows]
+        logits = h_c @ w.t()                                       # (C, V) in dtype, then its gradient
+        _ce_rows_kernel[(h_c.shape[0],)](logits, logits.stride(0), t_c, losses[start:start + chunk_rows],
+                                         V, ignore_index, 1.0 / max(n_valid, 1), BLOCK_V=block_v)
+        grad_h[start:start + chunk_rows] = logits @ w              # (C, V) @ (V, D)
+        grad_w += (logits.t() @ h_c).float()                       # (V, C) @ (C, D)
+    loss = losses.sum() / n_valid if n_valid else losses.sum() * float("nan")
+    return loss, grad_h, grad_w.to(weight.dtype)
 
-    @staticmethod
-    def forward(ctx, h, weight, targets, ignore_index: int, chunk_rows: int):
-        N, D = h.shape
-        V = weight.shape[0]
-        dtype = h.dtype                                            # the head product's dtype
-        w = weight.to(dtype)                                       # (V, D); no copy when equal
-        n_valid = int((targets != ignore_index).sum())
-        losses = torch.empty(N, dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(V, D, dtype=torch.float32, device=h.device)
-        block_v = min(triton.next_power_of_2(V), 1024 if INTERPRET else 4096)
-        for start in range(0, N, chunk_rows):
-            h_c, t_c = h[start:start + chunk_rows], targets[start:start + chunk_rows]
-            logits = h_c @ w.t()                                   # (C, V) in dtype, then its gradient
-            _ce_rows_kernel[(h_c.shape[0],)](logits, logits.stride(0), t_c, losses[start:start + chunk_rows],
-                                             V, ignore_index, 1.0 / max(n_valid, 1), BLOCK_V=block_v)
-            grad_h[start:start + chunk_rows] = logits @ w          # (C, V) @ (V, D)
-            grad_w += (logits.t() @ h_c).float()                   # (V, C) @ (C, D)
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
-        return losses.sum() / n_valid if n_valid else losses.sum() * float("nan")
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
+@_forward_op.register_fake
+def _forward_fake(h, weight, targets, ignore_index, chunk_rows):
+    return h.new_empty((), dtype=torch.float32), h.new_empty(h.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, grad_h, grad_w = output
+    ctx.save_for_backward(grad_h, grad_w)
+    ctx.mark_non_differentiable(grad_h, grad_w)
+
+
+def _backward(ctx, grad_loss, _grad_h, _grad_w):
+    grad_h, grad_w = ctx.saved_tensors
+    return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -116,4 +139,4 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     chunk = default_chunk_rows(N, weight.shape[0], D) if chunk_rows is None else int(chunk_rows)
     if chunk < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return LinearCrossEntropy.apply(h2.contiguous(), weight, t2.contiguous(), int(ignore_index), chunk)
+    return _forward_op(h2.contiguous(), weight, t2.contiguous(), int(ignore_index), chunk)[0]

@@ -1,4 +1,4 @@
-"""Fused RMSNorm forward and backward in Triton, as a torch.autograd.Function.
+"""Fused RMSNorm forward and backward in Triton, as a differentiable custom operator.
 
 Forward is kernels.triton_basics.rms_norm_forward (one row per program; it saves 1/rms per row,
 rstd). Backward, for y = w * xhat with xhat = x * rstd:
@@ -9,6 +9,10 @@ One pass over dy and x: a program walks a strip of rows, writes dx per row and k
 dw (D,) in registers; the partials (P, D) are summed by torch (P programs, a few per GPU core),
 so no atomics and the same result every run. The reference is logitlab.model.norms.RMSNorm
 (tests/triton/test_triton_norm_loss.py); as there, xhat is rounded to x's dtype before w.
+
+The two passes are the custom operators logitlab::rms_norm_forward and logitlab::rms_norm_backward
+(torch.library.custom_op, with fake implementations for the shapes and register_autograd), so
+torch.compile keeps each as one opaque op instead of breaking its graph at the launch.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from logitlab.kernels.triton_basics import rms_norm_forward
+from logitlab.kernels.triton_basics import MAX_ROW, rms_norm_forward
 from logitlab.kernels.triton_common import INTERPRET, block_size, check_tensor
 
 
@@ -63,23 +67,42 @@ def rms_norm_backward(dy, x, weight, rstd):
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """y = weight * round_x(x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) over the last dimension."""
+@torch.library.custom_op("logitlab::rms_norm_forward", mutates_args=())
+def _forward_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (N, D) contiguous, weight (D,) -> (y (N, D) in the dtype of weight * x, rstd (N,) float32)."""
+    return rms_norm_forward(x, weight, eps)
 
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        D = x.shape[-1]
-        x2 = x.reshape(-1, D).contiguous()                         # (N, D)
-        y, rstd = rms_norm_forward(x2, weight, eps)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.x_shape = x.shape
-        return y.view(x.shape)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy.reshape(x2.shape).contiguous(), x2, weight.contiguous(), rstd)
-        return dx.view(ctx.x_shape), dw, None
+@_forward_op.register_fake
+def _forward_fake(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.result_type(weight, x)), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("logitlab::rms_norm_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy, x (N, D), weight (D,), rstd (N,) -> (dx (N, D) in x's dtype, dw (D,) in weight's dtype)."""
+    return rms_norm_backward(dy.contiguous(), x, weight.contiguous(), rstd)
+
+
+@_backward_op.register_fake
+def _backward_fake(dy, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _backward_op(dy, x, weight, rstd)
+    return dx, dw, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -87,6 +110,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     same values as logitlab.model.norms.RMSNorm(D, eps) with that weight."""
     check_tensor("x", x)
     check_tensor("weight", weight, ndim=1)
-    if weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight has {weight.shape[0]} entries for rows of {x.shape[-1]}")
-    return RMSNormFunction.apply(x, weight, float(eps))
+    D = x.shape[-1]
+    if weight.shape[0] != D or not 0 < D <= MAX_ROW:
+        raise ValueError(f"weight has {weight.shape[0]} entries for rows of {D} (at most {MAX_ROW})")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    y, _ = _forward_op(x.reshape(-1, D).contiguous(), weight, float(eps))    # (N, D)
+    return y.view(x.shape)

@@ -1,4 +1,4 @@
-"""Fused SwiGLU activation in Triton, forward and backward, as a torch.autograd.Function:
+"""Fused SwiGLU activation in Triton, forward and backward, as a differentiable custom operator:
 silu(gate) * up from the gate/up projection's output in one pass.
 
 logitlab.model.mlp.SwiGLU computes `gate, up = gate_up_proj(x).chunk(2, -1)` and then
@@ -12,6 +12,10 @@ reads a block of gate and up, writes the product once, and backward recomputes t
 Values are computed in float32 and rounded once to the input dtype (eager rounds silu(gate)
 first, then the product: the two differ by a rounding in bf16). Reference: F.silu(gate) * up
 (tests/triton/test_triton_swiglu.py). Shapes: N rows, F the hidden width.
+
+The two passes are the custom operators logitlab::swiglu_forward and logitlab::swiglu_backward
+(torch.library.custom_op, with fake implementations for the shapes and register_autograd), so
+torch.compile keeps each as one opaque op instead of breaking its graph at the launch.
 """
 
 from __future__ import annotations
@@ -54,32 +58,48 @@ def _swiglu_bwd_kernel(dy_ptr, gu_ptr, dgu_ptr, F, dy_stride, gu_stride, BLOCK: 
     tl.store(dgu_ptr + row * gu_stride + F + cols, d_up.to(ty), mask=mask)
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """(..., 2F) gate|up -> (..., F) silu(gate) * up; saves only the input."""
+@torch.library.custom_op("logitlab::swiglu_forward", mutates_args=())
+def _forward_op(rows: torch.Tensor) -> torch.Tensor:
+    """rows (N, 2F) contiguous, gate | up -> silu(gate) * up (N, F)."""
+    N, F = rows.shape[0], rows.shape[1] // 2
+    out = torch.empty(N, F, dtype=rows.dtype, device=rows.device)
+    _swiglu_fwd_kernel[(N, triton.cdiv(F, SWIGLU_BLOCK))](rows, out, F, rows.stride(0), out.stride(0),
+                                                          BLOCK=SWIGLU_BLOCK)
+    return out
 
-    @staticmethod
-    def forward(ctx, gu):
-        F2 = gu.shape[-1]
-        rows = gu.reshape(-1, F2).contiguous()                     # (N, 2F)
-        N, F = rows.shape[0], F2 // 2
-        out = torch.empty(N, F, dtype=gu.dtype, device=gu.device)
-        _swiglu_fwd_kernel[(N, triton.cdiv(F, SWIGLU_BLOCK))](rows, out, F, rows.stride(0), out.stride(0),
-                                                              BLOCK=SWIGLU_BLOCK)
-        ctx.save_for_backward(rows)
-        ctx.shape = gu.shape
-        return out.view(*gu.shape[:-1], F)
 
-    @staticmethod
-    def backward(ctx, dy):
-        (rows,) = ctx.saved_tensors
-        N, F = rows.shape[0], rows.shape[1] // 2
-        dy2 = dy.reshape(N, F)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        dgu = torch.empty_like(rows)
-        _swiglu_bwd_kernel[(N, triton.cdiv(F, SWIGLU_BLOCK))](dy2, rows, dgu, F, dy2.stride(0), rows.stride(0),
-                                                              BLOCK=SWIGLU_BLOCK)
-        return dgu.view(ctx.shape)
+@_forward_op.register_fake
+def _forward_fake(rows):
+    return rows.new_empty((rows.shape[0], rows.shape[1] // 2))
+
+
+@torch.library.custom_op("logitlab::swiglu_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """dy (N, F), rows (N, 2F) contiguous -> d rows (N, 2F): d_gate, then d_up."""
+    N, F = rows.shape[0], rows.shape[1] // 2
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dgu = torch.empty_like(rows)
+    _swiglu_bwd_kernel[(N, triton.cdiv(F, SWIGLU_BLOCK))](dy, rows, dgu, F, dy.stride(0), rows.stride(0),
+                                                          BLOCK=SWIGLU_BLOCK)
+    return dgu
+
+
+@_backward_op.register_fake
+def _backward_fake(dy, rows):
+    return rows.new_empty(rows.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])                               # only the input: the sigmoid is recomputed
+
+
+def _backward(ctx, dy):
+    (rows,) = ctx.saved_tensors
+    return _backward_op(dy, rows)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -88,4 +108,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     check_tensor("gate_up", gate_up)
     if gate_up.ndim == 0 or gate_up.shape[-1] % 2 or gate_up.shape[-1] == 0:
         raise ValueError(f"gate_up must end in an even, non-zero width 2F, got shape {tuple(gate_up.shape)}")
-    return SwiGLUFunction.apply(gate_up)
+    F2 = gate_up.shape[-1]
+    out = _forward_op(gate_up.reshape(-1, F2).contiguous())       # (N, F)
+    return out.view(*gate_up.shape[:-1], F2 // 2)

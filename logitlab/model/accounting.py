@@ -106,11 +106,11 @@ class ParamCount:
         return dict(embeddings=self.embeddings, positions=self.positions,
                     attention_per_layer=self.attention_per_layer, mlp_per_layer=self.mlp_per_layer,
                     norms_per_layer=self.norms_per_layer, per_layer=self.per_layer, attention=self.attention,
-                    linear_attention=self.linear_attention,
-                    linear_attention_per_layer=self.linear_attention_per_layer,
+                    linear_attention=self.linear_attention, linear_attention_per_layer=self.linear_attention_per_layer,
                     n_linear_layers=self.n_linear_layers, linear_items=dict(self.linear_items),
                     mlp=self.mlp, norms=self.norms, final_norm=self.final_norm, lm_head=self.lm_head,
-                    biases=self.biases, n_layers=self.n_layers, tied=self.tied, total=self.total)
+                    biases=self.biases, n_layers=self.n_layers, tied=self.tied, total=self.total,
+                    active=self.active)
 
 
 def meta_model(config: ModelConfig):

@@ -320,6 +320,42 @@ class KVCache:
                     entry.evict()
                     self.length = entry.k.shape[2]
 
+    # --- going back: speculative decoding drops the positions a rejected draft left ---------
+
+    @property
+    def can_rewind(self) -> bool:
+        """True when every entry is plain full attention: slots past `length` are never read, so
+        going back is moving `length` (rewind). A ring, a recurrent state or a streaming cache
+        overwrites what came before; those go back through snapshot / restore."""
+        return all(type(e) is FullKV for e in self.layers)
+
+    def rewind(self, length: int) -> None:
+        """Forget the positions from `length` on (full-attention caches only, see can_rewind)."""
+        if not self.can_rewind:
+            raise ValueError("KVCache.rewind needs full-attention layers only: a sliding window, a Gated DeltaNet "
+                             "state or a streaming cache overwrites earlier positions (use snapshot / restore)")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"KVCache.rewind({length}): the cache holds {self.length} positions")
+        self.length = self.seen = length
+
+    def snapshot(self) -> dict:
+        """A copy of what a forward would overwrite: `length` and a clone of every entry that is not
+        plain full attention (a full-attention entry keeps its slots below `length` as they are)."""
+        if self.rotates_keys:
+            raise ValueError("KVCache.snapshot: a StreamingLLM cache evicts positions and cannot go back")
+        return {"length": self.length, "seen": self.seen,
+                "entries": {i: [t.clone() for t in e.tensors()] + ([e.slot.clone()] if isinstance(e, SlidingKV) else [])
+                            for i, e in enumerate(self.layers) if type(e) is not FullKV}}
+
+    def restore(self, snapshot: dict) -> None:
+        """Return to the state `snapshot()` saw (the positions fed since then are forgotten)."""
+        self.length, self.seen = snapshot["length"], snapshot["seen"]
+        for i, saved in snapshot["entries"].items():
+            entry = self.layers[i]
+            live = entry.tensors() + ([entry.slot] if isinstance(entry, SlidingKV) else [])
+            for t, s in zip(live, saved, strict=True):
+                t.copy_(s)
+
     def reset(self) -> None:
         """Forget every position (the memory is kept and overwritten by the next prefill)."""
         self.length = self.seen = 0

@@ -19,7 +19,8 @@ Then each live row picks its token with its own SampleConfig and torch.Generator
 the running batch at the next step and never waits for another to finish; a finished one stops
 being sampled at once and frees its slot for the next arrival.
 
-`Engine.stats` counts steps, rebuilds, inserts (joins without a rebuild) and the rows per step.
+`Engine.stats` counts steps, rebuilds, inserts (joins without a rebuild) and the rows per step. With
+`speculative=(draft, k)` a request alone is decoded speculatively (solo.py: rounds, drafts accepted).
 `step` is a plain method, so tests drive the engine by hand; `start()` runs it in a thread that
 sleeps while there is nothing to do. Shapes: B rows, S0 longest row, S key slots, V vocab.
 """
@@ -38,6 +39,7 @@ from logitlab.generate.loop import decode_step, prefill
 from logitlab.generate.sampling import SampleConfig, bias_vector, invalid_cause, make_generator, pick
 from logitlab.generate.stops import StopMatcher, StopStrings
 from logitlab.model.cache import KVCache
+from logitlab.serve import solo as solo_mod
 
 # Rows that finished stay in the batch (fed a dummy token) until a rebuild; a rebuild only to drop
 # them happens once they are at least this many and at least as many as the live rows, since it
@@ -100,12 +102,17 @@ class Engine:
     """Batches requests to one model. eot_id and stop_ids end a row (finish "stop"); token_bytes
     (id -> bytes) is needed for configs with stop_bytes. max_batch caps the rows of one batch."""
 
-    def __init__(self, model, *, eot_id: int | None = None, token_bytes=None, max_batch: int = 16):
+    def __init__(self, model, *, eot_id: int | None = None, token_bytes=None, max_batch: int = 16,
+                 speculative: tuple | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model, self.eot_id, self.token_bytes, self.max_batch = model, eot_id, token_bytes, max_batch
         self.context = model.config.context_length
-        self.stats = dict(steps=0, rebuilds=0, inserts=0, decodes=0, max_rows=0, shared_steps=0, cancelled=0)
+        self.stats = dict(steps=0, rebuilds=0, inserts=0, decodes=0, max_rows=0, shared_steps=0, cancelled=0,
+                          speculative_rounds=0, drafted=0, accepted=0)
+        # (draft, k): a request alone in the engine is decoded speculatively (speculative.py); see _solo_step
+        self.speculative = speculative
+        self._solo = None                                   # (request, its SpeculativeStream, its rounds)
         self._inbox: deque[Request] = deque()
         self._batch: _Batch | None = None
         self._lock = threading.Condition()
@@ -178,8 +185,8 @@ class Engine:
 
     @property
     def running(self) -> int:
-        b = self._batch
-        return 0 if b is None else sum(not (r.finished or r.cancelled) for r in b.rows)
+        b, solo = self._batch, self._solo
+        return (0 if b is None else sum(not (r.finished or r.cancelled) for r in b.rows)) + (solo is not None)
 
     def _run(self) -> None:
         while True:
@@ -203,6 +210,8 @@ class Engine:
             while self._inbox and len(joining) < room:
                 joining.append(self._inbox.popleft())
         joining = [r for r in joining if not self._drop_cancelled(r)]
+        if self._solo_step(joining):
+            return True
         b = self._batch
         for r in [] if b is None else b.rows:
             self._drop_cancelled(r)
@@ -223,6 +232,30 @@ class Engine:
         self.stats["max_rows"] = max(self.stats["max_rows"], produced)
         self.stats["shared_steps"] += produced > 1  # steps in which more than one request got a token
         return produced > 0
+
+    # --- one request alone: speculative decoding -----------------------------------------------
+
+    def _solo_step(self, joining: list[Request]) -> bool:
+        """With `speculative` set, a request alone in the engine runs one speculative round per step
+        (solo.py); when another arrives it rejoins the batch. -> whether this step was such a round."""
+        solo = self._solo
+        if solo is not None and (joining or self._inbox or solo[0].finished or solo[0].cancelled):
+            self._solo = None
+            if not self._drop_cancelled(solo[0]) and not solo[0].finished:
+                joining.insert(0, solo[0])                  # back to the batch with everyone else
+            return False
+        if solo is None:
+            alone = joining + [r for r in (self._batch.rows if self._batch else []) if not (r.finished or r.cancelled)]
+            if self.speculative is None or self._inbox or len(alone) != 1 or not solo_mod.suits(alone[0].config):
+                return False
+            self._solo, self._batch = solo_mod.start(self.model, alone[0], *self.speculative), None
+            solo = self._solo
+        with torch.inference_mode():
+            reason = solo_mod.round(self, *solo)
+        if reason is not None:
+            self._solo = None
+            self._finish(solo[0], DoneEvent(reason))
+        return True
 
     def _drop_cancelled(self, request: Request) -> bool:
         """A cancelled request that has not been told so yet gets its last event -> whether cancelled."""

@@ -1,0 +1,34 @@
+"""Quantized weights: the plain quantize / dequantize / matmul math (reference.py), the layers
+that hold int8 and int4 weights (linear.py), quantizing a built model from outside (apply.py),
+the CPU kernels measured against the reference (routes.py) and GGUF files (gguf.py).
+
+Quantization changes the numbers, so it is not a kernel: it is applied to a built model from
+outside, like the kernels, and its fast paths must equal its own reference, not the unquantized
+model. The names are resolved on first use (PEP 562)."""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Int4Linear": "linear",
+    "Int8Linear": "linear",
+    "QuantConfig": "linear",
+    "QuantReport": "apply",
+    "quantize_model": "apply",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

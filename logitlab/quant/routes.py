@@ -1,0 +1,179 @@
+"""Fast matmuls for quantized layers: torch's packed CPU kernels, installed where measured faster.
+
+routes.py owns the one fast path of the quantized layers and the measurement that decides where
+it runs. torch ships weight-only kernels for the CPU that read the small integers directly
+instead of building a dequantized weight first:
+
+- int8: torch._weight_int8pack_mm(x (M, K), q (N, K) int8, scales (N,)) = x @ (q * s)^T, on the
+  layer's own qweight; the scales in x's dtype.
+- int4: torch._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros (K/G, N, 2)) computes
+  with w = (q - 8) * s + m per group; our (q - z) * s is that with m = (8 - z) * s. The weight is
+  repacked once into the kernel's own layout (_convert_weight_to_int4pack_for_cpu); that copy is
+  as large as qweight and lives beside it while the route is installed.
+
+Both take bf16, float16 or float32 activations. Their products equal the reference (dequantize,
+then F.linear) up to summation order and the rounding of the scales and zero terms to x's
+dtype (tests/test_quant.py). They need shapes the kernels accept (checked before any call: int8
+with K % 32 != 0 reads past its rows) and a CPU.
+
+    handle = install(model, "auto")   # "reference": nothing; "packed": wherever the shapes allow
+    handle.route, handle.timings      # per (method, N, K): {"reference": s, "packed": s}
+    handle.remove()
+
+"auto" times both routes once per process for each distinct layer shape, at one row (a decode
+step) and at MEASURE_ROWS rows (a prefill), and installs the packed kernel on a shape only where
+it took at most PROVEN of the reference's time at both: a near tie keeps the reference.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from logitlab.quant.linear import Int4Linear, Int8Linear, QuantLinear
+
+ROUTES = ("auto", "reference", "packed")
+MEASURE_ROWS = 64
+PROVEN = 0.9
+MEASURED: dict[tuple, dict[str, float]] = {}
+"""Per-process cache of "auto"'s timings: (method, N, K, G, dtype) -> {"reference": s, "packed": s}."""
+
+
+def supported(module: QuantLinear) -> bool:
+    """Whether the packed kernel accepts this layer's shape."""
+    N, K = module.out_features, module.in_features
+    if isinstance(module, Int8Linear):
+        return K % 32 == 0
+    return N % 16 == 0 and K % 32 == 0
+
+
+def _int8_kernel(scales: torch.Tensor, dtype: torch.dtype):
+    def kernel(module: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != dtype or x.device.type != "cpu":
+            return module.reference(x)
+        return torch._weight_int8pack_mm(x.contiguous(), module.qweight, scales)           # (M, N)
+    return kernel
+
+
+def int4_operands(module: Int4Linear, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed in the kernel's layout, scales_and_zeros (K/G, N, 2) in `dtype`) for an Int4Linear."""
+    from logitlab.quant.reference import unpack_int4
+
+    q = unpack_int4(module.qweight).to(torch.int32)                                        # (N, K)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    s = module.scales.float()                                                              # (N, K/G)
+    m = (8 - module.zeros.float()) * s
+    return packed, torch.stack((s, m), dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def _int4_kernel(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype):
+    def kernel(module: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != dtype or x.device.type != "cpu":
+            return module.reference(x)
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, module.group_size, scales_and_zeros)
+    return kernel
+
+
+def packed_kernel(module: QuantLinear, dtype: torch.dtype):
+    """The packed kernel for `module` at activations of `dtype`: a function (module, x2d) -> y2d
+    (the reference for inputs of another dtype or device)."""
+    if isinstance(module, Int8Linear):
+        return _int8_kernel(module.scales.to(dtype), dtype)
+    return _int4_kernel(*int4_operands(module, dtype), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+def _best(fn, x: torch.Tensor, repeats: int = 5) -> float:
+    fn(x)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
+def measure(module: QuantLinear, dtype: torch.dtype) -> dict[str, float]:
+    """{"reference": s, "packed": s}: the sum of the best times at 1 and MEASURE_ROWS rows of x in
+    `dtype` (random, seeded), cached in MEASURED by the layer's shape. A route that loses at
+    either size gets inf (it is not proven)."""
+    key = (module.method, module.out_features, module.in_features, getattr(module, "group_size", None), dtype)
+    if key not in MEASURED:
+        kernel = packed_kernel(module, dtype)
+        total = {"reference": 0.0, "packed": 0.0}
+        g = torch.Generator().manual_seed(0)
+        for rows in (1, MEASURE_ROWS):
+            x = torch.randn(rows, module.in_features, generator=g).to(dtype)
+            ref_s = _best(module.reference, x)
+            packed_s = _best(lambda t: kernel(module, t), x)
+            total["reference"] += ref_s
+            total["packed"] += packed_s if packed_s <= PROVEN * ref_s else float("inf")
+        MEASURED[key] = total
+    return MEASURED[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Installing
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Installed:
+    """What install did: the mode, the route of each layer shape ("reference" or "packed") and,
+    for "auto", the timings behind it; `layers` the number of layers given the packed kernel.
+    remove() takes the kernels (and their repacked copies) away again."""
+
+    mode: str
+    routes: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    layers: int = 0
+    _modules: list[QuantLinear] = field(default_factory=list, repr=False)
+
+    @property
+    def route(self) -> str:
+        """"packed" when every shape took the packed kernel, "reference" when none did, else "mixed"."""
+        chosen = set(self.routes.values())
+        return chosen.pop() if len(chosen) == 1 else ("mixed" if chosen else "reference")
+
+    def remove(self) -> None:
+        for module in self._modules:
+            module.kernel = None
+        self._modules = []
+
+
+def _shape_name(module: QuantLinear) -> str:
+    extra = f" G{module.group_size}" if isinstance(module, Int4Linear) else ""
+    return f"{module.method} {module.out_features}x{module.in_features}{extra}"
+
+
+def install(model: torch.nn.Module, mode: str = "auto", dtype: torch.dtype | None = None) -> Installed:
+    """Give the quantized layers of `model` torch's packed CPU kernels: nowhere ("reference"),
+    wherever the shapes allow ("packed"), or where measured faster ("auto"; see the module
+    docstring). dtype: the activations' dtype (default: the model's floating parameters' dtype).
+    A model not on the CPU keeps the reference. -> Installed (remove() undoes it)."""
+    if mode not in ROUTES:
+        raise ValueError(f"quantized matmul route must be one of {ROUTES}, got {mode!r}")
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    dtype = dtype or (floats[0].dtype if floats else torch.float32)
+    handle = Installed(mode)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for module in layers:
+        name = _shape_name(module)
+        if mode == "reference" or module.qweight.device.type != "cpu" or not supported(module):
+            handle.routes.setdefault(name, "reference")
+            continue
+        if mode == "auto" and name not in handle.routes:
+            handle.timings[name] = measure(module, dtype)
+            faster = handle.timings[name]["packed"] <= PROVEN * handle.timings[name]["reference"]
+            handle.routes[name] = "packed" if faster else "reference"
+        handle.routes.setdefault(name, "packed")
+        if handle.routes[name] == "packed":
+            module.kernel = packed_kernel(module, dtype)
+            handle._modules.append(module)
+    handle.layers = len(handle._modules)
+    return handle
