@@ -323,16 +323,14 @@ def activation_elements_per_token(config: ModelConfig) -> int:
     """Values a training step keeps per token for the backward pass (fused attention, which
     stores no T x T probabilities; no recomputation). Per attention layer: both norms' inputs and
     outputs (4·D), q (H·Dh), k and v (2·Hkv·Dh), the attention output (H·Dh), QK-norm inputs when
-    present, the output gate before and after its sigmoid when present; per Gated DeltaNet layer:
+    present, the output gate before and after its sigmoid when present (latent attention's:
+    accounting_mla); per Gated DeltaNet layer:
     the norms (4·D), the conv's input and output (2·C), z, the rule's output and its normed value
     (3·Hv·Dv), beta and g (2·Hv). Every layer adds the MLP's hidden values (SwiGLU: gate, up,
     silu(gate), product = 4·F; GELU: 2·F; an MoE layer: accounting_moe.moe_activation_elements);
     then the final norm's input and output (2·D). Logits are counted separately (fp32)."""
     c = config
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    gate = {"none": 0, "headwise": c.n_heads, "elementwise": q}[c.attn_gate]
-    attention = 4 * c.d_model + 2 * q + 2 * kv + (q + kv if c.qk_norm else 0) + 2 * gate
-    attention = mla.activation_elements(c) if c.is_mla else attention
+    attention = mla.activation_elements(c)                      # per attention layer (MLA's too)
     channels = 2 * c.linear_n_k_heads * c.linear_k_head_dim + c.linear_n_v_heads * c.linear_v_head_dim
     linear = 4 * c.d_model + 2 * channels + 3 * c.linear_n_v_heads * c.linear_v_head_dim + 2 * c.linear_n_v_heads
     mlp, n_moe = (4 if c.mlp == "swiglu" else 2) * c.d_ff, moe.n_moe_layers(c)   # an MoE layer: accounting_moe

@@ -47,11 +47,17 @@ def flops_per_key(config: ModelConfig) -> int:
 
 
 def activation_elements(config: ModelConfig) -> int:
-    """Values an MLA layer keeps per token for the backward pass (accounting.activation_elements_per_token
-    counts the rest of the block): both norms' inputs and outputs (4·D); the query rank's output and
-    its normed value (2·Rq); q (H·Dh); kv_a_proj's output (R + Dr) and the normed latent (R); kv_b_proj's
-    output (H·(Dn + Dv)) and the keys with their RoPE part (H·Dh); the attention output (H·Dv)."""
+    """Values an attention layer keeps per token for the backward pass, both norms' inputs and
+    outputs (4·D) included (accounting.activation_elements_per_token counts the rest of the block).
+    Standard attention: q (H·Dh), k and v (2·Hkv·Dh), the output (H·Dh), QK-norm inputs, the output
+    gate before and after its sigmoid. MLA: the query rank's output and its normed value (2·Rq); q
+    (H·Dh); kv_a_proj's output (R + Dr) and the normed latent (R); kv_b_proj's output (H·(Dn + Dv))
+    and the keys with their RoPE part (H·Dh); the attention output (H·Dv)."""
     c = config
+    if not c.is_mla:
+        q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        gate = {"none": 0, "headwise": c.n_heads, "elementwise": q}[c.attn_gate]
+        return 4 * c.d_model + 2 * q + 2 * kv + (q + kv if c.qk_norm else 0) + 2 * gate
     H, Dh, R, Dr, Dv = c.n_heads, c.head_dim, c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim
     queries = 2 * c.q_lora_rank if c.q_lora_rank else 0
     return 4 * c.d_model + queries + H * Dh + (2 * R + Dr) + H * (c.qk_nope_head_dim + Dv) + H * Dh + H * Dv

@@ -104,6 +104,10 @@ class LatentKV:
         return [self.latent]
 
 
+# entries whose slots below `length` a later write never touches: going back is moving `length`
+_GROWING = (FullKV, LatentKV)
+
+
 class LinearState:
     """conv (B, C, K-1) in the model's dtype, recurrent (B, Hv, Dk, Dv) float32."""
 
@@ -324,10 +328,10 @@ class KVCache:
 
     @property
     def can_rewind(self) -> bool:
-        """True when every entry is plain full attention: slots past `length` are never read, so
-        going back is moving `length` (rewind). A ring, a recurrent state or a streaming cache
-        overwrites what came before; those go back through snapshot / restore."""
-        return all(type(e) is FullKV for e in self.layers)
+        """True when every entry is plain full attention or a latent: slots past `length` are never
+        read, so going back is moving `length` (rewind). A ring, a recurrent state or a streaming
+        cache overwrites what came before; those go back through snapshot / restore."""
+        return all(type(e) in _GROWING for e in self.layers)
 
     def rewind(self, length: int) -> None:
         """Forget the positions from `length` on (full-attention caches only, see can_rewind)."""
@@ -340,12 +344,12 @@ class KVCache:
 
     def snapshot(self) -> dict:
         """A copy of what a forward would overwrite: `length` and a clone of every entry that is not
-        plain full attention (a full-attention entry keeps its slots below `length` as they are)."""
+        plain full attention or a latent (those keep their slots below `length` as they are)."""
         if self.rotates_keys:
             raise ValueError("KVCache.snapshot: a StreamingLLM cache evicts positions and cannot go back")
         return {"length": self.length, "seen": self.seen,
                 "entries": {i: [t.clone() for t in e.tensors()] + ([e.slot.clone()] if isinstance(e, SlidingKV) else [])
-                            for i, e in enumerate(self.layers) if type(e) is not FullKV}}
+                            for i, e in enumerate(self.layers) if type(e) not in _GROWING}}
 
     def restore(self, snapshot: dict) -> None:
         """Return to the state `snapshot()` saw (the positions fed since then are forgotten)."""

@@ -284,7 +284,7 @@ class ModelConfig:
                              "(set layer_types)")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.positions == "rope" and self.rotary_dim % 2:
+        if self.positions == "rope" and self.rotary_dim % 2 and not self.is_mla:   # MLA's: mla_config
             raise ValueError(f"RoPE rotates int(head_dim * partial_rotary_factor) = {self.rotary_dim} "
                              "dimensions per head, which must be even")
         r = self.rope_scaling

@@ -1,0 +1,189 @@
+"""Multi-head latent attention: the expanded and the absorbed form agree (in a forward and in
+decoding), the decode cache holds only the latent and the RoPE key and the absorbed form never
+decompresses it, cached decoding equals the full forward, the fields are checked by name, and the
+accounting (parameters, cache bytes, attention FLOPs) matches the model that is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logitlab.generate import SampleConfig, generate
+from logitlab.model import ModelConfig, Transformer, accounting_mla
+from logitlab.model import accounting as acc
+from logitlab.model.cache import KVCache, LatentKV
+from logitlab.model.mla import MLA, set_mla_form, softmax_scale
+
+V, R, RQ, DN, DR, DV = 61, 12, 20, 6, 4, 5
+
+
+def _config(**kw) -> ModelConfig:
+    base = dict(vocab_size=V, context_length=48, d_model=24, n_layers=2, n_heads=3, norm="rmsnorm", mlp="swiglu",
+                positions="rope", bias=False, d_ff=32, kv_lora_rank=R, q_lora_rank=RQ, qk_rope_head_dim=DR,
+                qk_nope_head_dim=DN, v_head_dim=DV, tie_embeddings=False)
+    return ModelConfig(**{**base, **kw})
+
+
+def _model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(_config(**kw)).eval()
+    with torch.no_grad():                          # norms away from 1, so a wrong norm shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+LAYOUTS = [dict(), dict(q_lora_rank=None), dict(rope_interleaved=True, qkv_bias=True, bias=True),
+           dict(v_head_dim=DN + 3)]
+
+
+@pytest.mark.parametrize("kw", LAYOUTS)
+def test_expanded_and_absorbed_forms_agree(kw):
+    model = _model(**kw)
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for form in ("expanded", "absorbed"):
+        set_mla_form(model, form)
+        with torch.no_grad():
+            outs[form] = model(ids)
+    torch.testing.assert_close(outs["absorbed"], outs["expanded"], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", LAYOUTS[:2])
+def test_cached_decoding_in_either_form_equals_the_full_forward(kw):
+    model = _model(**kw)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        set_mla_form(model, "expanded")
+        want = model(ids)
+        for form in ("auto", "expanded", "absorbed"):
+            set_mla_form(model, form)
+            cache = KVCache.for_model(model, batch_size=2, max_len=16)
+            got = [model(ids[:, :7], cache=cache)]
+            got += [model(ids[:, t:t + 1], cache=cache) for t in range(7, 12)]
+            torch.testing.assert_close(torch.cat(got, dim=1), want, atol=2e-5, rtol=1e-5)
+
+
+def test_decode_reads_the_latent_without_decompressing_it(monkeypatch):
+    """"auto" decodes in the absorbed form: kv_b_proj never runs on the cached latents."""
+    model = _model()
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(3))
+    cache = KVCache.for_model(model, batch_size=1, max_len=12)
+    with torch.no_grad():
+        model(ids[:, :8], cache=cache)                              # prefill: expanded
+        calls = []
+        for layer in model.blocks:
+            monkeypatch.setattr(layer.attn.kv_b_proj, "forward", lambda x: calls.append(x.shape) or 1 / 0)
+        model(ids[:, 8:], cache=cache)                              # decode: absorbed
+    assert calls == [] and cache.length == 9
+
+
+def test_the_cache_holds_only_the_latent_and_the_rope_key():
+    model = _model(rope_interleaved=True)
+    c = model.config
+    cache = KVCache.for_model(model, batch_size=2, max_len=10)
+    assert all(isinstance(e, LatentKV) for e in cache.layers) and cache.k == [None, None]
+    assert [e.latent.shape for e in cache.layers] == [(2, 1, 10, R + DR)] * 2
+    assert cache.nbytes == c.n_layers * 2 * 10 * (R + DR) * 4 == acc.kv_cache_bytes(c, "fp32", 10)["total"] * 2
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(ids, cache=cache)
+        x = model.blocks[0].attn_norm(model.tok_emb(ids))             # layer 0's attention input
+        attn = model.blocks[0].attn
+        latent, k_rope = attn.kv_a_proj(x).split((R, DR), dim=-1)
+        angle = torch.arange(6.0)[:, None] * c.rope_theta ** (-torch.arange(0, DR, 2) / DR)   # (T, Dr/2)
+        x0, x1 = k_rope[..., 0::2], k_rope[..., 1::2]                  # interleaved pairs turn
+        k_rope = torch.stack((x0 * angle.cos() - x1 * angle.sin(), x1 * angle.cos() + x0 * angle.sin()), -1)
+        k_rope = k_rope.flatten(-2)
+    row = cache.layers[0].latent[:, 0, :6]                          # (B, T, R + Dr)
+    torch.testing.assert_close(row[..., :R], attn.kv_a_norm(latent))
+    torch.testing.assert_close(row[..., R:], k_rope)
+    assert torch.all(cache.layers[0].latent[:, :, 6:] == 0)
+    assert "latent=16" in repr(cache)
+
+
+def test_speculative_rewind_and_greedy_generate_with_a_latent_cache():
+    model = _model()
+    cache = KVCache.for_model(model, batch_size=1, max_len=12)
+    assert cache.can_rewind and cache.snapshot()["entries"] == {}
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4]]), cache=cache)
+        cache.rewind(2)
+        rewound = model(torch.tensor([[5]]), cache=cache)
+        fresh = model(torch.tensor([[1, 2, 5]]))[:, -1:]
+    torch.testing.assert_close(rewound, fresh, atol=2e-5, rtol=1e-5)
+    config = SampleConfig(max_new_tokens=8, temperature=0)
+    prompt = [3, 1, 4, 1, 5]
+    assert generate(model, prompt, config).tokens == generate(model, prompt, config, use_cache=False).tokens
+
+
+def test_fields_are_checked_by_name():
+    with pytest.raises(ValueError, match="needs qk_rope_head_dim"):
+        _config(qk_rope_head_dim=None)
+    with pytest.raises(ValueError, match="qk_rope_head_dim \\(3\\) must be even"):
+        _config(qk_rope_head_dim=3)
+    with pytest.raises(ValueError, match="head_dim \\(8\\) must be qk_nope_head_dim \\+ qk_rope_head_dim = 10"):
+        _config(head_dim=8)
+    with pytest.raises(ValueError, match="needs n_kv_heads=3, got 1"):
+        _config(n_kv_heads=1)
+    with pytest.raises(ValueError, match="needs qk_norm=False"):
+        _config(qk_norm=True)
+    with pytest.raises(ValueError, match="v_head_dim=5 is set but kv_lora_rank is null"):
+        _config(kv_lora_rank=None, q_lora_rank=None, qk_rope_head_dim=None, qk_nope_head_dim=None)
+    with pytest.raises(ValueError, match="kv_lora_rank must be a positive integer, got 0"):
+        _config(kv_lora_rank=0)
+    c = _config(v_head_dim=None)
+    assert (c.head_dim, c.v_head_dim, c.rotary_dim, c.is_mla) == (DN + DR, DN, DR, True)
+    with pytest.raises(ValueError, match="MLA form must be one of"):
+        set_mla_form(_model(), "compressed")
+    with pytest.raises(ValueError, match="holds no latent"):
+        KVCache(1, 1, 1, 4, 4).update_latent(0, torch.zeros(1, 1, 1, 8))
+    with pytest.raises(ValueError, match="multi-head latent attention \\(update_latent\\)"):
+        KVCache.for_model(_config(), 1).update(0, torch.zeros(1, 3, 1, 10), torch.zeros(1, 3, 1, 10))
+
+
+def test_softmax_scale_under_yarn_with_mscale_all_dim():
+    from logitlab.model.config import RopeScaling
+
+    assert softmax_scale(_config()) == (DN + DR) ** -0.5
+    yarn = RopeScaling(rope_type="yarn", factor=40.0, original_context_length=8, mscale=1.0, mscale_all_dim=1.0)
+    assert softmax_scale(_config(rope_scaling=yarn, context_length=320)) == pytest.approx(
+        (DN + DR) ** -0.5 * (0.1 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(q_lora_rank=None)])
+def test_accounting_counts_the_layer_that_is_built(kw):
+    c = _config(**kw)
+    exact, formula = acc.count_parameters(c), acc.formula_count(c)
+    attn = MLA(c)
+    matrices = sum(p.numel() for p in attn.parameters() if p.dim() == 2)
+    assert formula.attention_per_layer == matrices == accounting_mla.attention_formula(c)
+    assert exact.attention_per_layer == matrices                    # the latent norms count as norms
+    assert exact.norms_per_layer == 2 * c.d_model + R + (c.q_lora_rank or 0)
+    assert exact.total - formula.total == sum(acc.explain_difference(c, exact).values())
+    assert acc.kv_cache_bytes(c, "bf16", 1)["per_token"] == c.n_layers * (R + DR) * 2
+
+
+def test_attention_flops_per_key_are_the_products_the_expanded_form_runs():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _model()
+    set_mla_form(model, "expanded")
+    model.attn_impl = "eager"
+    T = 10
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, V, (1, T)))
+    products = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
+    assert products - 2 * T * acc.matmul_params(model.config) == model.config.n_layers * T * T * \
+        accounting_mla.flops_per_key(model.config)
+
+
+def test_cache_comparison_against_mha_and_gqa_of_the_same_heads():
+    c = _config(n_heads=16, n_layers=3)
+    got = accounting_mla.cache_comparison(c, 2)
+    per_head = DN + DR + DV
+    assert got["mla_per_token"] == 3 * (R + DR) * 2
+    assert got["mha_per_token"] == 3 * 16 * per_head * 2 and got["gqa_per_token"] == 3 * 2 * per_head * 2
+    assert got["mha_over_mla"] == pytest.approx(16 * per_head / (R + DR))
+    assert accounting_mla.cache_comparison(ModelConfig(vocab_size=8, d_model=8, n_heads=2), 2) is None
