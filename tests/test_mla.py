@@ -187,3 +187,23 @@ def test_cache_comparison_against_mha_and_gqa_of_the_same_heads():
     assert got["mha_per_token"] == 3 * 16 * per_head * 2 and got["gqa_per_token"] == 3 * 2 * per_head * 2
     assert got["mha_over_mla"] == pytest.approx(16 * per_head / (R + DR))
     assert accounting_mla.cache_comparison(ModelConfig(vocab_size=8, d_model=8, n_heads=2), 2) is None
+
+
+def test_int8_quantization_keeps_kv_b_proj_and_both_forms_still_agree():
+    from logitlab.quant import QuantConfig, quantize_model
+
+    model = _model()
+    report = quantize_model(model, QuantConfig("int8"))
+    assert sorted(report.skipped) == ["blocks.0.attn.kv_b_proj", "blocks.1.attn.kv_b_proj"]
+    assert "blocks.0.attn.kv_a_proj" in report.layers
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        outs = [set_mla_form(model, form) or model(ids) for form in ("expanded", "absorbed")]
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_refuses_latent_attention_by_name():
+    from logitlab.parallel.tensor import check_tensor_parallel
+
+    with pytest.raises(ValueError, match="multi-head latent attention \\(kv_lora_rank=12\\)"):
+        check_tensor_parallel(_config(n_heads=3, vocab_size=60, d_ff=30), 3)
