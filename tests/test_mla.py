@@ -207,3 +207,23 @@ def test_tensor_parallel_refuses_latent_attention_by_name():
 
     with pytest.raises(ValueError, match="multi-head latent attention \\(kv_lora_rank=12\\)"):
         check_tensor_parallel(_config(n_heads=3, vocab_size=60, d_ff=30), 3)
+
+
+def test_a_serve_request_joins_a_running_batch_of_a_latent_attention_model():
+    """The engine copies a request's cache rows into a free slot: here the latent rows."""
+    from logitlab.serve.engine import Engine
+
+    model, done = _model(), {}
+    e = Engine(model, eot_id=None)
+    greedy = SampleConfig(max_new_tokens=12, temperature=0)
+    e.submit([1, 2, 3, 4, 5], greedy, lambda ev, k="a": done.setdefault(k, []).append(ev))
+    e.submit([7, 8], SampleConfig(max_new_tokens=2, temperature=0), lambda ev: None)
+    for _ in range(4):
+        e.step()
+    e.submit([9, 10, 11], greedy, lambda ev, k="c": done.setdefault(k, []).append(ev))
+    while e.step():
+        pass
+    assert e.stats["inserts"] == 1
+    for key, prompt in (("a", [1, 2, 3, 4, 5]), ("c", [9, 10, 11])):
+        tokens = [ev.token for ev in done[key] if hasattr(ev, "token")]
+        assert tokens == generate(model, prompt, greedy).tokens[0]
