@@ -105,3 +105,22 @@ def test_cli_generate_by_hub_id(cache):
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "tiny-org/absent@main" in missing.stderr and "not reachable" in missing.stderr
+
+
+def test_convert_by_hub_id_records_where_the_weights_came_from(cache, tmp_path, capsys):
+    """A logitlab directory converted from a hub id keeps the id, the revision asked for and the
+    commit it resolved to in its config.json, and still loads."""
+    import json
+
+    from logitlab.cli.main import main
+    from logitlab.io import checkpoint
+
+    out = tmp_path / "converted"
+    assert main(["convert", "tiny-org/tiny-llama@v1", "--out", str(out)]) == 0
+    commit = hub.resolve_model("tiny-org/tiny-llama@v1").commit
+    assert f"from tiny-org/tiny-llama@{commit}" in capsys.readouterr().out
+    source = json.loads((out / "config.json").read_text())["source"]
+    assert source == {"source": "tiny-org/tiny-llama", "revision": "v1", "commit": commit}
+    model, _ = checkpoint.load_for_inference(out)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model(ids), hf.load_pretrained("tiny-org/tiny-llama")(ids))

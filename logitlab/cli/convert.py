@@ -70,10 +70,10 @@ def _convert(args) -> int:
     from logitlab.io import hub
     from logitlab.io.loading import is_hf_dir
 
-    source = hub.resolve_model(args.model, args.revision).directory
-    out = console()
+    resolved = hub.resolve_model(args.model, args.revision)
+    source, out = resolved.directory, console()
     if is_hf_dir(source):
-        model, reference = _hf_to_logitlab(args, source, out), source
+        model, reference = _hf_to_logitlab(args, resolved, out), source
     else:
         model, reference = _logitlab_to_hf(args, source, out), args.out
     if args.verify:
@@ -98,9 +98,12 @@ def _logitlab_to_hf(args, source: Path, out):
     return model
 
 
-def _hf_to_logitlab(args, source: Path, out):
+def _hf_to_logitlab(args, resolved, out):
+    """A Hugging Face directory or hub id -> a logitlab directory whose config.json records where
+    it came from (hub.Resolved.provenance(): the id, the revision asked for and its commit)."""
     from logitlab.io import checkpoint, files, hf
 
+    source = resolved.directory
     legacy = checkpoint.model_dir_entries(args.out) if args.out else None
     if args.out:  # refused before the (possibly large) model is read
         files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=source,
@@ -110,8 +113,10 @@ def _hf_to_logitlab(args, source: Path, out):
         tokenizer = _hf_tokenizer(source)
         with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
                                     source=source, legacy=legacy) as tmp:
-            checkpoint.write_model_files(model, tmp)
+            checkpoint.write_model_files(model, tmp, source=resolved.provenance())
             if tokenizer is not None:
                 tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
-        out.print(f"wrote logitlab directory {args.out}{' with its tokenizer' if tokenizer is not None else ''}")
+        origin = f" from {resolved.pinned()}" if resolved.repo_id else ""
+        out.print(f"wrote logitlab directory {args.out}{' with its tokenizer' if tokenizer is not None else ''}"
+                  f"{origin}")
     return model

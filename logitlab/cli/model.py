@@ -270,8 +270,9 @@ def _print_moe(out, moe: dict) -> None:
     K, E = moe["experts_per_token"], moe["n_experts"]
     shared = " and a shared expert" if moe["shared_expert_d_ff"] else ""
     out.print(f"mixture of experts: each MoE layer is a router{shared} and {E} experts of "
-              f"{_n(moe['per_expert'])} parameters; a token uses {K} of them in each of {moe['n_moe_layers']} "
-              f"MoE layers, so {_n(moe['inactive'])} parameters are idle for it", markup=False, highlight=False)
+              f"{_n(moe['per_expert'])} parameters; a token uses {K} of the {E} experts in each of "
+              f"{moe['n_moe_layers']} MoE layers, so {_n(moe['inactive'])} parameters are idle for it",
+              markup=False, highlight=False)
     out.print(f"total {_n(moe['total'])} ({_short(moe['total'])}), active per token {_n(moe['active'])} "
               f"({_short(moe['active'])}, {moe['active_share']:.1%}); weights multiplied per token "
               f"{_n(moe['active_matmul'])} ({_short(moe['active_matmul'])}: blocks and LM head, not the embedding "

@@ -53,11 +53,14 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def write_model_files(model, directory: str | os.PathLike, state: dict | None = None) -> None:
+def write_model_files(model, directory: str | os.PathLike, state: dict | None = None,
+                      source: dict | None = None) -> None:
     """Write config.json + model.safetensors of `model` (unwrapped) into an existing directory.
 
-    `state` replaces model.state_dict() (a full state gathered from sharded ranks). Callers that
-    want atomicity write into `atomic_directory(...)`."""
+    `state` replaces model.state_dict() (a full state gathered from sharded ranks). `source`, where
+    the weights came from (hub.Resolved.provenance(): a hub id with its revision and commit), is
+    kept in config.json under "source" (read_source). Callers that want atomicity write into
+    `atomic_directory(...)`."""
     import json
 
     from safetensors.torch import save_file
@@ -72,6 +75,8 @@ def write_model_files(model, directory: str | os.PathLike, state: dict | None = 
     quantization = quantization_of(model)
     if quantization is not None:           # the layers' int8 / int4 tensors are in the state dict
         payload["quantization"] = quantization.to_dict()
+    if source is not None:
+        payload["source"] = source
     (directory / CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
 
 
