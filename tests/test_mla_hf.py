@@ -134,6 +134,7 @@ def test_published_config_is_the_preset_with_671b_total_and_37b_active():
     assert config_from_hf(DEEPSEEK_V3) == c
     exact = acc.count_parameters(c)
     assert exact.total == pytest.approx(671e9, rel=0.005) and exact.active == pytest.approx(37e9, rel=0.02)
+    assert acc.matmul_params(c) == pytest.approx(36.6e9, rel=0.002)     # the weights' documentation: 36.6B
     kv = acc.kv_cache_bytes(c, "bf16", 1)
     assert kv["per_token"] == 61 * (512 + 64) * 2                        # 576 values per token and layer
     with pytest.raises(ValueError, match="quantized .*'fp8'"):
