@@ -11,6 +11,7 @@ import torch
 from logitlab.generate import SampleConfig, generate
 from logitlab.model import ModelConfig, Transformer, accounting_mla
 from logitlab.model import accounting as acc
+from logitlab.model.attention import eager_attention
 from logitlab.model.cache import KVCache, LatentKV
 from logitlab.model.mla import MLA, set_mla_form, softmax_scale
 
@@ -60,9 +61,24 @@ def test_cached_decoding_in_either_form_equals_the_full_forward(kw):
         for form in ("auto", "expanded", "absorbed"):
             set_mla_form(model, form)
             cache = KVCache.for_model(model, batch_size=2, max_len=16)
-            got = [model(ids[:, :7], cache=cache)]
-            got += [model(ids[:, t:t + 1], cache=cache) for t in range(7, 12)]
+            got = [model(ids[:, :5], cache=cache), model(ids[:, 5:9], cache=cache)]   # a chunk after a cache
+            got += [model(ids[:, t:t + 1], cache=cache) for t in range(9, 12)]
             torch.testing.assert_close(torch.cat(got, dim=1), want, atol=2e-5, rtol=1e-5)
+
+
+def test_one_head_attention_of_the_absorbed_form_masks_as_eager_does():
+    """The absorbed form folds the heads into the query axis; with a padding mask and a causal
+    mask aligned to the end it equals the eager reference that broadcasts the one key head."""
+    layer = _model().blocks[0].attn
+    q, k, v = torch.randn(2, 3, 4, 7), torch.randn(2, 1, 9, 7), torch.randn(2, 1, 9, 5)
+    pad = torch.ones(2, 1, 4, 9, dtype=torch.bool)
+    pad[0, :, :, :3] = False                                        # row 0: three padding slots
+    causal = torch.ones(4, 9, dtype=torch.bool).tril(5)
+    for mask, is_causal in ((pad & causal, False), (None, False), (None, True)):
+        if is_causal:                                               # T == S: the plain causal mask
+            k, v = k[:, :, :4], v[:, :, :4]
+        want, _ = eager_attention(q, k, v, mask, is_causal, scale=layer.scale)
+        torch.testing.assert_close(layer._attend_one_head(q, k, v, mask, is_causal), want, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_reads_the_latent_without_decompressing_it(monkeypatch):

@@ -174,8 +174,24 @@ class MLA(nn.Module):
         One key/value head (the absorbed form) is read by every query head."""
         if need_weights or impl == "eager":
             return eager_attention(q, k, v, mask, is_causal, scale=self.scale)   # k, v broadcast over heads
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
-                                              enable_gqa=k.shape[1] != q.shape[1]), None
+        if k.shape[1] == 1 < q.shape[1]:
+            return self._attend_one_head(q, k, v, mask, is_causal), None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale), None
+
+    def _attend_one_head(self, q, k, v, mask, is_causal):
+        """The absorbed form's attention: the H query heads folded into the query axis, (B, H, T, E) ->
+        (B, 1, H*T, E), so one attention reads the single cached key/value head as it is (SDPA's
+        enable_gqa would copy it H times on a CPU). The causal mask is made explicit, aligned to the
+        end: query t of T sits at slot S - T + t. -> z (B, H, T, Ev)."""
+        B, H, T, E = q.shape
+        S = k.shape[2]
+        if is_causal:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)   # (T, S)
+        if mask is not None:
+            m = mask if mask.dim() == 4 else mask.view(1, 1, *mask.shape[-2:])      # (B|1, 1, T|1, S)
+            mask = m.expand(m.shape[0], H, T, S).reshape(m.shape[0], 1, H * T, S)
+        z = F.scaled_dot_product_attention(q.reshape(B, 1, H * T, E), k, v, attn_mask=mask, scale=self.scale)
+        return z.view(B, H, T, -1)                                  # (B, 1, H*T, Ev) -> (B, H, T, Ev)
 
 
 def set_mla_form(model, form: str) -> None:
