@@ -243,3 +243,13 @@ def test_a_serve_request_joins_a_running_batch_of_a_latent_attention_model():
     for key, prompt in (("a", [1, 2, 3, 4, 5]), ("c", [9, 10, 11])):
         tokens = [ev.token for ev in done[key] if hasattr(ev, "token")]
         assert tokens == generate(model, prompt, greedy).tokens[0]
+
+
+def test_lora_adapts_the_output_projection_and_names_what_latent_attention_lacks():
+    from logitlab.train.lora import LoRAConfig, apply_lora
+
+    with pytest.raises(ValueError, match="'q_proj' does not exist in a swiglu model with multi-head latent attention "
+                                         "\\(targets here: o_proj, down_proj, gate_proj, up_proj, lm_head\\)"):
+        apply_lora(_model(), LoRAConfig())
+    model = _model()
+    assert apply_lora(model, LoRAConfig(targets="o_proj")) == ["blocks.0.attn.o_proj", "blocks.1.attn.o_proj"]
