@@ -14,7 +14,8 @@ import time
 
 from bench.common import ROOT
 
-NAMES = ("tokenizer", "model", "generate", "roofline", "scaling", "hybrid", "data_prepare", "serve_load")
+NAMES = ("tokenizer", "model", "generate", "roofline", "scaling", "hybrid", "data_prepare", "serve_load",
+         "serve_paged")
 FLAGS = ("--quick", "--no-doc")
 
 

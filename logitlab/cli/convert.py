@@ -21,7 +21,9 @@ def register(subparsers) -> None:
                               "logits with transformers.")
     add_examples(c, "convert runs/a --out hf/a --verify          # logitlab -> Hugging Face",
                  "convert hf/a --out back/a                    # Hugging Face -> logitlab",
-                 "convert Qwen/Qwen3-0.6B --verify             # a hub id, checked against transformers")
+                 "convert Qwen/Qwen3-0.6B --verify             # a hub id, checked against transformers",
+                 "convert runs/a --out runs/a-int4 --quantize int4   # a quantized logitlab directory",
+                 "convert runs/a --out runs/a.gguf --gguf Q8_0       # a GGUF file for llama.cpp")
     add_model_argument(c)
     c.add_argument("--out", metavar="DIR", help="directory to write (required from a logitlab model; from a "
                    "Hugging Face one, leave it out to only --verify)")
@@ -30,6 +32,14 @@ def register(subparsers) -> None:
                    "be new or empty")
     c.add_argument("--verify", action="store_true", help="compare against transformers and print the "
                    "largest difference per layer and of the logits; exit 1 above tolerance")
+    c.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="write --out as a logitlab directory with int8 (a scale per output row) or int4 (groups "
+                   "of --group-size columns) linear layers, from any MODEL; it loads quantized in every command")
+    c.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="with --quantize int4: columns per group (default 64)")
+    c.add_argument("--gguf", choices=["F32", "F16", "BF16", "Q8_0", "Q4_0"], default=None, metavar="TYPE",
+                   help="write --out as a GGUF file (llama.cpp's format) with its matrices in TYPE: F32, F16, BF16, "
+                   "Q8_0 or Q4_0 (the [quant] extra); the tokenizer is written beside it when none is there")
     c.set_defaults(func=_convert)
 
 
@@ -70,8 +80,19 @@ def _convert(args) -> int:
     from logitlab.io import hub
     from logitlab.io.loading import is_hf_dir
 
+    if args.quantize and args.gguf:
+        raise ValueError("--quantize and --gguf write different formats: give one of them")
+    if (args.quantize or args.gguf) and not args.out:
+        raise ValueError(f"--{'quantize' if args.quantize else 'gguf'} needs --out, the "
+                         f"{'directory' if args.quantize else 'file'} to write")
+    if args.verify and (args.quantize or args.gguf):
+        raise ValueError("--verify compares dense weights with transformers: convert without --quantize or --gguf")
     resolved = hub.resolve_model(args.model, args.revision)
     source, out = resolved.directory, console()
+    if args.quantize:
+        return _to_quantized(args, resolved, out)
+    if args.gguf:
+        return _to_gguf(args, out)
     if is_hf_dir(source):
         model, reference = _hf_to_logitlab(args, resolved, out), source
     else:
@@ -118,5 +139,50 @@ def _hf_to_logitlab(args, resolved, out):
                 tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
         origin = f" from {resolved.pinned()}" if resolved.repo_id else ""
         out.print(f"wrote logitlab directory {args.out}{' with its tokenizer' if tokenizer is not None else ''}"
-                  f"{origin}")
+                  f"{origin}", soft_wrap=True)
     return model
+
+
+def _to_quantized(args, resolved, out) -> int:
+    """Any MODEL -> a logitlab directory whose linear layers are int8 or int4 (quant.quantize_model),
+    with its tokenizer and where it came from."""
+    from logitlab.cli.models import load_model
+    from logitlab.io import checkpoint, files
+    from logitlab.quant.apply import quantize_model
+    from logitlab.quant.linear import QuantConfig
+
+    config = QuantConfig(args.quantize, args.group_size)          # a bad combination is refused first
+    files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=resolved.directory)
+    m = load_model(args.model, args.revision, args.dtype)
+    report = quantize_model(m.model, config)
+    with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
+                                source=resolved.directory) as tmp:
+        checkpoint.write_model_files(m.model, tmp, source=m.provenance or None)
+        m.tokenizer.save(tmp / checkpoint.TOKENIZER_FILE)
+    out.print(f"wrote logitlab directory {args.out}: {len(report.layers)} linear layers {config.label}, weights "
+              f"{report.bytes_before / 2**20:,.1f} MiB -> {report.bytes_after / 2**20:,.1f} MiB", soft_wrap=True)
+    return 0
+
+
+def _to_gguf(args, out) -> int:
+    """Any MODEL -> a GGUF file (quant.gguf.save_gguf), and its tokenizer beside it when the
+    folder has none (a GGUF file's own vocabulary is not read back)."""
+    from logitlab.cli.models import load_model
+    from logitlab.io import checkpoint, hf
+    from logitlab.quant.gguf import save_gguf
+
+    path = Path(args.out)
+    if path.suffix != ".gguf":
+        raise ValueError(f"--gguf writes a file named *.gguf, got --out {path}")
+    if path.exists() and not args.overwrite:
+        raise FileExistsError(f"{path} exists (--overwrite replaces it)")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"no directory {path.parent} to write {path.name} into")
+    m = load_model(args.model, args.revision, args.dtype)
+    save_gguf(m.model, path, args.gguf, overwrite=args.overwrite)
+    note = ""
+    if hf.load_tokenizer(path.parent) is None:
+        m.tokenizer.save(path.parent / checkpoint.TOKENIZER_FILE)
+        note = f", its tokenizer beside it ({checkpoint.TOKENIZER_FILE})"
+    out.print(f"wrote GGUF file {path} ({args.gguf}, {path.stat().st_size / 2**20:,.1f} MiB){note}", soft_wrap=True)
+    return 0

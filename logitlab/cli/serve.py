@@ -29,6 +29,19 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--name", default=None, help="the model's name in the API (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
+    p.add_argument("--engine", choices=("paged", "contiguous"), default=None,
+                   help="paged (the default): a paged KV cache with prefix caching and chunked prefill; contiguous: "
+                   "the earlier engine, one shared cache rebuilt when a request cannot join (the default with --draft, "
+                   "whose speculative decoding of a request alone it alone has)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV block (paged; default 16)")
+    p.add_argument("--cache-blocks", type=int, default=None,
+                   help="KV blocks in the pool, the cache's memory budget (paged; default room for --max-batch full "
+                   "contexts); unreferenced prefix blocks are evicted least recently used first")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not share prompt blocks between requests (paged): a client can then not tell from "
+                   "its time to first token whether another client sent the same prefix")
+    p.add_argument("--chunk-tokens", type=int, default=128,
+                   help="prompt positions prefilled per step between decode steps (paged; default 128)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health and the explorer page "
@@ -54,16 +67,33 @@ def build_app(args):
     draft = load_draft(args, m.model)
     name = args.name or (args.model if m.provenance.get("revision") else Path(args.model).resolve().name)
     from logitlab.io.generation_config import sample_defaults
-    from logitlab.serve.engine import Engine
 
-    engine = Engine(m.model, eot_id=m.tokenizer.eot_id, token_bytes=m.tokenizer.token_bytes, max_batch=args.max_batch,
-                    speculative=None if draft is None else (draft, args.draft_k))
+    engine = _engine(args, m, draft)
     app = create_app(m.model, m.tokenizer, name=name, max_batch=args.max_batch,
                      max_body_bytes=args.max_body_bytes, end_ids=m.end_ids, api_key=key,
                      sample_defaults=sample_defaults(m.generation), engine=engine)
     app.state.notes = notes + ([f"a request alone is decoded speculatively (--draft {args.draft}, k {args.draft_k})"]
                                if draft is not None else [])
     return app
+
+
+def _engine(args, m, draft):
+    """The batching engine --engine names: paged (default), or contiguous (default with --draft)."""
+    from logitlab.serve.engine import Engine
+    from logitlab.serve.paged_engine import PagedEngine
+
+    kind = args.engine or ("contiguous" if draft is not None else "paged")
+    common = dict(eot_id=m.tokenizer.eot_id, token_bytes=m.tokenizer.token_bytes, max_batch=args.max_batch)
+    if kind == "contiguous":
+        return Engine(m.model, speculative=None if draft is None else (draft, args.draft_k), **common)
+    if draft is not None:
+        raise ValueError("--draft needs --engine contiguous: the paged engine does not decode speculatively")
+    for flag in ("block_size", "cache_blocks", "chunk_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    return PagedEngine(m.model, block_size=args.block_size, cache_blocks=args.cache_blocks,
+                       chunk_tokens=args.chunk_tokens, prefix_caching=not args.no_prefix_cache, **common)
 
 
 def api_key(args) -> str | None:

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from logitlab.serve import explorer
 from logitlab.serve.engine import DoneEvent, Engine, TokenEvent
+from logitlab.serve.paged_engine import PagedEngine
 from logitlab.serve.protocol import (
     MAX_TOP_LOGPROBS,
     ApiError,
@@ -356,8 +357,9 @@ def create_app(model, tokenizer, *, name: str = "logitlab", max_batch: int = 16,
                end_ids: tuple[int, ...] | None = None, engine: Engine | None = None,
                api_key: str | None = None, sample_defaults: dict | None = None) -> Starlette:
     """The ASGI app for `model` (in eval mode) and `tokenizer`, served as `name`. end_ids end a
-    generation besides the tokenizer's <|endoftext|>. The engine's thread starts with the app
-    (lifespan) and stops with it; pass `engine` to share or drive one yourself. With `api_key`,
+    generation besides the tokenizer's <|endoftext|>. The engine (a PagedEngine unless `engine` is
+    given) starts its thread with the app (lifespan) and stops with it; pass `engine` to share or
+    drive one yourself, or to serve with the contiguous Engine. With `api_key`,
     every route but /health and the explorer page needs `Authorization: Bearer API_KEY`.
     sample_defaults (SampleConfig fields: the model's generation_config.json) fill in what a request
     leaves out, before OpenAI's defaults; max_new_tokens among them is not used (max_tokens is)."""
@@ -365,7 +367,7 @@ def create_app(model, tokenizer, *, name: str = "logitlab", max_batch: int = 16,
         raise ValueError("api_key must not be empty (None serves without a key)")
     eot = tokenizer.eot_id
     ends = tuple(end_ids if end_ids is not None else ((eot,) if eot is not None else ()))
-    engine = engine or Engine(model, eot_id=eot, token_bytes=tokenizer.token_bytes, max_batch=max_batch)
+    engine = engine or PagedEngine(model, eot_id=eot, token_bytes=tokenizer.token_bytes, max_batch=max_batch)
     defaults = {k: v for k, v in (sample_defaults or {}).items() if k != "max_new_tokens"}
     served = Served(engine, tokenizer, name, max_body_bytes, ends, defaults)
 

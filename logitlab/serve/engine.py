@@ -19,8 +19,9 @@ Then each live row picks its token with its own SampleConfig and torch.Generator
 the running batch at the next step and never waits for another to finish; a finished one stops
 being sampled at once and frees its slot for the next arrival.
 
-`Engine.stats` counts steps, rebuilds, inserts (joins without a rebuild) and the rows per step. With
-`speculative=(draft, k)` a request alone is decoded speculatively (solo.py: rounds, drafts accepted).
+`Engine.stats` counts steps, rebuilds, inserts (joins without a rebuild), the rows per step and the
+tokens a rebuild computed again. With `speculative=(draft, k)` a request alone is decoded
+speculatively (solo.py: rounds, drafts accepted). paged_engine.py is the engine that never rebuilds.
 `step` is a plain method, so tests drive the engine by hand; `start()` runs it in a thread that
 sleeps while there is nothing to do. Shapes: B rows, S0 longest row, S key slots, V vocab.
 """
@@ -41,9 +42,8 @@ from logitlab.generate.stops import StopMatcher, StopStrings
 from logitlab.model.cache import KVCache
 from logitlab.serve import solo as solo_mod
 
-# Rows that finished stay in the batch (fed a dummy token) until a rebuild; a rebuild only to drop
-# them happens once they are at least this many and at least as many as the live rows, since it
-# costs a prefill of every live row.
+# Rows that finished stay in the batch (fed a dummy token) until a rebuild; a rebuild only to drop them
+# happens once they are at least this many and as many as the live rows (it prefills every live row).
 COMPACT_AFTER = 4
 
 
@@ -109,7 +109,7 @@ class Engine:
         self.model, self.eot_id, self.token_bytes, self.max_batch = model, eot_id, token_bytes, max_batch
         self.context = model.config.context_length
         self.stats = dict(steps=0, rebuilds=0, inserts=0, decodes=0, max_rows=0, shared_steps=0, cancelled=0,
-                          speculative_rounds=0, drafted=0, accepted=0)
+                          speculative_rounds=0, drafted=0, accepted=0, tokens_recomputed=0)
         # (draft, k): a request alone in the engine is decoded speculatively (speculative.py); see _solo_step
         self.speculative = speculative
         self._solo = None                                   # (request, its SpeculativeStream, its rounds)
@@ -179,9 +179,7 @@ class Engine:
             self.paused = paused
             self._lock.notify_all()
 
-    @property
-    def waiting(self) -> int:
-        return len(self._inbox)
+    waiting = property(lambda self: len(self._inbox))
 
     @property
     def running(self) -> int:
@@ -221,7 +219,8 @@ class Engine:
             return False
         with torch.inference_mode():
             plan = self._plan(b, live, joining)
-            if plan is None:
+            if plan is None:  # the live rows' ids so far (all but the newest token) are computed again
+                self.stats["tokens_recomputed"] += sum(len(r.ids) - 1 for r in live)
                 logits = self._rebuild(live + joining)
             else:
                 logits = self._decode(b)                                               # (B, V)
@@ -330,26 +329,27 @@ class Engine:
         return logits
 
     def _choose(self, logits: torch.Tensor) -> int:
-        """Each live row's token from its row of logits (B, V), its event, and its stop checks
-        -> how many rows got a token."""
-        V, produced = logits.shape[-1], 0
+        """Each live row's token from its row of logits (B, V) -> how many rows got a token."""
+        produced = 0
         for b, r in enumerate(self._batch.rows):
-            if r.finished or r.cancelled:
-                continue
-            row = logits[b:b + 1]                                                      # (1, V)
-            self._penalty_state(r, V, row.device)
-            token = int(pick(row, r.config, r.generator, **r.state)[0])
-            if token < 0:
-                self._finish(r, DoneEvent("error", "cannot choose the next token: "
-                                          + invalid_cause(row, 0, r.config, **r.state)))
-                continue
-            r.generated.append(token)
-            produced += 1
-            r.emit(self._event(row[0], token, r.top_logprobs))
-            reason = self._stop_reason(r, token)
-            if reason is not None:
-                self._finish(r, DoneEvent(reason))
+            if not (r.finished or r.cancelled):
+                produced += self._choose_one(r, logits[b:b + 1])
         return produced
+
+    def _choose_one(self, r: Request, row: torch.Tensor) -> bool:
+        """r's next token from its (1, V) logits, its event and its stop checks -> whether it got one."""
+        self._penalty_state(r, row.shape[-1], row.device)
+        token = int(pick(row, r.config, r.generator, **r.state)[0])
+        if token < 0:
+            self._finish(r, DoneEvent("error", "cannot choose the next token: "
+                                      + invalid_cause(row, 0, r.config, **r.state)))
+            return False
+        r.generated.append(token)
+        r.emit(self._event(row[0], token, r.top_logprobs))
+        reason = self._stop_reason(r, token)
+        if reason is not None:
+            self._finish(r, DoneEvent(reason))
+        return True
 
     @staticmethod
     def _event(logits: torch.Tensor, token: int, k: int) -> TokenEvent:
