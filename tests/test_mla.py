@@ -253,3 +253,35 @@ def test_lora_adapts_the_output_projection_and_names_what_latent_attention_lacks
         apply_lora(_model(), LoRAConfig())
     model = _model()
     assert apply_lora(model, LoRAConfig(targets="o_proj")) == ["blocks.0.attn.o_proj", "blocks.1.attn.o_proj"]
+
+
+@pytest.mark.parametrize("gather", ["index", "reference"])
+def test_the_paged_cache_keeps_latent_rows_in_its_blocks(gather):
+    """Batched decoding over blocks (a shared prefix, padding) equals generating each prompt alone."""
+    from logitlab.model.paged import PagedCache
+    from tests.test_paged import _decode_all
+
+    model = _model()
+    cache = PagedCache(model, n_blocks=24, block_size=4, max_seqs=4, gather=gather)
+    assert set(cache.k) == {0, 1} and cache.v == {} and cache.k[0].shape == (96, 1, R + DR)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [3, 4]]
+    outs, _ = _decode_all(model, cache, prompts, 6)
+    for p, out in zip(prompts, outs):
+        assert out == generate(model, p, SampleConfig(temperature=0, max_new_tokens=7)).tokens[0]
+    assert cache.blocks.hits == 2
+
+
+def test_the_paged_engine_serves_a_latent_attention_model():
+    from logitlab.serve.paged_engine import PagedEngine
+
+    model, done = _model(), {}
+    e = PagedEngine(model, block_size=4, chunk_tokens=6)
+    prompts = [list(range(1, 14)), [5, 6], list(range(1, 9)) + [30]]
+    greedy = SampleConfig(max_new_tokens=6, temperature=0)
+    for i, p in enumerate(prompts):
+        e.submit(p, greedy, lambda ev, i=i: done.setdefault(i, []).append(ev))
+    while e.step():
+        pass
+    for i, p in enumerate(prompts):
+        assert [ev.token for ev in done[i] if hasattr(ev, "token")] == generate(model, p, greedy).tokens[0]
+    assert e.stats["tokens_recomputed"] == 0
