@@ -22,7 +22,8 @@ def test_one_load_both_engines_same_tokens_and_the_report_renders(monkeypatch):
     loads = serve_paged._loads(model, quick=True)
     result = dict(command="python3 -m bench.serve_paged --quick", machine=dict(nproc=2, torch_threads=1),
                   model=dict(d_model=32, n_layers=2), loads=loads,
-                  prefix=dict(cached_ms=1, uncached_ms=9, contiguous_ms=8, ratio=9, ratio_min=8, ratio_max=10, repeats=1),
+                  prefix=dict(cached_ms=1, uncached_ms=9, contiguous_ms=8, ratio=9, ratio_min=8, ratio_max=10,
+                              repeats=1),
                   gathers=dict(rows=2, index_ms=1, reference_ms=2, ratio=2))
     text = serve_paged.render(result)
     assert "**paged / contiguous**" in text and "0 request(s) got other tokens" in text and "9.0x" in text
