@@ -285,3 +285,19 @@ def test_the_paged_engine_serves_a_latent_attention_model():
     for i, p in enumerate(prompts):
         assert [ev.token for ev in done[i] if hasattr(ev, "token")] == generate(model, p, greedy).tokens[0]
     assert e.stats["tokens_recomputed"] == 0
+
+
+def test_attention_patterns_are_the_same_in_both_forms():
+    """inspect reads the pattern (forward_with_attention): each form gives the same probabilities."""
+    model = _model()
+    ids = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(6))
+    patterns = {}
+    with torch.no_grad():
+        for form in ("expanded", "absorbed"):
+            set_mla_form(model, form)
+            logits, patterns[form] = model.forward_with_attention(ids)
+            torch.testing.assert_close(logits, model(ids), atol=2e-5, rtol=1e-5)
+    for a, b in zip(patterns["expanded"], patterns["absorbed"]):
+        assert a.shape == (1, 3, 7, 7)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.sum(-1), torch.ones(1, 3, 7))
