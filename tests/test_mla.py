@@ -301,3 +301,16 @@ def test_attention_patterns_are_the_same_in_both_forms():
         assert a.shape == (1, 3, 7, 7)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.sum(-1), torch.ones(1, 3, 7))
+
+
+def test_training_reaches_every_projection_and_norm():
+    import torch.nn.functional as F
+
+    model = _model().train()
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(7))
+    logits = model(ids[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    attn = dict(model.blocks[0].attn.named_parameters())
+    assert sorted(attn) == ["kv_a_norm.weight", "kv_a_proj.weight", "kv_b_proj.weight", "o_proj.weight",
+                            "q_a_norm.weight", "q_a_proj.weight", "q_b_proj.weight"]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in attn.values())
