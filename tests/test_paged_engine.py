@@ -179,8 +179,8 @@ def test_cli_serve_chooses_the_engine_and_names_bad_flags(tmp_path, capsys):
     checkpoint.save_model(_model(vocab_size=tok.vocab_size), d)
     tok.save(d / checkpoint.TOKENIZER_FILE)
     args = ["serve", str(d), "--port", "0"]
-    flags = args + ["--block-size", "8", "--cache-blocks", "50"]
-    paged = build_app(build_parser().parse_args(flags)).state.served.engine
+    paged_args = build_parser().parse_args(args + ["--block-size", "8", "--cache-blocks", "50"])
+    paged = build_app(paged_args).state.served.engine
     assert isinstance(paged, PagedEngine) and paged.stats["blocks_total"] == 50 and paged.stats["block_size"] == 8
     assert paged.cache.prefix_caching
     plain = build_app(build_parser().parse_args(args + ["--no-prefix-cache"])).state.served.engine

@@ -106,8 +106,8 @@ class PagedCache:
 
     @property
     def nbytes(self) -> int:
-        pools = (self.k, self.v, self.conv, self.recurrent)
-        return sum(t.numel() * t.element_size() for d in pools for t in d.values())
+        tables = (self.k, self.v, self.conv, self.recurrent)
+        return sum(t.numel() * t.element_size() for d in tables for t in d.values())
 
     def blocks_for(self, n_positions: int) -> int:
         return -(-n_positions // self.block_size)
