@@ -314,3 +314,15 @@ def test_training_reaches_every_projection_and_norm():
     assert sorted(attn) == ["kv_a_norm.weight", "kv_a_proj.weight", "kv_b_proj.weight", "o_proj.weight",
                             "q_a_norm.weight", "q_a_proj.weight", "q_b_proj.weight"]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in attn.values())
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_is_one_graph_through_the_absorbed_form():
+    from logitlab.generate.loop import decode_step
+    from logitlab.kernels.decode import compiled_decode_step
+
+    model = _model()
+    cfg = SampleConfig(max_new_tokens=6, temperature=0)
+    want = generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], cfg).tokens
+    step = compiled_decode_step(model, "aot_eager", step=decode_step)
+    assert generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], cfg, step=step).tokens == want
