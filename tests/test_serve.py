@@ -319,6 +319,28 @@ def test_explorer_page_and_its_json(client, model, tok):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "position"
 
 
+def test_explorer_attribution_and_patching_json(client, model, tok):
+    from logitlab.inspect.attribution import direct_logit_attribution
+    from logitlab.inspect.patching import activation_patching, logit_difference
+
+    ids = tok.encode("the other")
+    r = client.post("/v1/explore/attribution", json=dict(text="the other", position=1, token=5)).json()
+    want = direct_logit_attribution(model, ids, 5, None, 1)
+    assert r["parts"] == pytest.approx(want.parts, abs=1e-6) and r["logit"] == pytest.approx(want.logit, abs=1e-6)
+    top = client.post("/v1/explore/attribution", json=dict(text="the other")).json()
+    with torch.no_grad():
+        assert top["token"] == int(model(torch.tensor([ids]))[0, -1].argmax())
+    text = next(t for t in ("the ather", "the xther", "the othes", "xhe other") if len(tok.encode(t)) == len(ids))
+    corrupt = tok.encode(text)
+    p = client.post("/v1/explore/patch", json=dict(text="the other", corrupt=text, token="a", other="b")).json()
+    expected = activation_patching(model, ids, corrupt, logit_difference(*tok.encode("a"), *tok.encode("b")))
+    assert torch.tensor(p["scores"]).double().sub(expected.scores).abs().max() < 1e-3
+    bad = client.post("/v1/explore/patch", json=dict(text="the other", corrupt=text, token="ab", other="b"))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "token"
+    short = client.post("/v1/explore/patch", json=dict(text="the other", corrupt="the", token="a", other="b"))
+    assert short.status_code == 400 and "same number of tokens" in short.json()["error"]["message"]
+
+
 def test_cli_serve_builds_the_app_from_a_model_directory(tmp_path, capsys, model, tok):
     from logitlab.cli.main import build_parser, main
     from logitlab.cli.serve import build_app

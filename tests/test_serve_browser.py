@@ -154,3 +154,48 @@ def test_the_page_sends_the_api_key_from_the_address_or_its_field(site, tmp_path
     driver.find_element(By.ID, "look").click()
     wait.until(lambda d: "Incorrect API key" in d.find_element(By.ID, "summary").text)
     _shot(driver, tmp_path, "api-key")
+
+
+def test_the_page_shows_attention_weights_attribution_bars_and_the_patching_heatmap(site, tmp_path):
+    from logitlab.inspect.attribution import direct_logit_attribution
+    from logitlab.inspect.patching import activation_patching, logit_difference
+
+    driver, model, tok = site["driver"], site["model"], site["tok"]
+    wait = WebDriverWait(driver, 30)
+    driver.get(site["url"])
+    box = driver.find_element(By.ID, "text")
+    box.clear()
+    box.send_keys(TEXT)
+    driver.find_element(By.ID, "look").click()
+    ids = tok.encode(TEXT)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attribution rect.part")) > 0)
+    with torch.no_grad():
+        logits, weights = model.forward_with_attention(torch.tensor([ids]))
+    want = direct_logit_attribution(model, ids, int(logits[0, -1].argmax()))
+    shown = dict(driver.execute_script("return Array.from(document.querySelectorAll('#attribution rect.part'))"
+                                       ".map((r) => [r.dataset.name, Number(r.dataset.value)]);"))
+    assert shown == pytest.approx(want.parts, abs=1e-5)
+    assert float(driver.find_element(By.ID, "attribution-title").get_attribute("data-logit")) == pytest.approx(
+        want.logit, abs=1e-5)
+    canvas = driver.find_element(By.ID, "attention")            # hover the cell of query T-1, key 0 in layer 0 head 0
+    T = len(ids)
+    size = canvas.size["width"]
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(driver).move_to_element_with_offset(canvas, int(-size / 2 + size / T / 2),
+                                                     int(size / 2 - size / T / 2)).perform()
+    wait.until(lambda d: d.find_element(By.ID, "attention-value").get_attribute("data-weight"))
+    assert driver.find_element(By.ID, "attention-value").text.startswith(f"query {T - 1} ")
+    assert float(driver.find_element(By.ID, "attention-value").get_attribute("data-weight")) == pytest.approx(
+        float(weights[0][0, 0, T - 1, 0]), abs=1e-4)
+    corrupt = TEXT.replace("theme", "thene")                      # one byte token changed
+    assert len(tok.encode(corrupt)) == T
+    for field, value in (("patch-corrupt", corrupt), ("patch-token", "h"), ("patch-other", "t")):
+        driver.find_element(By.ID, field).send_keys(value)
+    driver.find_element(By.ID, "patch").click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#patch-grid td[data-score]"))
+    cells = driver.execute_script("return Array.from(document.querySelectorAll('#patch-grid td[data-score]'))"
+                                  ".map((c) => Number(c.dataset.score));")
+    expected = activation_patching(model, ids, tok.encode(corrupt), logit_difference(ord("h"), ord("t")))
+    assert cells == pytest.approx(expected.scores.flatten().tolist(), abs=1e-3)
+    _shot(driver, tmp_path, "interpret")

@@ -71,6 +71,7 @@ def other_cases(dtype: str):
     from logitlab.kernels import triton_attention_steps as steps
     from logitlab.kernels import triton_basics as basics
     from logitlab.kernels import triton_cross_entropy as ce
+    from logitlab.kernels import triton_grouped_gemm as gg
     from logitlab.kernels import triton_norm as norm
     from logitlab.kernels import triton_swiglu as swiglu
 
@@ -90,6 +91,13 @@ def other_cases(dtype: str):
                                       "gu_stride": "i32"}, {"BLOCK": 1024}
     yield ce._ce_rows_kernel, {"logits_ptr": p, "stride": "i32", "targets_ptr": "*i64", "loss_ptr": "*fp32",
                                "V": "i32", "ignore_index": "i32", "grad_scale": "fp32"}, {"BLOCK_V": 4096}
+    blocks = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}
+    strides = {k: "i32" for k in ("N", "K", "sx0", "sx1", "sw0", "sw1", "sw2")}
+    yield gg._grouped_mm_kernel, {"x_ptr": p, "w_ptr": p, "out_ptr": p, "tile_expert": "*i32", "tile_start": "*i32",
+                                  "tile_end": "*i32", **strides, "so0": "i32", "so1": "i32"}, blocks
+    yield gg._grouped_wgrad_kernel, {"dy_ptr": p, "x_ptr": p, "dw_ptr": p, "group_start": "*i32",
+                                     "group_end": "*i32", "N": "i32", "K": "i32", "sd0": "i32", "sd1": "i32",
+                                     **{k: "i32" for k in ("sx0", "sx1", "sw0", "sw1", "sw2")}}, blocks
     mm = {k: "i32" for k in ("M", "N", "K", "sa_b", "sa_m", "sa_k", "sb_b", "sb_k", "sb_n", "sc_b", "sc_m", "sc_n")}
     prec = {"UPCAST": False, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     yield steps._bmm_kernel, {"a_ptr": p, "b_ptr": p, "c_ptr": "*fp32", **mm, "scale": "fp32", "CAUSAL_FROM": "i32"}, {

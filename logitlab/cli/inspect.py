@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from logitlab.cli import interpret
 from logitlab.cli.common import add_examples
 from logitlab.cli.generate import _model_flags as model_flags
 from logitlab.cli.generate import _number as number
@@ -25,8 +26,11 @@ def register(subparsers) -> None:
     model_flags(i)
     add_examples(i, 'inspect runs/a "import os" --position 0 --lens',
                  'inspect runs/a "def main():\\n    return" --rows 5 --temperature 0.7 --top-p 0.9',
-                 'inspect gpt2 " the bank of the river" --neighbours " bank"')
-    i.add_argument("text", help="the text to look at (\\n and \\t are a newline and a tab); "
+                 'inspect gpt2 " the bank of the river" --neighbours " bank"',
+                 'inspect gpt2 --hooks',
+                 'inspect gpt2 "The capital of France is" --attribute " Paris- Rome"',
+                 'inspect gpt2 --patch "Paris is in" "Rome is in" --metric " France- Italy" --plot patch.png')
+    i.add_argument("text", nargs="?", help="the text to look at (\\n and \\t are a newline and a tab); "
                    "special-token text in it such as <|endoftext|> becomes its id unless --ordinary is given")
     i.add_argument("--ordinary", action="store_true", help="encode TEXT as plain text: special-token text stays "
                    "text (default: it becomes the special token's id)")
@@ -58,6 +62,7 @@ def register(subparsers) -> None:
     i.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token (<s>) first, or byte-level "
                    "BPE's end-of-text token, so the first token of TEXT is scored too (GPT-2 style)")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    interpret.add_flags(i)
     i.set_defaults(func=_inspect)
 
 
@@ -105,6 +110,10 @@ def _inspect(args) -> int:
     from logitlab.inspect import core as ins
 
     tok = (m := load(args)).tokenizer
+    if interpret.standalone(args):
+        return interpret.run_standalone(args, m)
+    if args.text is None:
+        raise ValueError("inspect needs TEXT (or one of --hooks, --patch, --save-direction, --probe)")
     ids = tok.encode(unescape(args.text), allowed_special="none" if args.ordinary else "all")
     first = tok.bos_id if tok.bos_id is not None else tok.eot_id  # <s>, or byte-level BPE's <|endoftext|>
     if args.bos and first is None:
@@ -140,6 +149,7 @@ def _inspect(args) -> int:
         token = _token_id(tok, args.neighbours)
         nearest = ins.embedding_neighbours(m.model, token, args.rows, label)  # checks the id
         report["neighbours"] = dict(id=token, text=label(token), nearest=nearest)
+    interpret.extend_report(args, m, ids, report)
     print(json.dumps(report, default=dataclasses.asdict, ensure_ascii=False)) if args.json \
         else _print_inspect(report, tok.token_bytes)
     return 0
@@ -199,6 +209,7 @@ def _print_inspect(report: dict, token_bytes) -> None:
         _print_linear(out, report["linear"], report["ids"], token_bytes)
     if "experts" in report:
         _print_experts(out, report["experts"], report["ids"], token_bytes)
+    interpret.print_report(out, report, token_bytes)
     if "neighbours" in report:
         nb = report["neighbours"]
         name = quote_token(token_bytes(nb["id"]))

@@ -16,7 +16,7 @@ def env_world_size() -> int:
         raise ValueError(f"environment variable WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
-_MESH_FLAGS = ("tp", "pp", "dp_replicate", "dp_shard")
+_MESH_FLAGS = ("tp", "pp", "ep", "dp_replicate", "dp_shard")
 
 
 def fit_resumed_mesh(args, cfg, world_size: int):

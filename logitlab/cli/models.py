@@ -124,6 +124,12 @@ def add_inference_flags(p, draft: bool = True) -> None:
     p.add_argument("--quant-kernel", choices=["auto", "reference", "packed"], default="auto",
                    help="matrix products of the quantized layers: torch's packed CPU kernels (packed), the plain "
                    "dequantize-then-matmul (reference), or whichever measured faster here (auto, the default)")
+    p.add_argument("--steer", metavar="FILE", help="add a steering direction (inspect --save-direction writes "
+                   "one) to the residual stream at every position of every forward")
+    p.add_argument("--steer-layer", type=int, metavar="L", help="with --steer: the block after which it is added "
+                   "(default: the file's)")
+    p.add_argument("--steer-scale", type=float, default=1.0, metavar="S", help="with --steer: how many times the "
+                   "direction is added (default 1; negative steers away)")
     if draft:
         p.add_argument("--draft", metavar="MODEL|ngram", default=None,
                        help="speculative decoding: a smaller MODEL sharing the tokenizer proposes tokens, or 'ngram' "
@@ -134,9 +140,10 @@ def add_inference_flags(p, draft: bool = True) -> None:
                        help="with --draft: tokens proposed per round (default 4)")
 
 
-def prepare_model(args, model) -> list[str]:
+def prepare_model(args, model, target: bool = True) -> list[str]:
     """--quantize applied to a loaded model, and the quantized layers' kernels chosen
-    (--quant-kernel) -> lines for stderr saying what was done and what the weights weigh."""
+    (--quant-kernel), and on the `target` model (not a draft) --steer -> lines for stderr saying what
+    was done and what the weights weigh."""
     from logitlab.quant import routes
     from logitlab.quant.apply import model_bytes, quantization_of, quantize_model
     from logitlab.quant.linear import QuantConfig
@@ -154,7 +161,24 @@ def prepare_model(args, model) -> list[str]:
         if not method:
             lines.append(f"weights quantized ({quantization.label}): {model_bytes(model) / 2**20:,.1f} MiB")
         lines.append(f"quantized matmuls: {handle.route} ({handle.layers} layers on torch's packed kernels)")
-    return lines
+    return lines + (steer_model(args, model) if target else [])
+
+
+def steer_model(args, model) -> list[str]:
+    """--steer: the direction's hook set on `model` for as long as the model is used (the command,
+    or the server it builds)."""
+    path = getattr(args, "steer", None)
+    if path is None:
+        return []
+    from logitlab.inspect.steering import add_steering, load_steering
+
+    if getattr(args, "compile", False):
+        raise ValueError("--steer adds a hook to every forward, which --compile's traced decode step would not "
+                         "see: give one of them")
+    s = load_steering(path, args.steer_scale, args.steer_layer)
+    add_steering(model, s)
+    return [f"steering: {path} added after block {s.layer}, scale {s.scale:g} (norm "
+            f"{float(s.direction.norm()) * abs(s.scale):.3f})"]
 
 
 def load_draft(args, target):
@@ -171,5 +195,5 @@ def load_draft(args, target):
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"--draft {spec}: its vocabulary has {draft.config.vocab_size} tokens, the model's "
                          f"{target.config.vocab_size}: a draft model must share the tokenizer")
-    prepare_model(args, draft)
+    prepare_model(args, draft, target=False)
     return draft

@@ -115,7 +115,8 @@ def register(subparsers) -> None:
                      "sft runs/demo --data chats.jsonl --out runs/sft --resume")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--samples", type=int, default=2, help="held-out prompts answered at each evaluation (default: 2)")
-    p.add_argument("--lora-targets", help="LoRA on these projections (q_proj,v_proj,... or all-linear); "
+    p.add_argument("--lora-targets", help="LoRA on these projections (q_proj,v_proj,... or all-linear; an "
+                   "MoE's experts: experts.gate_up_proj,experts.down_proj); "
                    "default: full fine-tuning")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default: 16)")

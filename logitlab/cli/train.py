@@ -176,7 +176,7 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "sav
                      "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory",
                      "attention_kernel",
                      # the layout: a checkpoint loads into any mesh (train.layouts.parallel_hooks)
-                     "tp", "pp", "dp_shard", "dp_replicate", "parallel", "sequence_parallel",
+                     "tp", "pp", "ep", "dp_shard", "dp_replicate", "parallel", "sequence_parallel",
                      "activation_checkpointing", "pp_schedule", "virtual_stages", "dist_timeout")
 
 

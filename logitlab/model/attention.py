@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.model.hooks import needs_eager, tap
 from logitlab.model.norms import make_norm
 from logitlab.model.positions import ALiBi
 from logitlab.model.rope import apply_rope
@@ -33,7 +34,7 @@ def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, n_groups, S, Dh).reshape(B, Hkv * n_groups, S, Dh)
 
 
-def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, scale=None):
+def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, hook=None, scale=None):
     """The reference path: softmax(q k^T / sqrt(Dh) + mask) v, softmax in float32; `scale`, when
     given, replaces 1 / sqrt(Dh) (multi-head latent attention's, mla.softmax_scale).
 
@@ -43,6 +44,8 @@ def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, scale=None)
     sinks (H,) or None: a learned logit per head that joins each row's softmax denominator and
     takes no value (gpt-oss): weights = exp(scores) / (sum exp(scores) + exp(sink)), so a head
     can put its attention "nowhere" and the row's weights sum to less than 1.
+    hook: None or hook(name, tensor) -> tensor, given the scores after the mask (name "scores") and the
+    weights (name "pattern"): an Attention module's hook points (hooks.py).
     Returns (out (B, H, T, Dh), weights (B, H, T, S) in q's dtype)."""
     T, S, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
     scores = torch.matmul(q, k.transpose(-2, -1))                      # (B, H, T, S)
@@ -53,6 +56,8 @@ def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, scale=None)
         scores = scores + mask
     elif mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if hook is not None:
+        scores = hook("scores", scores)
     if sinks is None:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
@@ -60,6 +65,8 @@ def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, scale=None)
         sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)   # (B, H, T, 1)
         full = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
         weights = full[..., :S].to(q.dtype)                                # the sink's share dropped
+    if hook is not None:
+        weights = hook("pattern", weights)
     return torch.matmul(weights, v), weights
 
 
@@ -98,6 +105,13 @@ class Attention(nn.Module):
     - ALiBi (positions="alibi"): a distance bias per head, passed to SDPA as a float mask;
     - bidirectional (attention="bidirectional", an encoder): is_causal is never applied, so a query
       reads every key the mask allows (the Transformer's mask then holds only padding)."""
+
+    HOOKS = {"q": "(B, T, H, Dh) queries after QK-norm and RoPE", "k": "(B, T, Hkv, Dh) this call's keys after "
+             "QK-norm and RoPE", "v": "(B, T, Hkv, Dh) this call's values", "scores": "(B, H, T, S) q.k / "
+             "sqrt(Dh) after the mask (-inf: masked); runs the layer's eager path", "pattern": "(B, H, T, S) "
+             "the attention weights; runs the layer's eager path", "z": "(B, T, H, Dh) each head's output, "
+             "what o_proj reads (after the output gate)"}
+    _taps = None                                                   # hooks.py: hooks set for a call
 
     def __init__(self, config, layer_type: str = "full_attention"):
         super().__init__()
@@ -146,11 +160,13 @@ class Attention(nn.Module):
             mask, is_causal = self._window_mask(mask, cache, layer, T, k.shape[2], x.device)
         if self.alibi is not None:
             mask, is_causal = self._alibi_mask(mask, is_causal, cache, layer, T, k.shape[2], q), False
-        out, weights = self._attend(q, k, v, mask, is_causal, impl, need_weights)   # (B, H, T, Dh)
+        # a hook on the scores or the pattern asks for the eager path, as need_weights does
+        out, weights = self._attend(q, k, v, mask, is_causal, impl, need_weights or needs_eager(self))
         out = out.transpose(1, 2).reshape(B, T, H * Dh)            # (B, H, T, Dh) -> (B, T, H*Dh)
         if self.gate_proj is not None:
             gate = torch.sigmoid(self.gate_proj(x))                # (B, T, H*Dh) or (B, T, H)
             out = (out.view(B, T, H, Dh) * gate.view(B, T, H, -1)).view(B, T, H * Dh)
+        out = tap(self, "z", out, (B, T, H, Dh))
         return self.o_proj(out), (weights if need_weights else None)
 
     def _project(self, x, rope):
@@ -173,6 +189,7 @@ class Attention(nn.Module):
             q, k = qk.split((H, Hkv), dim=2)
         if q.dtype != dtype:                                       # rotated in float32 under autocast
             q, k = q.to(dtype), k.to(dtype)
+        q, k, v = tap(self, "q", q), tap(self, "k", k), tap(self, "v", v)     # hook points: hooks.py
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _window_mask(self, mask, cache, layer, T, S, device):
@@ -202,8 +219,9 @@ class Attention(nn.Module):
         signature."""
         if need_weights or impl == "eager" or self.sinks is not None:
             # sinks: SDPA has no extra softmax column, so the reference path computes them
+            hook = None if self._taps is None else lambda name, t: tap(self, name, t)
             return eager_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
-                                   mask, is_causal, self.sinks)
+                                   mask, is_causal, self.sinks, hook)
         if _SDPA_GQA:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                   enable_gqa=self.n_groups > 1), None

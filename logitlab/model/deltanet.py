@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.model.hooks import tap
 from logitlab.model.norms import GatedRMSNorm
 
 # Positions per chunk of the chunked form, by device type. The results agree to rounding for any
@@ -160,6 +161,14 @@ class GatedDeltaNet(nn.Module):
     goes through a gated RMSNorm with z = in_proj_z(x) and out_proj: Hv*Dv -> D.
     The parameter names are those of the Qwen3.5 checkpoints, so the key map is the identity."""
 
+    HOOKS = {"q": "(B, T, Hv, Dk) float32 queries, normalised and scaled", "k": "(B, T, Hv, Dk) float32 keys, "
+             "normalised", "v": "(B, T, Hv, Dv) values", "g": "(B, T, Hv) float32 log-decay (the gate a_t = exp g)",
+             "beta": "(B, T, Hv) float32 the delta rule's learning rate", "o": "(B, T, Hv, Dv) float32 the "
+             "rule's output S_t^T q_t", "z": "(B, T, Hv, Dv) the output gate's input (silu(z) multiplies)",
+             "state": "(B, Hv, Dk, Dv) float32 the state after the call's last position (with a cache, "
+             "what the next call starts from)"}
+    _taps = None                                                   # hooks.py: hooks set for a call
+
     def __init__(self, config):
         super().__init__()
         D = config.d_model
@@ -204,12 +213,13 @@ class GatedDeltaNet(nn.Module):
         v = v.view(B, T, self.Hv, self.Dv)
         if self.Hv != self.Hk:                                    # value head j reads key head j // G
             q, k = (t.repeat_interleave(self.Hv // self.Hk, dim=2) for t in (q, k))
-        beta = torch.sigmoid(self.in_proj_b(x).float())                                     # (B, T, Hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        o = self._rule(q, k, v, g, beta, state, impl)                                       # (B, T, Hv, Dv)
+        q, k, v = tap(self, "q", q), tap(self, "k", k), tap(self, "v", v)                  # hook points: hooks.py
+        beta = tap(self, "beta", torch.sigmoid(self.in_proj_b(x).float()))                  # (B, T, Hv)
+        g = tap(self, "g", -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()))
+        o = tap(self, "o", self._rule(q, k, v, g, beta, state, impl))                       # (B, T, Hv, Dv)
         if record is not None:  # what inspect.mixers reads: the rule's inputs per value head
             record.update(g=g.detach(), beta=beta.detach(), q=q.detach(), k=k.detach(), v=v.float().detach())
-        z = self.in_proj_z(x).view(B, T, self.Hv, self.Dv)
+        z = tap(self, "z", self.in_proj_z(x).view(B, T, self.Hv, self.Dv))
         o = self.norm(o.to(x.dtype), z)                                                     # (B, T, Hv, Dv)
         return self.out_proj(o.reshape(B, T, self.Hv * self.Dv))
 
@@ -229,10 +239,12 @@ class GatedDeltaNet(nn.Module):
     def _rule(self, q, k, v, g, beta, state, impl):
         initial = state.recurrent if state is not None else None
         if state is not None and q.shape[1] == 1 and impl != "eager":
-            return gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                         state.recurrent).unsqueeze(1)
-        rule = gated_delta_rule_reference if impl == "eager" else gated_delta_rule_chunked
-        o, final = rule(q, k, v, g, beta, initial)
-        if state is not None:
+            o = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent).unsqueeze(1)
+            final = state.recurrent                                # updated in place
+        else:
+            rule = gated_delta_rule_reference if impl == "eager" else gated_delta_rule_chunked
+            o, final = rule(q, k, v, g, beta, initial)
+        final = tap(self, "state", final)                          # hook point: hooks.py
+        if state is not None and final is not state.recurrent:
             state.recurrent.copy_(final)
         return o

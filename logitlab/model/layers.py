@@ -17,6 +17,7 @@ from torch import nn
 
 from logitlab.model.attention import ATTN_IMPLS, Attention, eager_attention, repeat_kv
 from logitlab.model.deltanet import GatedDeltaNet
+from logitlab.model.hooks import tap
 from logitlab.model.mla import MLA
 from logitlab.model.mlp import GeluMLP, SwiGLU, gelu, make_mlp
 from logitlab.model.moe import MoE
@@ -67,6 +68,12 @@ class Block(nn.Module):
     experts (moe.py; `mlp_type` says which). Dropout (config.dropout, training only)
     acts on each sublayer's output before the add."""
 
+    HOOKS = {"resid_pre": "(B, T, D) the residual stream entering the block",
+             "attn_out": "(B, T, D) the token mixer's output (attention or Gated DeltaNet)",
+             "resid_mid": "(B, T, D) the residual stream after the mixer's add",
+             "mlp_out": "(B, T, D) the MLP's output", "resid_post": "(B, T, D) the block's output"}
+    _taps = None                                                   # hooks.py: hooks set for a call
+
     def __init__(self, config, layer_type: str = "full_attention", mlp_type: str = "dense"):
         super().__init__()
         self.layer_type = layer_type
@@ -103,12 +110,13 @@ class Block(nn.Module):
         them); key_rope: see Attention.forward; record: a dict for Gated DeltaNet's g and beta and an
         MoE layer's routing (router logits, experts, weights)."""
         args = (cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record)
+        x = tap(self, "resid_pre", x)                              # hook points: hooks.py
         if self.post_norm:
             a, weights = self._mix(x, rope, *args)
-            x = self.attn_norm(x + self._drop(a))
-            x = self.mlp_norm(x + self._drop(self._mlp(x, record)))
+            x = tap(self, "resid_mid", self.attn_norm(x + tap(self, "attn_out", self._drop(a))))
+            x = self.mlp_norm(x + tap(self, "mlp_out", self._drop(self._mlp(x, record))))
         else:
             a, weights = self._mix(self.attn_norm(x), rope, *args)
-            x = x + self._drop(a)
-            x = x + self._drop(self._mlp(self.mlp_norm(x), record))
-        return x, weights
+            x = tap(self, "resid_mid", x + tap(self, "attn_out", self._drop(a)))
+            x = x + tap(self, "mlp_out", self._drop(self._mlp(self.mlp_norm(x), record)))
+        return tap(self, "resid_post", x), weights

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.model.hooks import tap
+
 _GELU_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
 
 
@@ -29,6 +31,9 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 class GeluMLP(nn.Module):
     """down_proj(gelu(up_proj(x))): D -> F -> D (GPT-2; approximate="tanh" is GPT-2's gelu_new)."""
 
+    HOOKS = {"pre": "(B, T, F) up_proj(x), the GELU's input", "post": "(B, T, F) gelu(pre), what down_proj reads"}
+    _taps = None                                                   # hooks.py: hooks set for a call
+
     def __init__(self, config):
         super().__init__()
         self.approximate = config.gelu_approximate
@@ -36,7 +41,8 @@ class GeluMLP(nn.Module):
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu(self.up_proj(x), self.approximate))
+        h = tap(self, "pre", self.up_proj(x))                      # (B, T, F); hook points: hooks.py
+        return self.down_proj(tap(self, "post", gelu(h, self.approximate)))
 
 
 class SwiGLU(nn.Module):
@@ -44,6 +50,10 @@ class SwiGLU(nn.Module):
 
     gate_up_proj: D -> 2F, its output rows are the gate (F), then the up projection (F): one
     matrix product instead of two. d_ff: another width than config.d_ff (an MoE's shared expert)."""
+
+    HOOKS = {"pre": "(B, T, F) the gate, silu's input", "up": "(B, T, F) the linear branch",
+             "post": "(B, T, F) silu(pre) * up, what down_proj reads"}
+    _taps = None                                                   # hooks.py: hooks set for a call
 
     def __init__(self, config, d_ff: int | None = None):
         super().__init__()
@@ -53,7 +63,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # (B, T, F) views each
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = tap(self, "pre", gate), tap(self, "up", up)    # hook points: hooks.py
+        return self.down_proj(tap(self, "post", F.silu(gate) * up))
 
 
 def make_mlp(config) -> nn.Module:

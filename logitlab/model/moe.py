@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.model.hooks import tap
 from logitlab.model.mlp import SwiGLU
 
 MOE_IMPLS = ("auto", "loop", "grouped", "gather")
@@ -177,19 +178,32 @@ class Experts(nn.Module):
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
-    def per_expert(self) -> list[tuple]:
-        """(gate_up, gate_up_bias, down, down_bias) of each expert, views made by one unbind per
-        tensor: its backward stacks the experts' gradients once, where indexing the stacked
-        parameter expert by expert would add a zero-filled gradient of all E experts for each."""
-        E = self.n_experts
-        parts = [t.unbind(0) if t is not None else (None,) * E
-                 for t in (self.gate_up_proj, self.gate_up_bias, self.down_proj, self.down_bias)]
+    def stacked(self) -> tuple:
+        """(gate_up (E, 2F, D), gate_up_bias, down (E, D, F), down_bias): the tensors every form
+        multiplies by. A LoRA on the experts (train/lora.py) overrides it to add its update."""
+        return self.gate_up_proj, self.gate_up_bias, self.down_proj, self.down_bias
+
+    def per_expert(self, stacked: tuple | None = None) -> list[tuple]:
+        """(gate_up, gate_up_bias, down, down_bias) of each expert of `stacked` (default:
+        self.stacked()), views made by one unbind per tensor: its backward stacks the experts'
+        gradients once, where indexing the stacked parameter expert by expert would add a
+        zero-filled gradient of all E experts for each."""
+        stacked = stacked or self.stacked()
+        E = stacked[0].shape[0]
+        parts = [t.unbind(0) if t is not None else (None,) * E for t in stacked]
         return list(zip(*parts))
 
     def expert(self, e: int, x: torch.Tensor, weights: list[tuple] | None = None) -> torch.Tensor:
         """Expert e on x (n, D) -> (n, D); weights: per_expert(), when the caller runs several."""
         w1, b1, w2, b2 = (weights or self.per_expert())[e]
         return F.linear(self.act(F.linear(x, w1, b1)), w2, b2)
+
+    def products(self, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
+                 stacked: tuple | None = None) -> torch.Tensor:
+        """rows (n, D) grouped by expert -> each through its expert (group_products). stacked: the
+        experts' tensors (default: self.stacked(); expert parallelism passes this rank's). A
+        Triton grouped-GEMM kernel (kernels/triton_grouped_gemm.py) overrides this method."""
+        return group_products(self, rows, counts, ids, stacked)
 
 
 # ------------------------------------------------------------------------------------------
@@ -210,20 +224,26 @@ def experts_loop(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
     return out
 
 
+def sort_by_expert(experts: torch.Tensor, keep: torch.Tensor | None, n_experts: int):
+    """The kept (token, slot) assignments of experts (N, K) ordered by expert, token order kept
+    within one -> (used (n,) their flat indices t * K + k, counts (E,) per expert, ids (n,) their
+    experts, token (n,) their tokens)."""
+    N, K = experts.shape
+    flat = experts.reshape(-1)                                             # (N*K,)
+    if keep is not None:
+        flat = flat.masked_fill(~keep.reshape(-1), n_experts)              # dropped: a last group
+    order = torch.argsort(flat, stable=True)                               # (N*K,) by expert
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]     # (E,) rows per expert
+    used = order[:int(counts.sum())]                                       # the kept assignments
+    return used, counts, flat[used], used // K
+
+
 def experts_grouped(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
     """Sorted dispatch: the N*K assignments ordered by expert (token order kept within one), the
     tokens gathered in that order, one product per expert over its rows (group_products),
     weighted and added back to their tokens."""
-    N, K = experts.shape
-    E = ex.n_experts
-    flat = experts.reshape(-1)                                             # (N*K,)
-    if keep is not None:
-        flat = flat.masked_fill(~keep.reshape(-1), E)                      # dropped: a last group
-    order = torch.argsort(flat, stable=True)                               # (N*K,) by expert
-    counts = torch.bincount(flat, minlength=E + 1)[:E]                     # (E,) rows per expert
-    used = order[:int(counts.sum())]                                       # the kept assignments
-    token = used // K                                                      # (n,) their tokens
-    y = group_products(ex, x[token], counts, flat[used])                   # (n, D)
+    used, counts, ids, token = sort_by_expert(experts, keep, ex.n_experts)
+    y = ex.products(x[token], counts, ids)                                 # (n, D)
     y = y * weights.reshape(-1)[used, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -239,19 +259,22 @@ def _grouped_mm_fits(rows: torch.Tensor) -> bool:
     return rows.device.type in ("cpu", "cuda") and (rows.shape[-1] * rows.element_size()) % 16 == 0
 
 
-def group_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def group_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
+                   stacked: tuple | None = None) -> torch.Tensor:
     """rows (n, D) grouped by expert, counts[e] of them for expert e in turn (ids[i]: row i's
     expert) -> each row through its expert, (n, D): torch's grouped matrix product (one call per
-    projection for all groups) where it takes the rows, else one product per non-empty group."""
-    Fe = ex.down_proj.shape[-1]
+    projection for all groups) where it takes the rows, else one product per non-empty group.
+    stacked: the experts' tensors (ex.stacked() by default)."""
+    w1, b1, w2, b2 = stacked or ex.stacked()
+    Fe = w2.shape[-1]
     if _grouped_mm_fits(rows) and (Fe * rows.element_size()) % 16 == 0 and rows.shape[0]:
         offs = counts.cumsum(0).to(torch.int32)                            # (E,) end of each group
-        h = F.grouped_mm(rows, ex.gate_up_proj.transpose(1, 2), offs=offs)              # (n, 2F)
-        if ex.gate_up_bias is not None:
-            h = h + ex.gate_up_bias[ids]
-        y = F.grouped_mm(ex.act(h), ex.down_proj.transpose(1, 2), offs=offs)            # (n, D)
-        return y + ex.down_bias[ids] if ex.down_bias is not None else y
-    per_expert, sizes = ex.per_expert(), counts.tolist()
+        h = F.grouped_mm(rows, w1.transpose(1, 2), offs=offs)                           # (n, 2F)
+        if b1 is not None:
+            h = h + b1[ids]
+        y = F.grouped_mm(ex.act(h), w2.transpose(1, 2), offs=offs)                      # (n, D)
+        return y + b2[ids] if b2 is not None else y
+    per_expert, sizes = ex.per_expert((w1, b1, w2, b2)), counts.tolist()
     ys = [ex.expert(e, chunk, per_expert) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
     return torch.cat(ys) if ys else rows
 
@@ -259,12 +282,13 @@ def group_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: t
 def experts_gather(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
     """Each token through its own K experts' gathered weights: (N, K, 2F, D) and (N, K, D, F)
     copies, so meant for a handful of tokens (decoding)."""
-    h = torch.einsum("nd,nkfd->nkf", x, ex.gate_up_proj[experts])         # (N, K, 2F)
-    if ex.gate_up_bias is not None:
-        h = h + ex.gate_up_bias[experts]
-    y = torch.einsum("nkf,nkdf->nkd", ex.act(h), ex.down_proj[experts])    # (N, K, D)
-    if ex.down_bias is not None:
-        y = y + ex.down_bias[experts]
+    w1, b1, w2, b2 = ex.stacked()
+    h = torch.einsum("nd,nkfd->nkf", x, w1[experts])                      # (N, K, 2F)
+    if b1 is not None:
+        h = h + b1[experts]
+    y = torch.einsum("nkf,nkdf->nkd", ex.act(h), w2[experts])             # (N, K, D)
+    if b2 is not None:
+        y = y + b2[experts]
     w = weights if keep is None else weights * keep
     return torch.einsum("nkd,nk->nd", y, w.to(x.dtype))
 
@@ -285,6 +309,10 @@ class MoE(nn.Module):
     (E,), a buffer], experts.* (see Experts), shared.gate_up_proj / shared.down_proj (a SwiGLU of
     width Fs), shared_gate.weight (1, D). `impl` picks the form of the expert products (MOE_IMPLS)."""
 
+    HOOKS = {"router_logits": "(B, T, E) float32: the router's logits", "experts": "(B, T, K) int: the experts "
+             "each token goes to", "weights": "(B, T, K) float32: their weights (0 drops an expert's share)"}
+    _taps = None                                                   # hooks.py: hooks set for a call
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -300,12 +328,13 @@ class MoE(nn.Module):
         experts (N, K), weights (N, K) and dropped (the share of assignments over capacity)."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)                                         # (N, D)
-        logits = self.router(flat)                                         # (N, E) float32
+        logits = tap(self, "router_logits", self.router(flat), (B, T, -1))   # (N, E) float32; hooks.py
         weights, experts = route(logits, self.config, self.router.correction_bias)
+        weights, experts = tap(self, "weights", weights, (B, T, -1)), tap(self, "experts", experts, (B, T, -1))
         keep = capacity_keep(experts, self.config.n_experts, expert_capacity(self.config, B * T))
-        out = _FORMS[self.form(B * T)](self.experts, flat, weights, experts, keep)
+        out = self.routed(flat, weights, experts, keep)                   # (N, D)
         if self.shared is not None:
-            shared = self.shared(flat)                                     # (N, D)
+            shared = self.shared(x).reshape(B * T, D)                      # (N, D); its hooks see (B, T, Fs)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
@@ -313,6 +342,12 @@ class MoE(nn.Module):
             dropped = (1.0 - keep.float().mean()) if keep is not None else torch.zeros((), device=x.device)
             record.update(router_logits=logits, experts=experts, weights=weights, dropped=dropped)
         return out.view(B, T, D)
+
+    def routed(self, x, weights, experts, keep) -> torch.Tensor:
+        """The routed experts' weighted sum for each token: x (N, D) -> (N, D), by the form
+        `impl` names. Expert parallelism (parallel/expert.py) overrides this method: the
+        tokens travel to the ranks that hold their experts and back."""
+        return _FORMS[self.form(x.shape[0])](self.experts, x, weights, experts, keep)
 
     def form(self, n_tokens: int) -> str:
         """The form `impl` names; "auto": grouped, or gather for a few tokens (N * K <= E) while

@@ -78,6 +78,7 @@ from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's o
     describe_type,
 )
 from logitlab.model.deltanet import GatedDeltaNet
+from logitlab.model.hooks import final_norm, tap
 from logitlab.model.layers import ATTN_IMPLS, Block
 from logitlab.model.moe import Experts, Router
 from logitlab.model.norms import LayerNorm, RMSNorm, ZeroCenteredRMSNorm, make_norm
@@ -100,6 +101,11 @@ class Transformer(nn.Module):
     cached decode trace as one graph with no breaks (a prefill and a decode length each get one
     graph; the cache length becomes a dynamic size after it first changes, not a recompile per step).
     """
+
+    HOOKS = {"embed": "(B, T, D) token embeddings", "pos_embed": "(B|1, T, D) position embeddings (learned, "
+             "sinusoidal)", "final_norm.scale": "(B, T, 1) float32: 1 / rms (1 / std for LayerNorm) of the "
+             "final norm", "logits": "(B, T, V)"}
+    _taps = None                                                   # hooks.py: hooks set for a call
 
     def __init__(self, config: ModelConfig, attn_impl: str = "sdpa"):
         super().__init__()
@@ -206,8 +212,8 @@ class Transformer(nn.Module):
         checked its ids already passes it), as validate_inputs=False does for every call. records: a
         list that receives what some layers record, one dict per layer with its index under "layer"
         (an MoE layer's routing, which its training losses read; see _run)."""
-        return self.unembed(self._run(ids, cache, positions, attn_mask, check_values=check_values,
-                                      records=records)[0])
+        h = self._run(ids, cache, positions, attn_mask, check_values=check_values, records=records)[0]
+        return tap(self, "logits", self.unembed(h))
 
     def forward_features(self, ids, *, cache=None, positions=None, attn_mask=None) -> torch.Tensor:
         """-> h (B, T, D), the last block's output BEFORE the final norm; forward(ids) equals
@@ -237,7 +243,7 @@ class Transformer(nn.Module):
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, T, D), a residual-stream state before the final norm -> logits (B, T, V):
         final norm, LM head, padded columns dropped (the logit lens reads any block this way)."""
-        return self._head(self.final_norm(h))
+        return self._head(final_norm(self, h))                     # self.final_norm(h), hook points: hooks.py
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, T, D) after the final norm -> logits (B, T, V).
@@ -279,9 +285,9 @@ class Transformer(nn.Module):
         window = (attn_mask, torch.arange(past, S, device=ids.device))
         pad = attn_mask[:, past:S] if attn_mask is not None else None
 
-        x = self.tok_emb(ids)                                      # (B, T, D)
+        x = tap(self, "embed", self.tok_emb(ids))                  # (B, T, D)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)                        # (B or 1, T, D) broadcast over B
+            x = x + tap(self, "pos_embed", self.pos_emb(positions))   # (B or 1, T, D) broadcast over B
         rope, key_rope = self._rope_tables(positions, cache, S, x.dtype)
         hidden, weights = ([x] if want_hidden else []), []
         for i, block in enumerate(self.blocks):

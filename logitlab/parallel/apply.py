@@ -1,7 +1,9 @@
 """One call that parallelises a built Transformer by a ParallelPlan, in a fixed order (as
 torchtitan's parallelize_llama does): pipeline stages cut first (each rank keeps its layers),
-then tensor/sequence parallelism, activation checkpointing, torch.compile, and data parallelism
-last (FSDP2 over the dp dimensions of the mesh, or DDP / ZeRO-1 in a pure data-parallel job).
+then tensor/sequence parallelism, expert parallelism, activation checkpointing, torch.compile,
+and data parallelism last (FSDP2 over the dp dimensions of the mesh, the experts of an
+expert-parallel model over the dp ranks their ep groups leave; or DDP / ZeRO-1 in a pure
+data-parallel job).
 
     par = parallelize(model, ParallelPlan(tp=2, dp_shard=2), info)
     optimizer = par.build_optimizer(lr=3e-4, weight_decay=0.1)
@@ -25,7 +27,8 @@ from torch import nn
 
 from logitlab.parallel import pipeline as pp_mod
 from logitlab.parallel.activation import apply_activation_checkpointing
-from logitlab.parallel.mesh import ParallelPlan, build_mesh, dp_coordinates, dp_mesh
+from logitlab.parallel.expert import apply_expert_parallel, expert_modules
+from logitlab.parallel.mesh import ParallelPlan, build_mesh, dp_coordinates, dp_mesh, expert_dp_mesh, expert_mesh
 from logitlab.parallel.setup import DistInfo, current_info
 from logitlab.parallel.tensor import (
     apply_tensor_parallel,
@@ -49,6 +52,7 @@ class Parallelized:
     schedule: object = None
     stages: list = field(default_factory=list)
     timers: list = field(default_factory=list)
+    expert_mesh: object = None           # (pp, dp_replicate, efsdp, ep, tp) when ep > 1 (mesh.expert_mesh)
 
     @property
     def model(self) -> nn.Module:
@@ -77,6 +81,17 @@ class Parallelized:
                     out.append(p)
         return out
 
+    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the data-parallel ranks (in place; every rank calls it): what an
+        MoE's balancing loss needs to count its experts' loads over the global batch."""
+        if not self.info.distributed:
+            return tensor
+        if self.plan.tp > 1 or self.plan.pp > 1:
+            raise ValueError("sum_over_dp: with --tp or --pp the ranks of a replica share rows; a sum over all "
+                             "ranks would count them more than once")
+        dist.all_reduce(tensor)
+        return tensor
+
     def build_optimizer(self, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8,
                         param_groups=None):
         """AdamW over this rank's parameters (ZeroRedundancyOptimizer for parallel='zero1').
@@ -92,19 +107,24 @@ class Parallelized:
         return nn.ModuleList(self.modules) if len(self.modules) > 1 else self.modules[0]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool = True,
-                         scale: float = 1.0) -> torch.Tensor | None:
+                         scale: float = 1.0, loss_fn=None) -> torch.Tensor | None:
         """Forward and backward of this replica's rows x, y (B, T); gradients accumulate (scaled
         by `scale`, e.g. 1 / grad_accum); `sync=False` skips the data-parallel reduction (all but
-        the last micro-step). -> the mean loss of these rows (None on pipeline ranks without the last stage)."""
+        the last micro-step). loss_fn(x, y) -> the loss to differentiate, calling the wrapped
+        model itself (an MoE's router losses; default: the cross-entropy of model(x)); not
+        under pipeline parallelism, whose schedule computes the loss.
+        -> the mean loss of these rows (None on pipeline ranks without the last stage)."""
         device = self.info.device
         x, y = x.to(device), y.to(device)
+        if loss_fn is not None and self.pipelined:
+            raise ValueError("forward_backward: a loss_fn is not available under pipeline parallelism")
         if self.pipelined:
             with _pipeline_sync(self.modules, sync):
                 losses = pp_mod.run_schedule(self.schedule, self.stages, self.n_stages, x, y, scale)
             return torch.stack(losses).mean() if losses else None
         model = self.model
         with sync_gradients(model, sync), loss_parallel_context(_inner(model)):
-            loss = vocab_parallel_loss(model(x), y)
+            loss = vocab_parallel_loss(model(x), y) if loss_fn is None else loss_fn(x, y)
             (loss * scale).backward()
         return loss.detach()
 
@@ -144,18 +164,35 @@ def _mp_policy(mixed_precision: bool, device: torch.device):
     return MixedPrecisionPolicy()
 
 
-def _data_parallel(module: nn.Module, plan: ParallelPlan, mesh, info: DistInfo, mixed_precision: bool):
+def _data_parallel(module: nn.Module, plan: ParallelPlan, mesh, info: DistInfo, mixed_precision: bool,
+                   emesh=None):
     if plan.dp == 1:
         return module
     policy = _mp_policy(mixed_precision, info.device)
     if plan.parallel in ("ddp", "zero1"):
         return apply_zero(module, plan.parallel, info)
+    if emesh is not None:
+        _shard_experts(module, plan, emesh, policy)
     return apply_zero(module, plan.parallel, info, mesh=dp_mesh(plan, mesh), mp_policy=policy)
 
 
-def _shard_one(module: nn.Module, plan: ParallelPlan, mesh, seq_len: int | None) -> nn.Module:
+def _shard_experts(module: nn.Module, plan: ParallelPlan, emesh, policy) -> None:
+    """FSDP2 for the experts of an expert-parallel model, before their blocks: over the dp ranks
+    the ep groups leave (mesh.expert_dp_mesh), on dim 1 (dim 0, the experts, is already split
+    over ep), the gradient averaged over those ranks (expert.py has divided it by ep already)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    for experts in expert_modules(module):
+        fully_shard(experts, mesh=expert_dp_mesh(plan, emesh), mp_policy=policy,
+                    reshard_after_forward=plan.parallel == "fsdp", shard_placement_fn=lambda p: Shard(1))
+
+
+def _shard_one(module: nn.Module, plan: ParallelPlan, mesh, seq_len: int | None, emesh=None) -> nn.Module:
     if plan.tp > 1:
         apply_tensor_parallel(module, mesh["tp"], plan.sequence_parallel, seq_len, sharded_logits=plan.pp == 1)
+    if emesh is not None:
+        apply_expert_parallel(module, emesh["ep"])
     apply_activation_checkpointing(module, plan.activation_checkpointing)
     if plan.compile:
         for block in (module.blocks.values() if isinstance(module.blocks, nn.ModuleDict) else module.blocks):
@@ -166,8 +203,8 @@ def _shard_one(module: nn.Module, plan: ParallelPlan, mesh, seq_len: int | None)
 def parallelize(model: nn.Module, plan: ParallelPlan, info: DistInfo | None = None, *,
                 seq_len: int | None = None, mixed_precision: bool = False) -> Parallelized:
     """Apply `plan` to a built model (same weights expected on every rank: rank 0's are
-    broadcast first), in the order pipeline, TP, activation checkpointing, compile, data parallel.
-    Build the optimizer afterwards (Parallelized.build_optimizer)."""
+    broadcast first), in the order pipeline, TP, EP, activation checkpointing, compile, data
+    parallel. Build the optimizer afterwards (Parallelized.build_optimizer)."""
     info = info or current_info()
     plan = plan.resolve(info.world_size)
     model = split_fused_projections(model.to(info.device))
@@ -178,8 +215,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, info: DistInfo | None = No
     mesh = build_mesh(plan, info)
     dp = dp_coordinates(plan, mesh)
     if plan.pp == 1:
-        module = _data_parallel(_shard_one(model, plan, mesh, seq_len), plan, mesh, info, mixed_precision)
-        return Parallelized(plan, info, mesh, [module], dp)
+        emesh = expert_mesh(plan, mesh)
+        module = _shard_one(model, plan, mesh, seq_len, emesh)
+        module = _data_parallel(module, plan, mesh, info, mixed_precision, emesh)
+        return Parallelized(plan, info, mesh, [module], dp, expert_mesh=emesh)
     if plan.tp > 1 and plan.sequence_parallel:
         raise ValueError("sequence parallel inside pipeline stages is not supported here; use --pp with plain --tp")
     pp_rank = mesh["pp"].get_local_rank()

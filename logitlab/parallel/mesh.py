@@ -9,6 +9,14 @@ GPU cluster its ranks should share a node (NVLink); pipeline stages exchange onl
 at their borders and sit outermost. dp_shard ranks shard weights, gradients and optimizer state
 (FSDP2); dp_replicate ranks hold replicas of those shards (HSDP when both are > 1). A plan
 with dp_shard = -1 takes every rank the other dimensions leave.
+
+Expert parallelism borrows data-parallel ranks, as torchtitan does: the dp_shard ranks of a
+mixture-of-experts model split into dp_shard / ep groups of ep consecutive ranks, each group
+holding every expert once (E / ep per rank) and trading tokens by all-to-all (expert.py). The
+other weights stay sharded over all dp_shard ranks; the experts are sharded over the rest
+(`efsdp` = dp_shard / ep, and dp_replicate). expert_mesh gives that view of the same ranks:
+
+    dims (outer to inner)  pp, dp_replicate, efsdp, ep, tp      (efsdp x ep = dp_shard)
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from logitlab.parallel.zero import ZERO_STAGES
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-_FLAGS = {"pp": "--pp", "dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "tp": "--tp"}
+_FLAGS = {"pp": "--pp", "dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "tp": "--tp", "ep": "--ep"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,9 @@ class ParallelPlan:
 
     parallel: the data-parallel method over dp ranks (ddp, zero1, zero2, fsdp); with tp or pp
     > 1 it must be an FSDP2 stage (zero2 or fsdp) or, with a single dp rank, anything.
-    n_microbatches: pipeline micro-batches per step (default: 2 x pp)."""
+    n_microbatches: pipeline micro-batches per step (default: 2 x pp).
+    ep: expert-parallel degree, a divisor of dp_shard (see the module docstring); with ep > 1
+    `parallel` must be an FSDP2 stage."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -44,9 +54,10 @@ class ParallelPlan:
     n_microbatches: int | None = None
     virtual_stages: int = 1
     compile: bool = False
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("pp", "dp_replicate", "tp", "virtual_stages"):
+        for name in ("pp", "dp_replicate", "tp", "virtual_stages", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({_FLAGS.get(name, name)}) must be a positive integer, got {value!r}")
@@ -84,6 +95,7 @@ class ParallelPlan:
                              f"{self.tp} = {product}, but the world size is {world_size} (torchrun "
                              "--nproc_per_node x --nnodes); make the product equal it")
         plan = dataclasses.replace(self, dp_shard=dp_shard)
+        _check_ep(plan)
         if plan.parallel in ("ddp", "zero1") and (plan.tp > 1 or plan.pp > 1 or plan.dp_replicate > 1) \
                 and plan.dp > 1:
             raise ValueError(f"parallel {plan.parallel!r} is plain data parallelism over every rank; with --tp, "
@@ -101,6 +113,20 @@ class ParallelPlan:
 
     def microbatches(self) -> int:
         return self.n_microbatches or 2 * self.pp * self.virtual_stages
+
+
+def _check_ep(plan: ParallelPlan) -> None:
+    if plan.ep == 1:
+        return
+    if plan.dp_shard % plan.ep:
+        raise ValueError(f"--ep {plan.ep} must divide --dp-shard {plan.dp_shard}: expert parallelism splits the "
+                         "data-parallel shard ranks into groups of ep ranks that hold every expert once")
+    if plan.parallel not in ("fsdp", "zero2"):
+        raise ValueError(f"--ep {plan.ep} composes with FSDP2 ('fsdp' or 'zero2'), not parallel {plan.parallel!r}: "
+                         "the experts are sharded over the ep ranks and the rest over the dp ranks")
+    if plan.pp > 1 or plan.tp > 1:
+        raise ValueError(f"--ep {plan.ep} with --pp {plan.pp} / --tp {plan.tp}: expert parallelism composes with "
+                         "data parallelism here (FSDP, HSDP), not yet with tensor or pipeline parallelism")
 
 
 def build_mesh(plan: ParallelPlan, info: DistInfo):
@@ -123,3 +149,17 @@ def dp_mesh(plan: ParallelPlan, mesh):
     """The DeviceMesh FSDP2 shards over: (dp_replicate, dp_shard), HSDP, when dp_replicate > 1
     (replicas of dp_shard-way shards), else the 1-D dp_shard one."""
     return mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def expert_mesh(plan: ParallelPlan, mesh):
+    """The same ranks as `mesh` with dp_shard split into (efsdp, ep), ep innermost (an ep group is
+    ep consecutive ranks: one node on a GPU cluster), or None when ep is 1. expert.py's
+    all-to-all runs over mesh["ep"]; the experts' FSDP2 shards over expert_dp_mesh."""
+    if plan.ep == 1:
+        return None
+    return mesh._unflatten("dp_shard", (plan.dp_shard // plan.ep, plan.ep), ("efsdp", "ep"))
+
+
+def expert_dp_mesh(plan: ParallelPlan, emesh):
+    """The mesh the experts' FSDP2 shards over: (dp_replicate, efsdp) when dp_replicate > 1, else efsdp."""
+    return emesh["dp_replicate", "efsdp"] if plan.dp_replicate > 1 else emesh["efsdp"]

@@ -108,7 +108,8 @@ def save_sharded(directory: str | os.PathLike, par, optimizer=None, *, step: int
         _barrier()
         if main:
             meta = {"format": FORMAT, "version": 1, "step": step, "model_config": par_config(par).to_dict(),
-                    "layout": dict(zip(("pp", "dp_replicate", "dp_shard", "tp"), par.plan.shape)),
+                    "layout": {**dict(zip(("pp", "dp_replicate", "dp_shard", "tp"), par.plan.shape)),
+                               "ep": par.plan.ep},
                     "world_size": par.info.world_size, "has_optimizer": optimizer is not None,
                     "state": state or {}}
             for name, data in (extra_files or {}).items():

@@ -7,6 +7,11 @@
     logit-lens grid (layers x positions: top token and probability) and the attention weights
     per layer and head;
   - POST /v1/explore/neighbours {"id", "k"?}: the token's embedding neighbours (inspect.core);
+  - POST /v1/explore/attribution {"text", "position"?, "token"?}: direct logit attribution
+    (inspect.attribution) of `token` (default: the model's top next token) after `position`;
+  - POST /v1/explore/patch {"text", "corrupt", "token", "other"}: activation patching of the
+    residual stream per layer and position (inspect.patching), the restored share of the logit
+    difference token - other (each a string of one token) from the corrupted text into `text`;
   - POST /v1/explore/next {"text", "position", "temperature", "top_k", "top_p", "min_p", "rows"?}:
     inspect.core.next_token_table at that position (the "next" of `inspect --json`): each
     candidate's logit, softmax probability and the probability the sampler draws from after the
@@ -146,7 +151,69 @@ async def neighbours_route(request: Request) -> JSONResponse:
                          "nearest": [dataclasses.asdict(n) for n in found]})
 
 
+def attribution(model, ids: list[int], position: int, token: int | None) -> dict:
+    """The attribution view: parts and heads of the logit of `token` (or the top next token)."""
+    from logitlab.inspect.attribution import direct_logit_attribution
+
+    if token is None:
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids], device=next(model.parameters()).device))[0, position].argmax())
+    return dataclasses.asdict(direct_logit_attribution(model, ids, token, None, position))
+
+
+def _one_token(body: dict, field: str, tokenizer) -> int:
+    text = body.get(field)
+    ids = tokenizer.encode(text) if isinstance(text, str) and text else []
+    if len(ids) != 1:
+        raise ApiError(400, f"'{field}' must be a string of exactly one token, got {len(ids)} tokens", field)
+    return ids[0]
+
+
+def patch(model, clean: list[int], corrupt: list[int], token: int, other: int) -> dict:
+    """The patching view: resid_pre per layer (rows) and position (columns)."""
+    from logitlab.inspect.patching import activation_patching, logit_difference
+
+    r = activation_patching(model, clean, corrupt, logit_difference(token, other))
+    return {"names": r.names, "scores": [[round(v, 4) for v in row] for row in r.scores.tolist()],
+            "clean": r.clean, "corrupt": r.corrupt}
+
+
+async def attribution_route(request: Request) -> JSONResponse:
+    served = _served(request)
+    try:
+        body = await _json(request)
+        ids = _text_ids(body, served.tokenizer, served.context)
+        position = integer(body, "position", -1, -len(ids), len(ids) - 1)
+        token = integer(body, "token", None, 0, served.engine.model.config.vocab_size - 1)
+        report = await run_in_threadpool(attribution, served.engine.model, ids, position, token)
+    except ApiError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except ValueError as exc:
+        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+    report["text"] = served.tokenizer.decode([report["token"]])
+    return JSONResponse(report)
+
+
+async def patch_route(request: Request) -> JSONResponse:
+    served = _served(request)
+    try:
+        body = await _json(request)
+        clean = _text_ids(body, served.tokenizer, served.context)
+        if len(clean) > MAX_ATTENTION_TOKENS:
+            raise ApiError(400, f"patching takes texts of up to {MAX_ATTENTION_TOKENS} tokens", "text")
+        corrupt = _text_ids({"text": body.get("corrupt")}, served.tokenizer, served.context)
+        token, other = _one_token(body, "token", served.tokenizer), _one_token(body, "other", served.tokenizer)
+        report = await run_in_threadpool(patch, served.engine.model, clean, corrupt, token, other)
+    except ApiError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except ValueError as exc:
+        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+    return JSONResponse(report)
+
+
 def routes() -> list[Route]:
     return [Route("/", page), Route("/v1/explore", explore_route, methods=["POST"]),
+            Route("/v1/explore/attribution", attribution_route, methods=["POST"]),
+            Route("/v1/explore/patch", patch_route, methods=["POST"]),
             Route("/v1/explore/next", next_route, methods=["POST"]),
             Route("/v1/explore/neighbours", neighbours_route, methods=["POST"])]

@@ -81,6 +81,8 @@ class TrainConfig:
     dp_shard: int = _f(-1, "data-parallel ranks that shard the model (-1: what the world size leaves)")
     dp_replicate: int = _f(1, "data-parallel replicas of the sharded groups (HSDP when > 1)")
     sequence_parallel: bool = _f(False, "with --tp: norms and residuals sharded along the sequence")
+    ep: int = _f(1, "expert-parallel degree of a mixture of experts: each MoE layer's experts spread over ep "
+                    "of the --dp-shard ranks, tokens sent to them by all-to-all (parallel.expert; needs fsdp)")
     activation_checkpointing: Literal["none", "selective", "full"] = _f(
         "none", "recompute activations in backward: none, selective (keep matmul and attention outputs) or "
         "full (per block)")
@@ -113,10 +115,10 @@ class TrainConfig:
     @property
     def data_parallel(self) -> str:
         """`parallel` with "auto" decided: fsdp when the layout shards (dp_shard or dp_replicate
-        above 1) or cuts the model (tp, pp: plain DDP cannot be combined with them), else ddp."""
+        above 1) or cuts the model (tp, pp, ep: plain DDP cannot be combined with them), else ddp."""
         if self.parallel != "auto":
             return self.parallel
-        sharded = self.dp_shard > 1 or self.dp_replicate > 1 or self.tp > 1 or self.pp > 1
+        sharded = self.dp_shard > 1 or self.dp_replicate > 1 or self.tp > 1 or self.pp > 1 or self.ep > 1
         return "fsdp" if sharded else "ddp"
 
     @property
@@ -131,16 +133,16 @@ class TrainConfig:
         size when the ranks start)."""
         from logitlab.parallel.mesh import ParallelPlan
 
-        return ParallelPlan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
+        return ParallelPlan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, ep=self.ep,
                             parallel=self.data_parallel if self.data_parallel != "none" else "ddp",
                             sequence_parallel=self.sequence_parallel,
                             activation_checkpointing=self.activation_checkpointing, pp_schedule=self.pp_schedule,
                             virtual_stages=self.pipeline_virtual_stages if self.pp > 1 else 1)
 
     def needs_nd_loop(self) -> bool:
-        """Tensor or pipeline parallel, or ZeRO-1: layouts with sharded checkpoints
+        """Tensor, pipeline or expert parallel, or ZeRO-1: layouts with sharded checkpoints
         (train.layouts.sharded_hooks runs them through the main loop)."""
-        return self.tp > 1 or self.pp > 1 or self.data_parallel == "zero1"
+        return self.tp > 1 or self.pp > 1 or self.ep > 1 or self.data_parallel == "zero1"
 
     def _check_ranges(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_tokens", "keep_last", "log_every"):

@@ -82,7 +82,8 @@ def sharded_hooks(config: TrainConfig, info: DistInfo | None = None, *, resume: 
     layout = NDLayout(config, plan, info)
     dp_rank, dp = dp_coordinates(layout.plan, info.rank)
     pp_, rep, shard, tp = layout.plan.shape
-    words = (f"pp {pp_} x dp_replicate {rep} x dp_shard {shard} x tp {tp} ({layout.plan.parallel} over dp) on "
+    ep = f" (ep {layout.plan.ep})" if layout.plan.ep > 1 else ""
+    words = (f"pp {pp_} x dp_replicate {rep} x dp_shard {shard}{ep} x tp {tp} ({layout.plan.parallel} over dp) on "
              f"{info.world_size} process(es); sharded checkpoints RUN/{CKPT_PREFIX}STEP")
     return ParallelHooks(
         rank=dp_rank, world_size=dp, is_main=info.is_main, devices=info.world_size, layout=words,

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from logitlab.train.lora_moe import EXPERT_PARTS, apply_expert_lora, expert_lora_modules
+
 HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -74,9 +76,10 @@ class LoRAConfig:
             raise ValueError(f"LoRA alpha must be > 0, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        unknown = [t for t in self.targets if t not in HF_TARGETS]
+        unknown = [t for t in self.targets if t not in HF_TARGETS and t not in EXPERT_PARTS]
         if unknown or not self.targets:
-            raise ValueError(f"LoRA targets {unknown or '(none)'} are not among {HF_TARGETS} or 'all-linear'")
+            raise ValueError(f"LoRA targets {unknown or '(none)'} are not among {HF_TARGETS + tuple(EXPERT_PARTS)} "
+                             "or 'all-linear'")
         if self.tie not in ("untie", "shared", "refuse"):
             raise ValueError(f"tie must be 'untie', 'shared' or 'refuse', got {self.tie!r}")
 
@@ -189,24 +192,37 @@ def _untie(model, config: LoRAConfig) -> None:
     model.config = dataclasses.replace(model.config, tie_embeddings=False)
 
 
+def _wanted_projections(model, config: LoRAConfig) -> dict[str, list]:
+    """Module name -> the (target, first row, end row) parts to adapt in it, for every block's
+    projections (not the head, not the experts). gate/up/down reach the dense layers only."""
+    parts = projection_parts(model)
+    wanted: dict[str, list] = {}
+    for target in config.targets:
+        if target == "lm_head" or target in EXPERT_PARTS:
+            continue
+        if target not in parts:
+            latent = " with multi-head latent attention" if getattr(model.config, "is_mla", False) else ""
+            here = [*parts, "lm_head", *(EXPERT_PARTS if model.config.is_moe else ())]
+            raise ValueError(f"LoRA target {target!r} does not exist in a {model.config.mlp} model{latent} "
+                             f"(targets here: {', '.join(here)})")
+        suffix, a, b = parts[target]
+        kinds = model.config.mlp_kinds
+        layers = [i for i, kind in enumerate(kinds) if kind == "dense" or not suffix.startswith("mlp.")]
+        if not layers and config.targets != ALL_LINEAR:
+            raise ValueError(f"LoRA target {target!r}: every layer of this model is a mixture of experts; its "
+                             f"experts take the targets {', '.join(EXPERT_PARTS)}")
+        for i in layers:
+            wanted.setdefault(f"blocks.{i}.{suffix}", []).append((target, a, b))
+    return wanted
+
+
 def apply_lora(model, config: LoRAConfig, seed: int | None = None) -> list[str]:
     """Freeze every parameter of `model` (in place) and wrap the targets -> the wrapped module names.
     seed: the A matrices' initialisation draws from a generator seeded with it (None: torch's global one)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed) if seed is not None else None
     for p in model.parameters():
         p.requires_grad_(False)
-    parts = projection_parts(model)
-    wanted: dict[str, list] = {}
-    for target in config.targets:
-        if target == "lm_head":
-            continue
-        if target not in parts:
-            latent = " with multi-head latent attention" if getattr(model.config, "is_mla", False) else ""
-            raise ValueError(f"LoRA target {target!r} does not exist in a {model.config.mlp} model{latent} "
-                             f"(targets here: {', '.join([*parts, 'lm_head'])})")
-        suffix, a, b = parts[target]
-        for i in range(len(model.blocks)):
-            wanted.setdefault(f"blocks.{i}.{suffix}", []).append((target, a, b))
+    wanted = _wanted_projections(model, config)
     if "lm_head" in config.targets:
         if model.config.padded_vocab_size != model.config.vocab_size:
             raise ValueError("LoRA on lm_head needs an unpadded vocabulary (vocab_pad_multiple=1): a padded "
@@ -223,8 +239,9 @@ def apply_lora(model, config: LoRAConfig, seed: int | None = None) -> list[str]:
                                          config.scaling, config.dropout, generator))
     if "lm_head" in wanted and model.config.tie_embeddings:       # tie="shared": both sides adapted
         model.tok_emb = SharedLoRAEmbedding(model.tok_emb, model.lm_head)
+    experts = apply_expert_lora(model, config.targets, config.r, config.scaling, config.dropout, generator)
     model.lora_config = config
-    return sorted(wanted)
+    return sorted([*wanted, *experts])
 
 
 def lora_modules(model) -> dict[str, LoRALinear]:
@@ -233,13 +250,13 @@ def lora_modules(model) -> dict[str, LoRALinear]:
 
 def merge_lora(model) -> None:
     """Add every adapter's s * B A into its base weight (forward then skips the adapters)."""
-    for m in lora_modules(model).values():
+    for m in [*lora_modules(model).values(), *expert_lora_modules(model).values()]:
         m.merge()
 
 
 def unmerge_lora(model) -> None:
     """Subtract what merge_lora added (exact up to float rounding)."""
-    for m in lora_modules(model).values():
+    for m in [*lora_modules(model).values(), *expert_lora_modules(model).values()]:
         m.unmerge()
 
 
@@ -257,6 +274,8 @@ def merged_model(model):
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
     for name, m in lora_modules(model).items():
         state[f"{name}.weight"] = m.weight if m.merged else m.weight + m.delta_weight()
+    for name, m in expert_lora_modules(model).items():
+        state.update({f"{name}.{part}": w for part, w in m.adapted_weights().items()})
     if model.config.tie_embeddings and "lm_head.weight" in state:   # tie="shared": one adapted matrix
         state["tok_emb.weight"] = state.pop("lm_head.weight")
     plain.load_state_dict(state, strict=not model.config.tie_embeddings)
@@ -275,6 +294,8 @@ def base_model(model):
     for name, m in lora_modules(model).items():
         if m.merged:
             state[f"{name}.weight"] = m.weight - m.delta_weight()
+    for name, m in expert_lora_modules(model).items():
+        state.update({f"{name}.{part}": w for part, w in m.base_weights().items()})
     plain.load_state_dict(state, strict=not model.config.tie_embeddings)
     plain.tie_weights()
     return plain.eval()

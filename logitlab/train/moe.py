@@ -29,35 +29,62 @@ import torch
 from logitlab.train.loss import cross_entropy
 
 
-def _layer_stats(logits: torch.Tensor, experts: torch.Tensor, n_experts: int, mask: torch.Tensor | None):
-    """(f (E,) share of the layer's assignments per expert, P (E,) mean router probability, rows):
-    logits (N, E), experts (N, K); mask (N,) float or None leaves padded tokens out."""
-    probs = torch.softmax(logits.float(), dim=-1)                          # (N, E)
-    K = experts.shape[-1]
-    weight = torch.ones(experts.shape[0], device=logits.device) if mask is None else mask.float()
-    counts = torch.zeros(n_experts, device=logits.device).scatter_add_(
-        0, experts.reshape(-1), weight.repeat_interleave(K))               # (E,) assignments
-    rows = weight.sum()
-    return counts / rows, (probs * weight[:, None]).sum(0) / rows, rows
-
-
-def load_balancing_loss(records: list[dict], n_experts: int, attention_mask: torch.Tensor | None = None,
-                        pooled: bool = False) -> torch.Tensor:
-    """The Switch load-balancing loss of the MoE layers in `records` (Transformer.forward's records:
-    router_logits (N, E), experts (N, K) per layer). attention_mask (B, T) with B * T = N: padded
-    tokens (False / 0) left out. The mean over layers of E * sum_i f_i P_i, or (pooled) the layers'
-    f and P summed first, as transformers' load_balancing_loss_func computes it."""
+def routing_stats(records: list[dict], n_experts: int, mask: torch.Tensor | None = None):
+    """What the balancing loss reads from the MoE layers of `records`: (counts (L_moe, E) the
+    assignments per expert, detached; probs (L_moe, E) the summed router probabilities, with their
+    gradient; rows (L_moe,) the tokens counted). mask (N,) float or None leaves padded tokens out."""
     layers = [r for r in records if "router_logits" in r]
     if not layers:
         raise ValueError("no MoE layer recorded its routing: is the model a mixture of experts?")
+    counts, probs, rows = [], [], []
+    for r in layers:
+        logits, experts = r["router_logits"], r["experts"]                 # (N, E), (N, K)
+        weight = torch.ones(experts.shape[0], device=logits.device) if mask is None else mask.float()
+        counts.append(torch.zeros(n_experts, device=logits.device).scatter_add_(
+            0, experts.reshape(-1), weight.repeat_interleave(experts.shape[-1])))   # (E,)
+        probs.append((torch.softmax(logits.float(), dim=-1) * weight[:, None]).sum(0))  # (E,)
+        rows.append(weight.sum())
+    return torch.stack(counts).detach(), torch.stack(probs), torch.stack(rows).detach()
+
+
+def sum_stats(counts: torch.Tensor, rows: torch.Tensor, reduce) -> tuple:
+    """(counts, rows, R): the counts and rows summed over the ranks by `reduce` (a tensor -> its
+    sum over the data-parallel ranks, one collective for both) and R the number of ranks; as
+    they are, with R = 1, when reduce is None."""
+    if reduce is None:
+        return counts, rows, 1.0
+    E = counts.shape[-1]
+    packed = torch.cat([counts, rows[:, None], torch.ones_like(rows)[:, None]], dim=1).double()
+    packed = reduce(packed)                                                # (L_moe, E + 2)
+    return packed[:, :E].to(counts.dtype), packed[:, E].to(rows.dtype), float(packed[0, E + 1])
+
+
+def balance_loss(counts, probs, rows, n_experts: int, pooled: bool = False, ranks: float = 1.0) -> torch.Tensor:
+    """E * sum_i f_i P_i from routing_stats' parts: f the share of assignments per expert, P the
+    mean router probability, per layer then averaged (or, pooled, over all layers at once).
+
+    With data parallelism, counts and rows are those of the global batch (sum_stats) while probs
+    are this rank's, and P is this rank's part of the global mean times the number of ranks R:
+    the mean over ranks of this rank's loss is then the loss of the global batch, and so is the
+    mean of their gradients (f carries none), as in one process."""
+    if pooled:
+        counts, probs, rows = counts.sum(0, keepdim=True), probs.sum(0, keepdim=True), rows.sum(0, keepdim=True)
+    f = counts / rows[:, None]                                             # (L, E) share of assignments
+    P = ranks * probs / rows[:, None]                                      # (L, E) mean router probability
+    return (n_experts * (f * P).sum(-1)).mean()
+
+
+def load_balancing_loss(records: list[dict], n_experts: int, attention_mask: torch.Tensor | None = None,
+                        pooled: bool = False, reduce=None) -> torch.Tensor:
+    """The Switch load-balancing loss of the MoE layers in `records` (Transformer.forward's records:
+    router_logits (N, E), experts (N, K) per layer). attention_mask (B, T) with B * T = N: padded
+    tokens (False / 0) left out. The mean over layers of E * sum_i f_i P_i, or (pooled) the layers'
+    f and P summed first, as transformers' load_balancing_loss_func computes it. reduce: a
+    tensor -> its sum over the data-parallel ranks (sum_stats, balance_loss)."""
     mask = None if attention_mask is None else attention_mask.reshape(-1)
-    stats = [_layer_stats(r["router_logits"], r["experts"], n_experts, mask) for r in layers]
-    if not pooled:
-        return torch.stack([n_experts * (f * p).sum() for f, p, _ in stats]).mean()
-    rows = sum(n for _, _, n in stats)
-    f = sum(f * n for f, _, n in stats) / rows
-    p = sum(p * n for _, p, n in stats) / rows
-    return n_experts * (f * p).sum()
+    counts, probs, rows = routing_stats(records, n_experts, mask)
+    counts, rows, R = sum_stats(counts, rows, reduce)
+    return balance_loss(counts, probs, rows, n_experts, pooled, R)
 
 
 def router_z_loss(records: list[dict]) -> torch.Tensor:
@@ -84,28 +111,34 @@ class RouterLoss:
     * load_balancing_loss + router_z_loss_coef * router_z_loss (the coefficients are the model's
     config). `last` holds the detached parts of the latest call: ce_loss, aux_loss, z_loss,
     router_entropy, load (L_moe, E) and dropped. compile: as train.loss.loss_fn (the grouped
-    dispatch reads the expert counts on the host, so the graph breaks there: never fullgraph)."""
+    dispatch reads the expert counts on the host, so the graph breaks there: never fullgraph).
+    reduce: a tensor -> its sum over the data-parallel ranks, for the balancing loss of the
+    global batch (balance_loss) and the global load; it runs outside the compiled part."""
 
-    def __init__(self, model, config, compile: bool | str = False):
-        self.model, self.config, self.last = model, config, None
+    def __init__(self, model, config, compile: bool | str = False, reduce=None):
+        self.model, self.config, self.reduce, self.last = model, config, reduce, None
         self._parts = self._compute
         if compile:
             self._parts = torch.compile(self._compute, backend=compile if isinstance(compile, str) else "inductor")
 
     def _compute(self, ids: torch.Tensor, targets: torch.Tensor):
         records: list[dict] = []
-        c = self.config
         ce = cross_entropy(self.model(ids, records=records), targets)
-        aux, z = load_balancing_loss(records, c.n_experts), router_z_loss(records)
-        loss = ce + c.router_aux_loss_coef * aux + c.router_z_loss_coef * z
+        counts, probs, rows = routing_stats(records, self.config.n_experts)
+        z = router_z_loss(records)
         with torch.no_grad():
-            parts = dict(ce_loss=ce, aux_loss=aux, z_loss=z, router_entropy=router_entropy(records),
-                         load=expert_load(records, c.n_experts),
-                         dropped=torch.stack([r["dropped"] for r in records if "dropped" in r]).mean())
-        return loss, {k: v.detach() for k, v in parts.items()}
+            dropped = torch.stack([r["dropped"] for r in records if "dropped" in r]).mean()
+            entropy = router_entropy(records)
+        return ce, z, counts, probs, rows, entropy, dropped
 
     def __call__(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss, self.last = self._parts(ids, targets)
+        c = self.config
+        ce, z, counts, probs, rows, entropy, dropped = self._parts(ids, targets)
+        total, rows_all, R = sum_stats(counts, rows, self.reduce)            # over the global batch
+        aux = balance_loss(total, probs, rows_all, c.n_experts, ranks=R)
+        loss = ce + c.router_aux_loss_coef * aux + c.router_z_loss_coef * z
+        self.last = {k: v.detach() for k, v in dict(ce_loss=ce, aux_loss=aux, z_loss=z, router_entropy=entropy,
+                                                    load=total, dropped=dropped).items()}
         return loss
 
 

@@ -129,6 +129,7 @@ class NDLayout:
         self.config, self.info = config, info
         self.plan = plan.resolve(info.world_size)
         self.par: Parallelized | None = None
+        self.loss = None                  # an MoE's RouterLoss (_router_loss), else the cross-entropy
         if self.plan.pp > 1:
             _check_microbatches(config.batch_size, self.plan)
 
@@ -142,6 +143,7 @@ class NDLayout:
         model.to(device).train()
         loaded = self._read_resume(run, resume)
         run.wrapped = hooks.wrap(model)   # run.model stays the unwrapped Transformer (its config, FLOPs)
+        self._router_loss(run, model)
         if (self.par.dp.rank, self.par.dp.world_size) != (hooks.rank, hooks.world_size):
             raise RuntimeError(f"data-parallel coordinates {hooks.rank}/{hooks.world_size} of the hooks differ from "
                                f"the mesh's {self.par.dp.rank}/{self.par.dp.world_size}")
@@ -190,9 +192,19 @@ class NDLayout:
                                mixed_precision=self.config.precision == "bf16")
         return self.par.model
 
+    def _router_loss(self, run: Run, model) -> None:
+        """An MoE without pipeline or tensor parallelism: the router's losses join the step's
+        (train.moe.RouterLoss), the balancing loss counted over the global batch, and logged."""
+        if not model.config.is_moe or self.par.pipelined or self.plan.tp > 1:
+            return
+        from logitlab.train.moe import RouterLoss, RoutingLog
+
+        self.loss = run.compute_loss = RouterLoss(self.par.model, model.config, reduce=self.par.sum_over_dp)
+        run.routing = RoutingLog(self.config.router_bias_update_rate)
+
     # -- a step --------------------------------------------------------------------------------
     def forward_backward(self, wrapped, x: torch.Tensor, y: torch.Tensor, sync: bool, scale: float):
-        return self.par.forward_backward(x, y, sync=sync, scale=scale)
+        return self.par.forward_backward(x, y, sync=sync, scale=scale, loss_fn=self.loss)
 
     def global_mean(self, value: float | None) -> float:
         """The mean over the global batch of a per-rank value (None or ignored on pipeline ranks

@@ -1,5 +1,5 @@
 """The Triton kernels as custom operators inside a torch.compile graph (kernels.triton_attention,
-triton_norm, triton_swiglu, triton_cross_entropy).
+triton_norm, triton_swiglu, triton_cross_entropy, triton_grouped_gemm).
 
 - Each operator's fake implementation gives the real outputs' shapes, dtypes and strides
   (FakeTensorMode), and torch.library.opcheck passes (schema, autograd registration, fake
@@ -26,7 +26,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from logitlab.kernels import triton_install
+from logitlab.kernels import (
+    triton_grouped_gemm,  # noqa: F401  (registers logitlab::grouped_mm_*)
+    triton_install,
+)
 from logitlab.kernels.triton_cross_entropy import linear_cross_entropy
 from logitlab.kernels.triton_norm import rms_norm
 from logitlab.kernels.triton_swiglu import swiglu
@@ -57,6 +60,8 @@ def op_cases(device, dtype):
     gu = rand(device, 6, 40, dtype=dtype, seed=6)
     h, head = rand(device, 6, 16, dtype=dtype, seed=7), rand(device, 11, 16, dtype=dtype, seed=8)
     targets = torch.tensor([1, 2, IGNORE_INDEX, 10, 0, 3], device=device)
+    gx, gw = rand(device, 7, 16, dtype=dtype, seed=10), rand(device, 3, 12, 16, dtype=dtype, seed=11)
+    counts = torch.tensor([4, 0, 3], device=device)
     return [
         ("flash_attention_forward", ops.flash_attention_forward.default, (q, k, v, True, 0.25)),
         ("flash_attention_backward", ops.flash_attention_backward.default,
@@ -66,6 +71,9 @@ def op_cases(device, dtype):
         ("swiglu_forward", ops.swiglu_forward.default, (gu,)),
         ("swiglu_backward", ops.swiglu_backward.default, (rand(device, 6, 20, dtype=dtype, seed=9), gu)),
         ("linear_cross_entropy", ops.linear_cross_entropy.default, (h, head, targets, IGNORE_INDEX, 4)),
+        ("grouped_mm_forward", ops.grouped_mm_forward.default, (gx, gw, counts)),
+        ("grouped_mm_backward", ops.grouped_mm_backward.default, (rand(device, 7, 12, dtype=dtype, seed=12), gx, gw,
+                                                                  counts)),
     ]
 
 
