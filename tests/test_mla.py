@@ -326,3 +326,31 @@ def test_compiled_decode_step_is_one_graph_through_the_absorbed_form():
     want = generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], cfg).tokens
     step = compiled_decode_step(model, "aot_eager", step=decode_step)
     assert generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], cfg, step=step).tokens == want
+
+
+def test_hook_points_read_the_latent_and_patch_the_heads_in_both_forms():
+    from logitlab.model.hooks import hook_points, hooks, run_with_cache
+
+    model = _model()
+    names = [p.name for p in hook_points(model) if p.module == "blocks.0.attn"]
+    assert names == [f"blocks.0.attn.{n}" for n in ("q", "latent", "scores", "pattern", "z")]
+    ids = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(8))
+    seen = {}
+    for form in ("expanded", "absorbed"):
+        set_mla_form(model, form)
+        cache = KVCache.for_model(model, batch_size=1, max_len=8)
+        logits, acts = run_with_cache(model, ids, ["blocks.0.attn.*"], cache=cache)
+        assert acts["blocks.0.attn.latent"].shape == (1, 6, R + DR) and acts["blocks.0.attn.q"].shape == (1, 6, 3, 10)
+        torch.testing.assert_close(acts["blocks.0.attn.latent"], cache.layers[0].latent[:, 0, :6])
+        torch.testing.assert_close(acts["blocks.0.attn.pattern"].sum(-1), torch.ones(1, 3, 6))
+        seen[form] = acts
+        with torch.no_grad(), hooks(model, {"blocks.1.attn.z": lambda z, name: torch.zeros_like(z)}):
+            patched = model(ids)                                    # layer 1's heads silenced
+            silenced = model.blocks[1].attn.o_proj.weight.clone()
+            model.blocks[1].attn.o_proj.weight.zero_()
+            want = model(ids)
+            model.blocks[1].attn.o_proj.weight.copy_(silenced)
+        torch.testing.assert_close(patched, want)
+        assert not torch.allclose(patched, logits)
+    for name in ("blocks.0.attn.pattern", "blocks.0.attn.z", "blocks.0.attn.q", "blocks.0.attn.scores"):
+        torch.testing.assert_close(seen["absorbed"][name], seen["expanded"][name], atol=1e-5, rtol=1e-5)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from logitlab.model.attention import eager_attention
+from logitlab.model.hooks import needs_eager, tap
 from logitlab.model.norms import RMSNorm
 from logitlab.model.rope import apply_rope
 from logitlab.model.rope_scaling import yarn_mscale
@@ -73,6 +74,13 @@ class MLA(nn.Module):
     q_b_proj and kv_b_proj never (the absorbed form folds kv_b_proj's weight into the query and
     the output, which a bias would not survive)."""
 
+    HOOKS = {"q": "(B, T, H, Dh) queries, [q_nope | q_rope] with the RoPE part rotated",
+             "latent": "(B, T, R + Dr) this call's cache rows: the normed latent and the shared rotated key",
+             "scores": "(B, H, T, S) q.k times the softmax scale, after the mask; runs the eager path",
+             "pattern": "(B, H, T, S) the attention weights; runs the eager path",
+             "z": "(B, T, H, Dv) each head's output, what o_proj reads"}
+    _taps = None                                                   # hooks.py: hooks set for a call
+
     def __init__(self, config):
         super().__init__()
         D, H = config.d_model, config.n_heads
@@ -105,7 +113,7 @@ class MLA(nn.Module):
         H = self.n_heads
         is_causal = is_causal and self.causal
         q_nope, q_rope = self._queries(x, rope)                    # (B, H, T, Dn), (B, H, T, Dr)
-        latent = self._latent(x, rope)                             # (B, 1, T, R + Dr): [c | k_rope]
+        latent = tap(self, "latent", self._latent(x, rope), (B, T, -1))   # (B, 1, T, R + Dr): [c | k_rope]
         if cache is not None:
             latent = cache.update_latent(layer, latent)            # (B, 1, S, R + Dr)
             latent = latent if latent.dtype == x.dtype else latent.to(x.dtype)
@@ -114,10 +122,12 @@ class MLA(nn.Module):
             q, k, v = self._absorbed_qkv(q_nope, q_rope, latent)   # (B, H, T, R+Dr), (B, 1, S, R+Dr), (B, 1, S, R)
         else:
             q, k, v = self._expanded_qkv(q_nope, q_rope, latent)   # (B, H, T, Dh), (B, H, S, Dh), (B, H, S, Dv)
-        z, pattern = self._attend(q, k, v, mask, is_causal, impl, need_weights)   # (B, H, T, R or Dv)
+        eager = need_weights or needs_eager(self)                  # a hook on scores / pattern: eager
+        z, pattern = self._attend(q, k, v, mask, is_causal, impl, eager)   # (B, H, T, R or Dv)
         if absorbed:
             z = self._values_from_latent(z)                        # (B, H, T, R) -> (B, H, T, Dv)
         z = z.transpose(1, 2).reshape(B, T, H * self.v_dim)        # (B, H, T, Dv) -> (B, T, H*Dv)
+        z = tap(self, "z", z, (B, T, H, self.v_dim))
         return self.o_proj(z), (pattern if need_weights else None)
 
     def _queries(self, x, rope):
@@ -130,6 +140,9 @@ class MLA(nn.Module):
         q_nope, q_rope = q.view(B, T, self.n_heads, -1).split((self.nope_dim, self.rope_dim), dim=-1)
         if rope is not None:
             q_rope = apply_rope(q_rope, *rope, self.rope_interleaved).to(q.dtype)
+        if self._taps is not None:                                 # hooks.py: the query seen whole
+            q = tap(self, "q", torch.cat((q_nope, q_rope), dim=-1))     # (B, T, H, Dh)
+            q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
         return q_nope.transpose(1, 2), q_rope.transpose(1, 2)
 
     def _latent(self, x, rope):
@@ -173,7 +186,8 @@ class MLA(nn.Module):
         """q (B, H, T, E), k (B, H or 1, S, E), v (B, H or 1, S, Ev) -> (z (B, H, T, Ev), pattern or None).
         One key/value head (the absorbed form) is read by every query head."""
         if need_weights or impl == "eager":
-            return eager_attention(q, k, v, mask, is_causal, scale=self.scale)   # k, v broadcast over heads
+            hook = None if self._taps is None else lambda name, t: tap(self, name, t)
+            return eager_attention(q, k, v, mask, is_causal, hook=hook, scale=self.scale)   # k, v broadcast
         if k.shape[1] == 1 < q.shape[1]:
             return self._attend_one_head(q, k, v, mask, is_causal), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale), None
