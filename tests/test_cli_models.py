@@ -119,6 +119,7 @@ def test_help_never_shows_empty_defaults(capsys, monkeypatch):
         assert "(default: None)" not in text and "(default: ())" not in text, command
 
 
+@pytest.mark.slow
 def test_params_reads_a_hub_config_only(dirs, tmp_path, monkeypatch, capsys):
     pytest.importorskip("huggingface_hub")
     from tests._hub import add_snapshot, use_cache

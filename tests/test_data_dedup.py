@@ -3,11 +3,14 @@ datasketch's own LSH index), the keep-first rule, and the mixture's weights and 
 
 from __future__ import annotations
 
+import hashlib
 import re
 import unicodedata
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from logitlab.data import dedup as dd
 from logitlab.data import mixture as mx
@@ -33,6 +36,14 @@ def test_exact_hash_ignores_case_and_spacing_only():
     every = "".join(map(chr, range(0x3001)))
     text = "x" + "x".join(every[i:i + 3] for i in range(0, len(every), 3)) + " "
     assert dd.normalise(text) == re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).lower()).strip()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([chr(i) for i in range(128)] + ["  ", "\n\n", "Ab"]), max_size=40).map("".join))
+def test_ascii_normalised_equals_normalise(text):
+    assert dd.ascii_normalised(text) == dd.normalise(text).encode("utf-8")
+    assert dd.exact_hash(text) == int.from_bytes(
+        hashlib.blake2b(dd.normalise(text).encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def test_shingles_are_word_ngrams():

@@ -1,5 +1,5 @@
 """filters.py: each cleaning rule on crafted documents, its threshold, boilerplate lines and the counts;
-measures.py: the fast measurements equal the plain ones."""
+measures.py and bytewords.py: the fast measurements equal the plain ones."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from logitlab.data import bytewords as bw_
 from logitlab.data import filters as flt
 from logitlab.data import measures as ms
 
@@ -165,7 +166,7 @@ def test_fast_measures_equal_the_plain_ones(lines, sep):
     assert all(len(b) == 1 for b in ms.BULLETS)  # FastMeasures tells a bullet line by its first character
     text = sep.join(lines)
     plain, fast = ms.Measures(text), ms.FastMeasures(text)
-    for name in ("mean_word_length", "symbol_ratio", "bullet_lines", "ellipsis_lines", "duplicate_lines",
+    for name in ("word_count", "mean_word_length", "symbol_ratio", "bullet_lines", "ellipsis_lines", "duplicate_lines",
                  "alpha_share", "alnum_share"):
         assert getattr(fast, name)() == getattr(plain, name)(), name
     for n in (1, 2, 5):
@@ -173,3 +174,55 @@ def test_fast_measures_equal_the_plain_ones(lines, sep):
     for cfg in (CFG, flt.FilterConfig(min_words=3, max_symbol_ratio=0.5, max_duplicate_lines=0.5, code_sources=("c",))):
         for source in ("web", "c"):
             assert flt.document_reason(text, source, cfg) == flt.document_reason(text, source, cfg, ms.Measures)
+
+
+def test_wide_spaces_are_every_non_ascii_space():
+    assert bw_.WIDE_SPACES == "".join(c for c in map(chr, range(128, 0x110000)) if c.isspace())
+
+
+def _texts_for_byte_words(rng) -> list[str]:
+    vocab = ["a", "bb", "Ünï", "😀", "x\x1cy", "\ud800", "ab", "٣٤", "the", "The"]
+    seps = [" ", "\n", "\t", "\x1f", "  \r\n", "\x0b"]
+    out = ["", " ", "one", " \n lead and trail \t "]
+    for length in (3, 7, 40, 300):
+        for k in (2, 4, len(vocab)):
+            words = rng.choice(vocab[:k], size=length).tolist()
+            out.append("".join(w + seps[i % len(seps)] for i, w in enumerate(words)))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_byte_words_equal_the_split_words(n):
+    rng = np.random.default_rng(n)
+    for text in _texts_for_byte_words(rng):
+        bw, words = bw_.ByteWords.of(text), text.split()
+        assert bw is not None
+        assert len(bw.keys) == len(words)
+        assert bw.lengths.tolist() == [len(w) for w in words]
+        assert [bw.raw[s:e].decode("utf-8", "surrogatepass") for s, e in zip(bw.starts, bw.ends)] == words
+        total = sum(map(len, words))
+        assert bw.duplicate_ngram_fraction(n, total) == ms.duplicate_ngram_fraction(words, n), text[:40]
+        bw.keys[:] = 7  # every word key alike: every n-gram key collides, and only equal n-grams may count
+        assert bw.duplicate_ngram_fraction(n, total) == ms.duplicate_ngram_fraction(words, n), text[:40]
+
+
+def test_byte_words_keys_that_collide_never_count(monkeypatch):
+    ones = np.ones(bw_.MAX_BYTES + 1, dtype=np.uint64)  # a word's key the sum of its bytes: anagrams collide
+    monkeypatch.setattr(bw_, "_POWERS", ones)
+    monkeypatch.setattr(bw_, "_INVERSES", ones)
+    text = "ab ba ab ba ba ab ab ba ab ab " * 3 + "cd dc"
+    keys = bw_.ByteWords.of(text).keys
+    assert keys[0] == keys[1]  # "ab" and "ba" collide
+    for n in (1, 2, 3):
+        assert bw_.ByteWords.of(text).duplicate_ngram_fraction(n, len(text.replace(" ", ""))) == \
+            ms.duplicate_ngram_fraction(text.split(), n)
+
+
+def test_byte_words_step_aside_for_wide_spaces_and_long_texts():
+    assert bw_.ByteWords.of("a\u3000b") is None  # FastMeasures splits such a text as str
+    long = "word " * (1 << 14)
+    assert bw_.ByteWords.of(long) is None
+    for text in ("a\u3000b c a\u3000b c", long + "tail"):
+        plain, fast = ms.Measures(text), ms.FastMeasures(text)
+        assert fast.word_count() == plain.word_count()
+        assert fast.duplicate_ngrams(2) == plain.duplicate_ngrams(2)

@@ -38,6 +38,10 @@ class Counting:
         self.calls += 1
         return self.tok.encode_ordinary(text)
 
+    def encode_ordinary_array(self, text):
+        self.calls += 1
+        return self.tok.encode_ordinary_array(text)
+
 
 def _same_files(a: Path, b: Path, names) -> None:
     for name in names:

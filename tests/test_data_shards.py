@@ -243,6 +243,10 @@ def test_parts_resume_and_merge_checks_the_job(tmp_path):
             self.calls += 1
             return self.tok.encode_ordinary(text)
 
+        def encode_ordinary_array(self, text):
+            self.calls += 1
+            return self.tok.encode_ordinary_array(text)
+
     sources = _corpus(tmp_path)
     tok = Counting()
     first = parts.prepare_part(sources, tok, tmp_path / "p0", CFG, shard_index=0, num_shards=2, workers=1)
@@ -400,3 +404,22 @@ def test_peak_memory_stays_bounded_on_a_large_input(tmp_path):
     size, peak_kib = peak_memory_of_prepare(tmp_path, 400)
     assert size > 0.37e9
     assert peak_kib * 1024 < 0.25 * size, (size, peak_kib)
+
+
+def test_a_part_is_the_same_through_the_encoders_list_or_its_array(tmp_path):
+    class ListOnly:  # a tokenizer with encode_ordinary but no encode_ordinary_array
+        def __init__(self):
+            self.tok = byte_tokenizer()
+
+        def __getattr__(self, name):
+            if name == "encode_ordinary_array":
+                raise AttributeError(name)
+            return getattr(self.tok, name)
+
+    sources = _corpus(tmp_path)
+    cfg = parts.PrepareConfig(filters=FilterConfig(code_sources=("code",)), dedup=DedupConfig(exact=True))
+    parts.prepare_part(sources, byte_tokenizer(), tmp_path / "array", cfg, workers=1)
+    parts.prepare_part(sources, ListOnly(), tmp_path / "list", cfg, workers=1)
+    assert (tmp_path / "array" / "tokens.bin").stat().st_size > 0
+    for name in ("tokens.bin", "docs.bin", "doc_ids.jsonl", "filtered.jsonl"):
+        assert (tmp_path / "array" / name).read_bytes() == (tmp_path / "list" / name).read_bytes(), name

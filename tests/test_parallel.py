@@ -104,6 +104,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(runs, mode):
     assert ref["losses"][-1] < ref["losses"][0] and len(set(ref["losses"])) == worker.STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_grad_accumulation_with_skipped_sync_matches(runs, mode):
     result = runs[f"{mode}_accum"]
@@ -205,6 +206,7 @@ def _run_pair(tmp_path: Path, scenario: str, timeout_s: float, deadline_s: float
     return _dist.run_pair(WORKER, [str(tmp_path), scenario], timeout_s, deadline_s)
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_the_survivor_with_a_clear_error(tmp_path):
     # a collective timeout far beyond the deadline: the survivor must notice the dead peer
     # itself (a closed connection), not by waiting out the timeout

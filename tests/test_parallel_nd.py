@@ -86,6 +86,7 @@ def test_two_ranks_match_one_process(two, reference, scenario):
     _matches(two[1][scenario], reference[_kind(scenario)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "fsdp"])
 def test_planner_matches_measured_per_rank_memory(two, stage):
     held = two[1][f"memory-{stage}"]["held"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import tracemalloc
 
+import numpy as np
 import pytest
 import regex
 from hypothesis import HealthCheck, example, given, settings
@@ -102,6 +103,30 @@ def test_encode_ordinarys_direct_path_keeps_every_answer(gpt2, gpt2_tiktoken):
     for bad in (b"bytes", None):
         with pytest.raises(ValueError, match="expects str"):
             gpt2.encode_ordinary(bad)
+
+
+def test_encode_ordinary_array_equals_the_list(gpt2):
+    """The buffer route (after the first call) and the list route give the ids of encode_ordinary."""
+    for text in ("", "hi <|endoftext|> there", " 1234 x", "a\ud800b", MIXED, "hi <|endoftext|> there"):
+        ids = gpt2.encode_ordinary_array(text)
+        assert ids.dtype == np.uint32
+        assert ids.tolist() == gpt2.encode_ordinary(text) == gpt2.encode_ordinary(text, fast=False)
+
+
+def test_encode_ordinary_array_equals_the_list_on_a_trained_vocabulary(tmp_path):
+    from logitlab.tokenizer import bpe
+
+    sample = tmp_path / "sample.txt"
+    text = "the cat sat on the mat, and the dog sat on the log. " * 40 + "<|endoftext|> 12345"
+    sample.write_text(text, encoding="utf-8")
+    tok = bpe.train_tokenizer([str(sample)], 270, ["<|endoftext|>"])
+    texts = ("the cat <|endoftext|> sat", "", "a\ud800b the mat", "Ünïcödé 😀 12345")
+    for _ in range(2):  # before the direct path is on (the first call), then through the buffer
+        for text in texts:
+            ids = tok.encode_ordinary_array(text)
+            assert ids.dtype == np.uint32
+            assert ids.tolist() == tok.encode_ordinary(text, fast=False)
+    assert tok._ordinary is not None  # the second round went through tiktoken's buffer
 
 
 def test_gpt2_tinyshakespeare_matches_tiktoken_and_hf(gpt2, gpt2_tiktoken, gpt2_hf, shared_data):

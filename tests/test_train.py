@@ -255,6 +255,7 @@ def test_config_errors_come_first(corpus, tmp_path):
         train(tiny_model(), _cfg(corpus, tmp_path / "r2", steps=2, warmup_steps=1))
 
 
+@pytest.mark.slow
 def test_bf16_autocast_runs_and_validation_is_a_fixed_pass(corpus, tmp_path):
     from logitlab.train.loop import evaluate
 
@@ -350,6 +351,7 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_keep_freed_memory_stops_the_page_faults_of_reallocation(monkeypatch):
     """Without it, glibc maps a 64 MiB block afresh at each allocation and unmaps it when freed,

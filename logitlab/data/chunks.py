@@ -40,18 +40,25 @@ def encode(text: str) -> list[int]:
     return tok.encode_ordinary(text) if hasattr(tok, "encode_ordinary") else tok.encode(text, allowed_special="none")
 
 
+def encode_with_eot(text: str) -> np.ndarray:
+    """The document's ids and the end-of-text id, in the part's token dtype: straight from the
+    encoder's array where it has one (no Python int per id), else from its list."""
+    tok, eot, dtype = _worker["tok"], _worker["eot"], _worker["dtype"]
+    ids = tok.encode_ordinary_array(text) if hasattr(tok, "encode_ordinary_array") else encode(text)
+    out = np.empty(len(ids) + 1, dtype=dtype)
+    out[:-1] = ids
+    out[-1] = eot
+    return out
+
+
 def work(chunk: list[tuple[str, int]]) -> tuple[list[str | None], list[np.ndarray], np.ndarray]:
     """A chunk of (text, source number) -> (the filters' reason per document, None when kept;
     the kept documents' token arrays, each ending in the end-of-text id; their docs.bin records)."""
     cfg, names = _worker["cfg"], _worker["names"]
     reasons = [flt.document_reason(text, names[source], cfg.filters) for text, source in chunk]
     kept = [item for item, reason in zip(chunk, reasons) if reason is None]
-    d, eot, dtype = cfg.dedup, _worker["eot"], _worker["dtype"]
-    ids_out = []
-    for text, _ in kept:
-        ids = encode(text)
-        ids.append(eot)
-        ids_out.append(np.asarray(ids, dtype=dtype))
+    d = cfg.dedup
+    ids_out = [encode_with_eot(text) for text, _ in kept]
     records = np.zeros(len(kept), dtype=doc_dtype(d.bands if d.near else 0))
     records["tokens"] = [len(ids) for ids in ids_out]
     records["bytes"] = [len(text.encode("utf-8")) for text, _ in kept]

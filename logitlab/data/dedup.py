@@ -80,9 +80,21 @@ def normalise(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).lower().split())
 
 
+_TO_SPACE = bytes(32 if b < 128 and chr(b).isspace() else b for b in range(256))  # what str.split() splits at
+_SPACES = re.compile(b"  +")
+
+
+def ascii_normalised(text: str) -> bytes:
+    """normalise(text).encode() for an ASCII text, with no str per word: NFKC leaves ASCII as it
+    is, so this is the lower-cased bytes with every whitespace byte a space, each run of spaces
+    one, and none at either end."""
+    return _SPACES.sub(b" ", text.encode("ascii").lower().translate(_TO_SPACE)).strip(b" ")
+
+
 def exact_hash(text: str) -> int:
-    """64-bit hash of the normalised text."""
-    return int.from_bytes(hashlib.blake2b(normalise(text).encode("utf-8"), digest_size=8).digest(), "little")
+    """64-bit hash of the normalised text (of ascii_normalised for an ASCII text: the same bytes)."""
+    data = ascii_normalised(text) if text.isascii() else normalise(text).encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def shingles(text: str, n: int) -> set[bytes]:

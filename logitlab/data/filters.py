@@ -103,8 +103,8 @@ def gopher_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measur
     """The first Gopher rule `text` (or its Measures) fails, in the order of FilterConfig's fields."""
     m = _measured(text, measures)
     checks = (
-        ("word_count", cfg.min_words, lambda: len(m.words) < cfg.min_words),
-        ("word_count", cfg.max_words, lambda: len(m.words) > cfg.max_words),
+        ("word_count", cfg.min_words, lambda: m.word_count() < cfg.min_words),
+        ("word_count", cfg.max_words, lambda: m.word_count() > cfg.max_words),
         ("mean_word_length", cfg.min_mean_word_length, lambda: m.mean_word_length() < cfg.min_mean_word_length),
         ("mean_word_length", cfg.max_mean_word_length, lambda: m.mean_word_length() > cfg.max_mean_word_length),
         ("symbol_ratio", cfg.max_symbol_ratio, lambda: m.symbol_ratio() > cfg.max_symbol_ratio),

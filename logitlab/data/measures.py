@@ -18,6 +18,8 @@ import functools
 
 import numpy as np
 
+from logitlab.data.bytewords import ByteWords, covered_words, repeated_starts
+
 BULLETS = ("•", "●", "-", "*", "‣", "◦", "–")
 ELLIPSES = ("...", "…")
 
@@ -121,27 +123,13 @@ def fast_duplicate_ngram_fraction(words: list[str], n: int, total_chars: int | N
         return 0.0
     hashes = np.fromiter(map(hash, words), dtype=np.int64, count=L).view(np.uint64)
     m, c = L - n + 1, _multipliers(n)
-    keys = hashes[:m] * c[0]
+    grams = hashes[:m] * c[0]
     for k in range(1, n):
-        keys += hashes[k:k + m] * c[k]  # wraps mod 2^64, as intended
-    order = np.argsort(keys)
-    ranked = keys[order]
-    same = ranked[1:] == ranked[:-1]
-    if not same.any():
-        return 0.0
-    shared = np.zeros(m, dtype=bool)  # in sorted order: a key equal to a neighbour's
-    shared[1:] = same
-    shared[:-1] |= same
-    candidates = order[shared].tolist()
-    grams = [tuple(words[i:i + n]) for i in candidates]
-    counts = collections.Counter(grams)
-    starts = np.array([i for i, g in zip(candidates, grams) if counts[g] > 1], dtype=np.int64)
+        grams += hashes[k:k + m] * c[k]  # wraps mod 2^64, as intended
+    starts = repeated_starts(grams, lambda firsts: [tuple(words[i:i + n]) for i in firsts.tolist()])
     if not starts.size:
         return 0.0
-    edges = np.zeros(L + 1, dtype=np.int64)  # +1 where a repeated n-gram starts, -1 after it ends
-    edges[starts] += 1  # the starts are distinct positions
-    edges[starts + n] -= 1
-    covered = np.flatnonzero(np.cumsum(edges[:L]) > 0).tolist()
+    covered = np.flatnonzero(covered_words(starts, n, L)).tolist()
     total = sum(map(len, words)) if total_chars is None else total_chars
     return sum(len(words[i]) for i in covered) / total
 
@@ -164,6 +152,9 @@ class Measures:
     @functools.cached_property
     def lines(self) -> list[str]:
         return self.text.splitlines()
+
+    def word_count(self) -> int:
+        return len(self.words)
 
     def mean_word_length(self) -> float:
         return mean_word_length(self.words)
@@ -194,18 +185,34 @@ class FastMeasures(Measures):
     """The same numbers, equal to the last bit (tests/test_data_filters.py), in fewer passes, most
     of them loops in C: the non-empty stripped lines made once (a bullet line told by its first
     character), duplicates as len - len(set), characters by count_chars (the words' characters
-    are the non-space ones), n-grams by fast_duplicate_ngram_fraction. What `prepare` uses."""
+    are the non-space ones), the words found in the UTF-8 bytes (ByteWords: no str per word) and
+    their repeated n-grams from 64-bit keys; a text ByteWords does not take is split, its n-grams
+    by fast_duplicate_ngram_fraction. What `prepare` uses."""
 
     @functools.cached_property
     def kept_lines(self) -> list[str]:
         return list(filter(None, map(str.strip, self.lines)))
 
     @functools.cached_property
-    def non_space(self) -> int:
+    def non_space(self) -> int:  # the words' characters
+        if self.byte_words is not None:
+            return int(self.byte_words.lengths.sum())
         return len(self.text) - count_chars(self.text, "isspace")
 
+    @functools.cached_property
+    def byte_words(self) -> ByteWords | None:
+        return ByteWords.of(self.text)
+
+    def word_count(self) -> int:
+        return len(self.words) if self.byte_words is None else len(self.byte_words.keys)
+
     def mean_word_length(self) -> float:  # the words are the runs of non-space characters
-        return self.non_space / len(self.words) if self.words else 0.0
+        count = self.word_count()
+        return self.non_space / count if count else 0.0
+
+    def symbol_ratio(self) -> float:
+        symbols = self.text.count("#") + self.text.count("...") + self.text.count("…")
+        return symbols / max(self.word_count(), 1)
 
     def bullet_lines(self) -> float:
         kept = self.kept_lines  # non-empty: s[0] exists
@@ -220,6 +227,8 @@ class FastMeasures(Measures):
         return (len(kept) - len(set(kept))) / len(kept) if kept else 0.0
 
     def duplicate_ngrams(self, n: int) -> float:
+        if self.byte_words is not None:
+            return self.byte_words.duplicate_ngram_fraction(n, self.non_space)
         return fast_duplicate_ngram_fraction(self.words, n, self.non_space)
 
     def alpha_share(self) -> float:

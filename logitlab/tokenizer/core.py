@@ -292,6 +292,21 @@ class Tokenizer(ChatMethods, FileMethods):
             return enc.encode_ordinary(text)
         return self.encode(text, allowed_special="none", fast=fast)
 
+    def encode_ordinary_array(self, text: str):
+        """encode_ordinary's ids as a (T,) uint32 numpy array. Once the direct path is on (after a
+        first encode_ordinary), tiktoken's core writes them into a buffer with no Python int per id
+        (its encode with no special token allowed: the same ids); otherwise the list, converted."""
+        import numpy as np
+
+        core = getattr(self._tiktoken, "_core_bpe", None)
+        if self._ordinary is not None and self.normalization is None and type(text) is str \
+                and hasattr(core, "encode_to_tiktoken_buffer"):
+            try:
+                return np.frombuffer(core.encode_to_tiktoken_buffer(text, set()), dtype=np.uint32)
+            except UnicodeEncodeError:  # lone surrogates: encode_ordinary replaces them as tiktoken does
+                pass
+        return np.asarray(self.encode_ordinary(text), dtype=np.uint32)
+
     def _split_special(self, text: str, allowed: set[str]) -> Iterator[tuple[str, int | None]]:
         rx = self._special_re if allowed == set(self._special) else special_regex(allowed)
         return split_at_specials(text, rx, self._special)
