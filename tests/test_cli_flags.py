@@ -177,18 +177,42 @@ def _train_argv(tmp_path: Path, *extra: str) -> list[str]:
             "--device", "cpu", *extra]
 
 
-def test_time_limit_fits_warmup_and_cosine_inside_the_budget(tmp_path, capsys, monkeypatch):
-    import json
+class _StepClock:
+    """Every training step takes `step_s` seconds and nothing else any (the loop reads the clock
+    once as it starts, then at each step's start and end)."""
 
-    from logitlab.train import budget
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.readings = step_s, 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return self.step_s * ((self.readings - 1) // 2)
+
+
+def _fake_time(monkeypatch, timed_s: float, step_s: float) -> list:
+    """The step timed before the run takes `timed_s`, the run's own steps `step_s` (a fake clock):
+    the plans are deterministic. -> the (batch, length) pairs timed."""
+    import functools
+
+    from logitlab.train import budget, timefit
 
     calls = []
 
-    def timed(model, batch_size, seq_len, **kw):  # a fixed, slow-looking step: the plan is deterministic
+    def timed(model, batch_size, seq_len, **kw):
         calls.append((batch_size, seq_len))
-        return 1, 2.0
+        return 1, timed_s
 
     monkeypatch.setattr(budget, "time_training_step", timed)
+    monkeypatch.setattr(timefit, "TimeFit", functools.partial(timefit.TimeFit, clock=_StepClock(step_s)))
+    return calls
+
+
+def test_time_limit_fits_warmup_and_cosine_inside_the_budget(tmp_path, capsys, monkeypatch):
+    import json
+
+    from logitlab.train import budget, timefit
+
+    calls = _fake_time(monkeypatch, 2.0, 1.0)   # timed before the run at 2 s a step; its own steps take 1 s
     run = tmp_path / "run"
     assert main(_train_argv(tmp_path, "--time-limit-s", "60", "--out-dir", str(run))) == 0
     out = " ".join(capsys.readouterr().out.split())
@@ -196,15 +220,28 @@ def test_time_limit_fits_warmup_and_cosine_inside_the_budget(tmp_path, capsys, m
     assert calls == [(2, 16)] and fit.steps > 1
     assert f"time budget 60 s: a step takes 2 s here, so {fit.steps} steps fit" in out
     assert f"then the cosine to step {fit.steps}" in out and "the run still stops at 60 s" in out
+    # the run's own steps are twice as fast: planned again after its third, 3 s in
+    steps, every, _ = timefit.replan(timefit.TimeFit(), 60, 3.0, [1.0] * 3, 3, budget.eval_seconds(1.0, 1, 2, 16, 64))
+    assert steps > fit.steps and f"re-planned after 3 step(s) at 1 s a step: {steps} steps fit 60 s" in out
     cfg = json.loads((run / "run.json").read_text())["train"]
-    assert cfg["steps"] == fit.steps and cfg["eval_every"] == fit.eval_every
-    assert cfg["warmup_steps"] == min(100, fit.steps // 10) and cfg["lr"] == 3e-3
+    assert cfg["steps"] == steps and cfg["eval_every"] == every
+    assert cfg["warmup_steps"] == min(100, steps // 10) and cfg["lr"] == 3e-3
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "lr" in r][-1]
     peak = max(r["lr"] for r in records if "lr" in r)
-    assert last["step"] == fit.steps and peak == pytest.approx(3e-3)
+    assert last["step"] == steps and peak == pytest.approx(3e-3)
     assert last["lr"] < 1.1 * 3e-4                                   # the cosine ran down to min_lr = lr / 10
-    assert f"done: {fit.steps} steps" in out and "learning rate 0.003 (the default" in out
+    assert f"done: {steps} steps" in out and "learning rate 0.003 (the default" in out
+
+
+def test_time_limit_warns_when_few_steps_fit(tmp_path, capsys, monkeypatch):
+    _fake_time(monkeypatch, 0.5, 10.0)          # planned at 0.5 s a step; the run's own steps take 10 s
+    assert main(_train_argv(tmp_path, "--time-limit-s", "60", "--out-dir", str(tmp_path / "run"))) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "re-planned after 3 step(s) at 10 s a step: 4 steps fit 60 s" in out and "done: 4 steps" in out
+    assert "warning: only 4 steps: expect a validation loss far above a full run's" in out
+    assert "went from ln V = 8.32 to 3.63 in 1,016 steps on an idle 2-core machine" in out
+    assert "--steps N without --time-limit-s" in out
 
 
 def test_time_limit_keeps_given_steps_and_warmup_as_bounds(tmp_path, capsys, monkeypatch):

@@ -316,7 +316,7 @@ def test_config_validation_names_field_and_value(kwargs, message):
     (dict(norm_eps=math.nan), "norm_eps: expected a finite number, got nan"),
     (dict(rope_theta=math.inf), "rope_theta: expected a finite number, got inf"),
     (dict(dropout=False), "dropout: expected a finite number, got False"),
-    (dict(mlp=None), r"mlp must be one of \('gelu', 'swiglu'\), got None"),
+    (dict(mlp=None), r"mlp must be one of \('gelu', 'swiglu', 'relu2'\), got None"),
     (dict(rope_scaling="yes"), "rope_scaling: expected an object .* or null, got 'yes'"),
     (dict(rope_scaling={"factor": 8.0, "scale": 2}), r"unknown rope_scaling field\(s\) \['scale'\]"),
     (dict(rope_scaling={"original_context_length": 8.5}), "rope_scaling.original_context_length: expected an integer"),

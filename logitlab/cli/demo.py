@@ -17,6 +17,7 @@ from pathlib import Path
 
 from logitlab.cli import common as cli
 from logitlab.cli.train import _prepare, _run_training, _train_tokenizer, exit_code, plot_run
+from logitlab.cli.train_budget import REFERENCE
 
 # The demo's sizes. The full demo tokenizes 12 MB spread over the default corpus and sets its step
 # count from a short timing of the model, so that training takes about `train_seconds` on the machine at hand.
@@ -30,8 +31,7 @@ _DEMO = {
 }
 DEMO_PROMPT = "def main(argv=None):\n    "
 # The full demo measured on an idle 2-core machine from a fresh clone (docs/training.md): the number a
-# run is compared with at the end. `demo --steps 1016` does the same work on any machine.
-REFERENCE = {"steps": 1016, "val_loss": 3.63, "machine": "an idle 2-core machine"}
+# run is compared with at the end (cli/train_budget.py). `demo --steps 1016` does the same work on any machine.
 FEW_STEPS = 300   # below this the demo's model is far from the reference: the end of the run says so
 
 

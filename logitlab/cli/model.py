@@ -184,6 +184,8 @@ def _params(args) -> int:
     rows = [["embeddings", "", _n(e["embeddings"]), "", _n(c.vocab_size * c.d_model)]]
     if e["positions"]:
         rows.append(["positions", "", _n(e["positions"]), "", ""])
+    if e["value_embeddings"]:   # tables and gates (formula: in its embeddings)
+        rows.append(["value embeddings", "", _n(e["value_embeddings"]), "", ""])
     n_attn = L - e["n_linear_layers"]
     rows += [[f"attention ({n_attn} layers)" if e["n_linear_layers"] else "attention", _n(e["attention_per_layer"]),
               _n(e["attention"]), _n(f["attention_per_layer"]), _n(f["attention_per_layer"] * n_attn)]]

@@ -25,6 +25,7 @@ from logitlab.cli.data import (  # noqa: F401  (_prepare, _train_tokenizer, plot
 from logitlab.cli.extend import EXTEND_MAY_CHANGE, extend_run, show_extension
 from logitlab.cli.launched import env_world_size, fit_resumed_mesh
 from logitlab.cli.progress import LiveProgress
+from logitlab.cli.train_budget import PlanView, few_steps_warning, fit_time_budget, given
 
 # --------------------------------------------------------------------------------------------
 # Shared pieces
@@ -40,17 +41,24 @@ def exit_code(result) -> int:
 
 
 def _run_training(model, train_cfg, tokenizer, con, progress: bool, resume: bool, parallel=None,
-                  lock: bool = True):
+                  lock: bool = True, time_fit=None):
+    """train() with the CLI's view: the live bar in a terminal, elsewhere (a pipe, a log) its lines
+    and a status line now and then (train.progress.TextProgress); a time fit's plans (PlanView)."""
     from logitlab.train.loop import train
+    from logitlab.train.progress import TextProgress, chain
+    from logitlab.train.timefit import FEW_STEPS
 
-    live = LiveProgress(con, progress)
+    live, plans = LiveProgress(con, progress), PlanView(con)
+    status = TextProgress(con.file, status_only=True) if progress and not (con.is_terminal or con.quiet) else None
     try:
-        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, callback=live, parallel=parallel,
-                       lock=lock)
+        result = train(model, train_cfg, tokenizer=tokenizer, resume=resume, parallel=parallel, lock=lock,
+                       progress=chain(live, status, plans), time_fit=time_fit)
     finally:
         live.close()
     if result.stopped == "time":
-        con.print(f"[yellow]time limit reached at step {result.step} of {train_cfg.steps}[/yellow]")
+        con.print(f"[yellow]time limit reached at step {result.step} of {plans.steps or train_cfg.steps}[/yellow]")
+        if time_fit is not None and result.step < FEW_STEPS and not plans.warned:
+            con.print(f"[yellow]warning: {few_steps_warning(result.step)}[/yellow]")
     if result.stopped == "signal":
         con.print(f"[yellow]stopped by a signal at step {result.step}; checkpoint {result.checkpoint}[/yellow]")
     elif result.stopped == "launcher":
@@ -78,7 +86,7 @@ def _model_config(args, table: dict, tokenizer):
     # no preset and no [model] table: the CPU-sized "tiny" preset rather than GPT-2's 124M defaults
     preset = args.preset or table.get("preset") or (None if "model" in table else "tiny")
     base = _underived(get_preset(preset)) if preset else {}
-    merged = {**base, **table.get("model", {})}
+    merged = {**base, **_recipe(args, table).model, **table.get("model", {})}
     if tokenizer is not None:
         merged["vocab_size"] = tokenizer.vocab_size
     cfg = cli.build_config(ModelConfig, args, merged)
@@ -120,7 +128,7 @@ def cmd_train(args) -> int:
         table = {"train": _read_run(args.resume)["train"]}
     else:
         table = cli.read_toml(args.config) if args.config else {}
-    cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
+    cfg = cli.build_config(TrainConfig, args, _train_table(args, table))
     if args.resume:
         cfg = fit_resumed_mesh(args, cfg, env_world_size())
     # the layout's hooks (train.layouts.parallel_hooks): DDP / FSDP2, an N-D data-parallel mesh, or
@@ -155,7 +163,7 @@ def _train_one(args, con, hooks) -> int:
     else:
         table = cli.read_toml(args.config) if args.config else {}
         # every config error is reported before anything is written (the vocabulary size comes later)
-        train_cfg = cli.build_config(TrainConfig, args, {**CLI_TRAIN_DEFAULTS, **table.get("train", {})})
+        train_cfg = cli.build_config(TrainConfig, args, _train_table(args, table))
         _model_config(args, table, None)
         out = Path(train_cfg.out_dir)
         _check_sources(args, train_cfg)
@@ -165,13 +173,29 @@ def _train_one(args, con, hooks) -> int:
         return _start(args, table, train_cfg, con, hooks)
 
 
+# What the command line chooses where the library leaves a process-wide setting off: a user who
+# runs `logitlab train` owns the process (TrainConfig.keep_freed_memory; --keep-freed-memory off).
+CLI_TRAIN_DEFAULTS = {"keep_freed_memory": "auto"}
+
+
+def _recipe(args, table: dict):
+    """--recipe NAME (or the TOML's recipe key): train.recipes.Recipe, its fields beneath the TOML's and
+    the flags (an empty one without)."""
+    from logitlab.train.recipes import Recipe, get_recipe
+
+    name = getattr(args, "recipe", None) or table.get("recipe")
+    return get_recipe(name) if name else Recipe("none")
+
+
+def _train_table(args, table: dict) -> dict:
+    """TrainConfig fields before the flags: the CLI's defaults, the recipe's, the TOML's [train] table."""
+    return {**CLI_TRAIN_DEFAULTS, **_recipe(args, table).train, **table.get("train", {})}
+
+
 # Settings that may change when a run resumes: how long it runs, how often it evaluates, saves and
 # logs, and how fast (device, compile, matmul and allocator modes). Everything else would make the
 # resumed run a different run, so a flag that changes it is refused. --steps moves the end of the
 # cosine schedule with the run's end.
-# What the command line chooses where the library leaves a process-wide setting off: a user who
-# runs `logitlab train` owns the process (TrainConfig.keep_freed_memory; --keep-freed-memory off).
-CLI_TRAIN_DEFAULTS = {"keep_freed_memory": "auto"}
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_tokens", "eval_at_start", "save_every", "keep_last", "log_every",
                      "time_limit_s", "tensorboard", "device", "compile", "bf16_matmul", "keep_freed_memory",
                      "attention_kernel",
@@ -217,7 +241,7 @@ def _resume_configs(args) -> dict:
         value = tuple(value) if isinstance(value, list) else value
         if value != run["train"].get(name):
             conflicts.append(f"--{name.replace('_', '-')} {value} (the run has {run['train'].get(name)})")
-    for flag in ("config", "preset", "tokenizer", "data"):
+    for flag in ("config", "preset", "recipe", "tokenizer", "data"):
         if getattr(args, flag, None):
             conflicts.append(f"--{flag} (the run keeps its own)")
     if conflicts:
@@ -288,46 +312,12 @@ def _start(args, table: dict, train_cfg, con, hooks) -> int:
     con.print(f"model: {n / 1e6:.2f} M parameters, L={model_cfg.n_layers} D={model_cfg.d_model} "
               f"H={model_cfg.n_heads} V={model_cfg.vocab_size} T={train_cfg.seq_len or model_cfg.context_length}"
               + _experts_line(model))
-    train_cfg = _fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
-    con.print(f"learning rate {train_cfg.lr:g}" + ("" if _given(args, table, "lr") else
+    train_cfg, time_fit = fit_time_budget(args, table, train_cfg.for_model(model), model, con, hooks)
+    con.print(f"learning rate {train_cfg.lr:g}" + ("" if given(args, table, "lr") else
               " (the default for a model of this size: 3e-3 under 50 M parameters, else 3e-4)"))
-    result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False)
+    result = _run_training(model, train_cfg, tokenizer, con, args.progress, False, hooks, lock=False,
+                           time_fit=time_fit)
     return exit_code(result)
-
-
-def _given(args, table: dict, name: str) -> bool:
-    """Whether the user set TrainConfig field `name`, by a flag or in the TOML [train] table."""
-    return hasattr(args, name) or name in table.get("train", {})
-
-
-def _fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
-    """--time-limit-s S on a new run: time a training step here, then choose the step count (at
-    most --steps when given) and, unless given, the warmup and evaluation interval, so that the
-    whole warmup + cosine schedule ends inside S (train.budget). The limit still stops the run."""
-    from logitlab.train import budget, runtime
-
-    limit = train_cfg.time_limit_s
-    if limit is None:
-        return train_cfg
-    if hooks is not None:  # ranks timing on their own could choose different step counts
-        con.print(f"[yellow]under torchrun --time-limit-s stops the run at {limit:g} s; the schedule is not "
-                  "fitted to it (set --steps)[/yellow]")
-        return train_cfg
-    device = runtime.pick_device(train_cfg.device)
-    seq_len = train_cfg.seq_len or model.config.context_length
-    _, micro_s = budget.time_training_step(model.to(device), train_cfg.batch_size, seq_len, device=device,
-                                           amp_dtype=runtime.autocast_dtype(device, train_cfg.precision))
-    step_s = micro_s * train_cfg.grad_accum
-    eval_s = budget.eval_seconds(micro_s, 1, train_cfg.batch_size, seq_len, train_cfg.eval_tokens)
-    fit = budget.fit_steps_to_budget(limit, step_s, eval_s,
-                                     eval_every=train_cfg.eval_every if _given(args, table, "eval_every") else None,
-                                     max_steps=train_cfg.steps if _given(args, table, "steps") else None)
-    warmup = min(train_cfg.warmup_steps, fit.steps) if _given(args, table, "warmup_steps") else None
-    fitted = dataclasses.replace(train_cfg, steps=fit.steps, eval_every=fit.eval_every, warmup_steps=warmup)
-    con.print(f"time budget {limit:g} s: a step takes {step_s:.3g} s here, so {fit.steps:,} steps fit (warmup "
-              f"{fitted.warmup_steps}, then the cosine to step {fit.steps}; evaluating every {fit.eval_every}); "
-              f"the run still stops at {limit:g} s")
-    return fitted
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,6 +359,8 @@ def register(subparsers) -> None:
                    "(default: none)")
     p.add_argument("--preset", help="model preset name (logitlab.families; model flags override its fields) "
                    "(default: tiny, unless the TOML has a [model] table)")
+    p.add_argument("--recipe", help="training recipe (logitlab.train.recipes: speedrun = Muon, WSD, ReLU², QK-norm, "
+                   "value embeddings, soft-capping...); the TOML and flags override its fields (default: none)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the data dir's, or train one)")
     p.add_argument("--tokenizer-vocab", type=int, default=4096,
                    help="vocab size when training a tokenizer (default: 4096)")

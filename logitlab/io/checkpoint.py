@@ -226,10 +226,12 @@ def delete_checkpoint(ckpt: str | os.PathLike) -> None:
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints and the best by validation loss;
-    returns the deleted paths."""
+    """Delete all but the newest `keep_last` checkpoints, the best by validation loss and those
+    whose state.json says why they are "kept" (a WSD run's end of the stable phase); returns the
+    deleted paths."""
     ckpts = list_checkpoints(run_dir)
     keep = set(ckpts[-keep_last:]) if keep_last > 0 else set()
+    keep |= {p for p in ckpts if read_state(p).get("kept")}
     best = best_checkpoint(run_dir)
     if best is not None:
         keep.add(best)

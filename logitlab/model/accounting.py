@@ -22,7 +22,7 @@ x H·Dh) over the T/2 keys a causal query sees on average. A training step costs
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from logitlab.model import accounting_mla as mla
 from logitlab.model import accounting_moe as moe
@@ -63,6 +63,7 @@ class ParamCount:
     linear_attention: int = 0  # Gated DeltaNet layers, all of them
     n_linear_layers: int = 0
     linear_items: dict = field(default_factory=dict)
+    value_embeddings: int = 0  # value-embedding tables and gates, all layers (ModelConfig.value_embeddings)
     inactive: int = 0          # MoE: routed-expert parameters a token does not use (accounting_moe)
 
     @property
@@ -100,7 +101,7 @@ class ParamCount:
     @property
     def total(self) -> int:
         return (self.embeddings + self.positions + self.attention + self.linear_attention + self.mlp
-                + self.norms_in_blocks + self.final_norm + self.lm_head)
+                + self.norms_in_blocks + self.final_norm + self.lm_head + self.value_embeddings)
 
     def as_dict(self) -> dict:
         return dict(embeddings=self.embeddings, positions=self.positions,
@@ -110,7 +111,7 @@ class ParamCount:
                     n_linear_layers=self.n_linear_layers, linear_items=dict(self.linear_items),
                     mlp=self.mlp, norms=self.norms, final_norm=self.final_norm, lm_head=self.lm_head,
                     biases=self.biases, n_layers=self.n_layers, tied=self.tied, total=self.total,
-                    active=self.active)
+                    value_embeddings=self.value_embeddings, active=self.active)
 
 
 def meta_model(config: ModelConfig):
@@ -123,7 +124,8 @@ def meta_model(config: ModelConfig):
         return Transformer(config)
 
 
-_TOP = {"tok_emb": "embeddings", "pos_emb": "positions", "final_norm": "final_norm", "lm_head": "lm_head"}
+_TOP = {"tok_emb": "embeddings", "pos_emb": "positions", "final_norm": "final_norm", "lm_head": "lm_head",
+        "value_embeds": "value_embeddings"}
 
 
 def _group(name: str) -> str:
@@ -146,7 +148,7 @@ def count_parameters(model_or_config) -> ParamCount:
     model = meta_model(model_or_config) if isinstance(model_or_config, ModelConfig) else model_or_config
     config = model.config
     groups = dict.fromkeys(("embeddings", "positions", "attention", "linear_attention", "mlp",
-                            "norms_in_blocks", "final_norm", "lm_head"), 0)
+                            "norms_in_blocks", "final_norm", "lm_head", "value_embeddings"), 0)
     biases, items = 0, {}
     for name, p in model.named_parameters():  # remove_duplicate=True: a tied Parameter appears once
         n = p.numel()
@@ -163,7 +165,7 @@ def count_parameters(model_or_config) -> ParamCount:
     return ParamCount(groups["embeddings"], groups["positions"], groups["attention"], groups["mlp"],
                       groups["norms_in_blocks"], groups["final_norm"], groups["lm_head"], config.n_layers,
                       config.tie_embeddings, biases, groups["linear_attention"], n_linear, items,
-                      moe.inactive_parameters(model))
+                      groups["value_embeddings"], moe.inactive_parameters(model))
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class FormulaCount:
 
     attention_per_layer: int   # 2·D·H·Dh + 2·D·Hkv·Dh (+ the output gate's D·H·Dh or D·H)
     mlp_per_layer: int         # 3·D·F (SwiGLU) or 2·D·F (GELU)
-    embeddings: int            # V·D once (tied) or twice
+    embeddings: int            # V·D once (tied) or twice, + V·Hkv·Dh per value embedding
     n_layers: int
     classic: int               # 12·D²·L
     linear_per_layer: int = 0  # Gated DeltaNet: D·(2·Hk·Dk + Hv·Dv) + 2·D·Hv·Dv + 2·D·Hv + C·K
@@ -207,7 +209,7 @@ def formula_count(config: ModelConfig) -> FormulaCount:
     D, F, L, V = c.d_model, c.d_ff, c.n_layers, c.vocab_size
     attention = mla.attention_formula(c)                        # q, k, v, o (+ gate), or latent attention's
     mlp = (3 if c.mlp == "swiglu" else 2) * D * F
-    embeddings = V * D * (1 if c.tie_embeddings else 2)
+    embeddings = V * D * (1 if c.tie_embeddings else 2) + len(c.value_embedding_layers) * V * c.n_kv_heads * c.head_dim
     Hk, Hv, Dk, Dv = c.linear_n_k_heads, c.linear_n_v_heads, c.linear_k_head_dim, c.linear_v_head_dim
     channels = 2 * Hk * Dk + Hv * Dv
     linear = D * channels + 2 * D * Hv * Dv + 2 * D * Hv + channels * c.linear_conv_kernel
@@ -220,13 +222,14 @@ def explain_difference(config: ModelConfig, exact: ParamCount | None = None) -> 
     """What the exact count holds beyond the formula; the items add up to exact - formula."""
     exact = exact or count_parameters(config)
     c = config
-    padding_rows = (c.padded_vocab_size - c.vocab_size) * c.d_model
-    n_linear = exact.n_linear_layers
+    n_linear, n_ve = exact.n_linear_layers, len(c.value_embedding_layers)
     linear_vectors = n_linear * sum(exact.linear_items.get(k, 0) for k in ("A_log", "dt_bias", "norm"))
     sinks = (c.n_layers - n_linear) * c.n_heads if c.attn_sinks else 0
+    widths = c.d_model * (1 if c.tie_embeddings else 2) + n_ve * c.n_kv_heads * c.head_dim  # tables of V rows
     items = {"norms": exact.norms, "biases": exact.biases, "learned positions": exact.positions,
-             "vocabulary padding rows": padding_rows * (1 if c.tie_embeddings else 2),
-             "Gated DeltaNet decay and output-norm vectors": linear_vectors, "attention sink logits": sinks}
+             "vocabulary padding rows": (c.padded_vocab_size - c.vocab_size) * widths,
+             "Gated DeltaNet decay and output-norm vectors": linear_vectors, "attention sink logits": sinks,
+             "value-embedding gates": n_ve * c.n_kv_heads}
     return {k: v for k, v in items.items() if v}
 
 
@@ -374,12 +377,8 @@ class TrainingPlan:
         return self.flops_per_step / self.matmul_flops_per_s
 
     def as_dict(self) -> dict:
-        return dict(batch_size=self.batch_size, context=self.context, dtype=self.dtype,
-                    n_params=self.n_params, weights=self.weights, gradients=self.gradients,
-                    optimizer=self.optimizer, activations=self.activations, logits=self.logits,
-                    total=self.total, memory_limit=self.memory_limit, fits=self.fits,
-                    flops_per_step=self.flops_per_step, matmul_flops_per_s=self.matmul_flops_per_s,
-                    seconds_per_step=self.seconds_per_step)
+        known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**known, "total": self.total, "fits": self.fits, "seconds_per_step": self.seconds_per_step}
 
 
 def plan_training(config: ModelConfig, batch_size: int = 1, context: int | None = None,

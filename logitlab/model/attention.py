@@ -121,8 +121,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(D, (H + 2 * Hkv) * Dh, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * Dh, D, bias=config.bias)
         if config.qk_norm:
-            self.q_norm = make_norm("rmsnorm", Dh, config.norm_eps, config.norm_zero_centered)
-            self.k_norm = make_norm("rmsnorm", Dh, config.norm_eps, config.norm_zero_centered)
+            self.q_norm = make_norm("rmsnorm", Dh, config.norm_eps, config.norm_zero_centered, config.norm_affine)
+            self.k_norm = make_norm("rmsnorm", Dh, config.norm_eps, config.norm_zero_centered, config.norm_affine)
         else:
             self.q_norm = self.k_norm = None
         gates = {"none": 0, "headwise": H, "elementwise": H * Dh}[config.attn_gate]
@@ -133,7 +133,7 @@ class Attention(nn.Module):
         self.causal = config.attention == "causal"
 
     def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
-                impl: str = "sdpa", need_weights: bool = False, key_rope=None):
+                impl: str = "sdpa", need_weights: bool = False, key_rope=None, value_embed=None):
         """x (B, T, D) -> (out (B, T, D), weights (B, H, T, S) or None).
 
         rope: (cos, sin) each (B, T, 1, Dh) from RotaryEmbedding, or None (no rotary positions).
@@ -144,11 +144,15 @@ class Attention(nn.Module):
         (cache.key_slots, mask then carries the padding as `(attn_mask, q_slot)`).
         key_rope: (cos, sin) (1, S, 1, Dh) for caches that keep keys unrotated (cache.rotates_keys,
         StreamingLLM): keys are then rotated after the cache, at their slots in it.
-        need_weights forces the eager path and returns the attention weights."""
+        need_weights forces the eager path and returns the attention weights.
+        value_embed: (B, Hkv, T, Dh) or None, added to this call's values before the cache
+        (ValueEmbedding, ModelConfig.value_embeddings)."""
         B, T, D = x.shape
         H, Dh = self.n_heads, self.head_dim
         is_causal = is_causal and self.causal                      # an encoder's query reads later keys too
         q, k, v = self._project(x, None if key_rope is not None else rope)     # (B, H|Hkv, T, Dh)
+        if value_embed is not None:                                # the recipe's value embedding
+            v = v + value_embed.to(v.dtype)                        # (B, Hkv, T, Dh)
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, Hkv, S, Dh)
             if k.dtype != q.dtype:
@@ -227,3 +231,39 @@ class Attention(nn.Module):
                                                   enable_gqa=self.n_groups > 1), None
         return F.scaled_dot_product_attention(q, repeat_kv(k, self.n_groups), repeat_kv(v, self.n_groups),
                                               attn_mask=mask, is_causal=is_causal), None
+
+
+class ValueEmbedding(nn.Module):
+    """A token embedding table of one attention layer, added to that layer's values (the value
+    embeddings of modded-nanogpt and nanochat; ModelConfig.value_embeddings): a token brings its
+    own value vector into every position that attends to it, at the price of a (V_padded, Hkv*Dh)
+    table and no matrix product.
+
+    ids (B, T) -> (B, Hkv, T, Dh) = 2 * sigmoid(gate[h]) * embed(ids) for kv head h; the gate
+    starts at zero, so each head takes the table at weight 1 and learns how much to keep."""
+
+    def __init__(self, rows: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.embed = nn.Embedding(rows, n_kv_heads * head_dim)
+        self.gate = nn.Parameter(torch.zeros(n_kv_heads))
+
+    def reset_parameters(self) -> None:
+        """The gate at zero (Transformer.init_weights initialises the table as the embeddings)."""
+        with torch.no_grad():
+            self.gate.zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        Hkv, Dh = self.n_kv_heads, self.head_dim
+        ve = self.embed(ids).view(B, T, Hkv, Dh).transpose(1, 2)           # (B, Hkv, T, Dh)
+        return ve * (2.0 * torch.sigmoid(self.gate)).view(1, Hkv, 1, 1).to(ve.dtype)
+
+
+def make_value_embeddings(config, rows: int) -> nn.ModuleDict | None:
+    """A ValueEmbedding of `rows` (V_padded) rows per layer that has one (config.has_value_embedding),
+    keyed by the layer's index; None without value embeddings."""
+    if config.value_embeddings == "none":
+        return None
+    return nn.ModuleDict({str(i): ValueEmbedding(rows, config.n_kv_heads, config.head_dim)
+                          for i in range(config.n_layers) if config.has_value_embedding(i)})

@@ -116,13 +116,14 @@ class ModelConfig:
     n_heads: int = field(default=12, metadata={"help": "query heads H"})
     n_kv_heads: int | None = _help("key/value heads Hkv (GQA when < n_heads; default n_heads)")
     head_dim: int | None = _help("per-head width Dh (default d_model // n_heads)")
-    d_ff: int | None = _help("MLP hidden width F (default 4*D for gelu, round_up(8D/3, 256) for swiglu)")
+    d_ff: int | None = _help("MLP hidden width F (default 4*D for gelu and relu2, round_up(8D/3, 256) for swiglu)")
     norm: Literal["layernorm", "rmsnorm"] = field(default="layernorm", metadata={"help": "normalisation"})
     norm_eps: float = field(default=1e-5, metadata={"help": "epsilon inside the norms"})
     norm_placement: Literal["pre", "post"] = field(
         default="pre",
         metadata={"help": "norm before each sublayer (pre, GPT-2/Llama) or after the residual add (post)"})
-    mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP kind"})
+    mlp: Literal["gelu", "swiglu", "relu2"] = field(
+        default="gelu", metadata={"help": "MLP kind: gelu (GPT-2), swiglu (Llama) or relu2 (relu(x)^2, Primer)"})
     gelu_approximate: Literal["tanh", "none"] = field(
         default="tanh", metadata={"help": "GELU form for mlp=gelu (GPT-2 uses tanh)"})
     positions: Literal["learned", "sinusoidal", "rope", "alibi", "none"] = field(
@@ -160,6 +161,16 @@ class ModelConfig:
     linear_k_head_dim: int | None = _help("Gated DeltaNet query/key head width Dk (default head_dim)")
     linear_v_head_dim: int | None = _help("Gated DeltaNet value head width Dv (default head_dim)")
     linear_conv_kernel: int = field(default=4, metadata={"help": "Gated DeltaNet causal conv1d kernel size"})
+    # --- the small-model training recipe (modded-nanogpt, nanochat): each off by default ---
+    logit_softcap: float | None = _help(
+        "cap the logits smoothly at +-C: C * tanh(logits / C) (Gemma 2; no parameters)")
+    value_embeddings: Literal["none", "alternate", "all"] = field(
+        default="none", metadata={"help": "a token embedding table per attention layer added to its values, "
+                                           "gated per head (alternate: every other layer, the last included)"})
+    zero_init_output: bool = field(
+        default=False, metadata={"help": "initialise the residual output projections (o_proj, down_proj) to zero"})
+    norm_affine: bool = field(
+        default=True, metadata={"help": "norms carry a learned gain; false: parameter-free RMSNorm (rmsnorm only)"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on residual branches during training"})
     init_std: float = field(default=0.02, metadata={"help": "std of the normal weight initialisation"})
     # --- mixture of experts (moe.py; Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss, DeepSeek-V3 routing) ---
@@ -235,7 +246,7 @@ class ModelConfig:
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model ({self.d_model}) must be even for positions='sinusoidal'")
         if self.d_ff is None:
-            if self.mlp == "gelu":
+            if self.mlp in ("gelu", "relu2"):
                 fix("d_ff", 4 * self.d_model)
             else:
                 fix("d_ff", 256 * math.ceil(int(8 * self.d_model / 3) / 256))
@@ -253,8 +264,29 @@ class ModelConfig:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
         self._check_layer_types(fix)
         self._check_attention()
+        self._check_recipe()
         check_moe(self, fix)                                       # moe_config.py
         check_mla(self, fix)                                       # mla_config.py
+
+    def _check_recipe(self) -> None:
+        """The recipe's switches: a positive soft cap, parameter-free norms only as RMSNorm."""
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be > 0 (or null: no cap), got {self.logit_softcap}")
+        if not self.norm_affine and (self.norm != "rmsnorm" or self.norm_zero_centered):
+            raise ValueError(f"norm_affine=False (parameter-free norms) needs norm='rmsnorm' without "
+                             f"norm_zero_centered, got norm={self.norm!r} and {self.norm_zero_centered}")
+
+    def has_value_embedding(self, layer: int) -> bool:
+        """Whether attention layer `layer` adds a value embedding: value_embeddings "all", or
+        "alternate" on every other layer counted back from the last (so the last has one)."""
+        if self.value_embeddings == "none" or self.layer_kinds[layer] == "linear_attention":
+            return False
+        return self.value_embeddings == "all" or (self.n_layers - 1 - layer) % 2 == 0
+
+    @property
+    def value_embedding_layers(self) -> tuple[int, ...]:
+        """The layers that add a value embedding (has_value_embedding)."""
+        return tuple(i for i in range(self.n_layers) if self.has_value_embedding(i))
 
     def _check_attention(self) -> None:
         """attention="bidirectional" needs full attention layers whose mask is all a position's keys:

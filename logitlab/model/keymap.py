@@ -42,6 +42,11 @@ def hf_architecture(config: ModelConfig) -> str:
         return _moe(c, bad)
     if c.attn_sinks:
         bad("attn_sinks", True, "causal-LM")
+    # the small-model training recipe's switches that change the function (zero_init_output does not)
+    for name, on in (("value_embeddings", c.value_embeddings != "none"), ("logit_softcap", c.logit_softcap is not None),
+                     ("norm_affine", not c.norm_affine), ("mlp", c.mlp == "relu2")):
+        if on:
+            bad(name, getattr(c, name), "supported")
     if c.norm_zero_centered or c.attn_gate != "none" or "linear_attention" in c.layer_kinds:
         return _qwen3_5(c, bad)
     if c.partial_rotary_factor != 1.0:

@@ -78,14 +78,14 @@ class Block(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         self.post_norm = config.norm_placement == "post"
-        zc = config.norm_zero_centered
-        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc)
+        zc, affine = config.norm_zero_centered, config.norm_affine
+        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc, affine)
         if layer_type == "linear_attention":
             self.attn, self.linear_attn = None, GatedDeltaNet(config)
         else:
             attn = MLA(config) if config.is_mla else Attention(config, layer_type)   # mla.py: latent attention
             self.attn, self.linear_attn = attn, None
-        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc)
+        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc, affine)
         self.mlp_type = mlp_type
         self.mlp = MoE(config) if mlp_type == "moe" else make_mlp(config)
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else None
@@ -96,20 +96,22 @@ class Block(nn.Module):
     def _mlp(self, x, record):
         return self.mlp(x, record=record) if self.mlp_type == "moe" else self.mlp(x)
 
-    def _mix(self, x, rope, cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record):
+    def _mix(self, x, rope, cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record,
+             value_embed=None):
         if self.linear_attn is not None:
             return self.linear_attn(x, cache=cache, layer=layer, pad=pad, impl=impl, record=record), None
         return self.attn(x, rope, cache=cache, layer=layer, mask=mask, is_causal=is_causal, impl=impl,
-                         need_weights=need_weights, key_rope=key_rope)
+                         need_weights=need_weights, key_rope=key_rope, value_embed=value_embed)
 
     def forward(self, x, rope, *, cache=None, layer=0, mask=None, is_causal=False, impl="sdpa",
-                need_weights=False, pad=None, key_rope=None, record=None):
+                need_weights=False, pad=None, key_rope=None, record=None, value_embed=None):
         """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None).
 
         pad (B, T) bool or None: the padding of this call's positions (Gated DeltaNet zeroes
         them); key_rope: see Attention.forward; record: a dict for Gated DeltaNet's g and beta and an
-        MoE layer's routing (router logits, experts, weights)."""
-        args = (cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record)
+        MoE layer's routing (router logits, experts, weights); value_embed: (B, Hkv, T, Dh) added to
+        the attention's values (ValueEmbedding)."""
+        args = (cache, layer, mask, is_causal, impl, need_weights, pad, key_rope, record, value_embed)
         x = tap(self, "resid_pre", x)                              # hook points: hooks.py
         if self.post_norm:
             a, weights = self._mix(x, rope, *args)

@@ -18,6 +18,13 @@ Dh = Dn + Dr (a query or key head), Dv v_head_dim.
               k = [k_nope | k_rope] (Dh per head)
     out       o_proj(attention(q, k, v))              H*Dv -> D
 
+State-dict keys (R kv_lora_rank, Rq q_lora_rank), in place of attention's under blocks.{i}.attn.:
+    q_a_proj.weight (Rq, D), q_a_norm.weight (Rq,), q_b_proj.weight (H*Dh, Rq)   or q_proj.weight (H*Dh, D)
+    kv_a_proj.weight (R + Dr, D)       rows: the latent c, then the RoPE key
+    kv_a_norm.weight (R,)
+    kv_b_proj.weight (H*(Dn + Dv), R)  per head: Dn key rows, then Dv value rows
+    o_proj.weight (D, H*Dv)
+
 Two forms compute the same attention (tests/test_mla.py checks them against each other):
 
 - "expanded", the reference: decompress K and V for every position, then ordinary attention
@@ -103,12 +110,14 @@ class MLA(nn.Module):
         self.form = "auto"
 
     def forward(self, x, rope=None, *, cache=None, layer: int = 0, mask=None, is_causal=False,
-                impl: str = "sdpa", need_weights: bool = False, key_rope=None):
+                impl: str = "sdpa", need_weights: bool = False, key_rope=None, value_embed=None):
         """x (B, T, D) -> (out (B, T, D), pattern (B, H, T, S) or None); the arguments are
         attention.Attention.forward's. cache: anything with `update_latent(layer, latent_new)
         -> latent_all` of shape (B, 1, S, R + Dr) (cache.LatentKV), or None (then S = T)."""
         if key_rope is not None:
             raise ValueError("multi-head latent attention does not run with a StreamingLLM cache")
+        if value_embed is not None:                                # values are rebuilt from the latent
+            raise ValueError("multi-head latent attention takes no value embeddings (value_embeddings)")
         B, T, D = x.shape
         H = self.n_heads
         is_causal = is_causal and self.causal

@@ -26,7 +26,8 @@ def check_mla(c, fix) -> None:
     the widths are positive, head_dim is Dn + Dr (derived before head_dim's own default, see
     ModelConfig.__post_init__), v_head_dim defaults to Dn, and the attention features MLA does not
     combine with (every head its own keys: n_kv_heads == n_heads; RoPE on the Dr part alone; no
-    QK-norm, output gate, sinks, sliding windows or Gated DeltaNet layers) are refused by name."""
+    QK-norm, output gate, sinks, value embeddings, sliding windows or Gated DeltaNet layers) are
+    refused by name."""
     if c.kv_lora_rank is None:
         for name in _FIELDS:
             if getattr(c, name) is not None:
@@ -45,7 +46,7 @@ def check_mla(c, fix) -> None:
         raise ValueError(f"head_dim ({c.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim = "
                          f"{mla_head_dim(c)} with multi-head latent attention")
     needs = {"positions": "rope", "n_kv_heads": c.n_heads, "partial_rotary_factor": 1.0, "qk_norm": False,
-             "attn_gate": "none", "attn_sinks": False}
+             "attn_gate": "none", "attn_sinks": False, "value_embeddings": "none"}
     for name, value in needs.items():
         if getattr(c, name) != value:
             raise ValueError(f"multi-head latent attention (kv_lora_rank={c.kv_lora_rank}) needs {name}={value!r}, "

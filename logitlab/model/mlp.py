@@ -1,4 +1,5 @@
-"""The two MLP kinds of a block: GELU (GPT-2) and SwiGLU (Llama, Qwen), and make_mlp.
+"""The MLP kinds of a block: GELU (GPT-2), SwiGLU (Llama, Qwen) and ReLU² (the small-model
+training recipe), and make_mlp.
 
 Shapes: B batch, T positions, D d_model, F d_ff."""
 
@@ -67,10 +68,26 @@ class SwiGLU(nn.Module):
         return self.down_proj(tap(self, "post", F.silu(gate) * up))
 
 
+class ReluSquaredMLP(nn.Module):
+    """down_proj(relu(up_proj(x))^2): D -> F -> D (So et al. 2021, "Primer"; modded-nanogpt,
+    nanochat). Squaring keeps ReLU's sparsity and its cheapness, with a smooth positive side.
+    The keys are GeluMLP's (up_proj, down_proj)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())        # (B, T, F) -> (B, T, D)
+
+
 def make_mlp(config) -> nn.Module:
-    """`config.mlp` is "gelu" or "swiglu"."""
+    """`config.mlp` is "gelu", "swiglu" or "relu2"."""
     if config.mlp == "swiglu":
         return SwiGLU(config)
     if config.mlp == "gelu":
         return GeluMLP(config)
-    raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {config.mlp!r}")
+    if config.mlp == "relu2":
+        return ReluSquaredMLP(config)
+    raise ValueError(f"mlp must be 'gelu', 'swiglu' or 'relu2', got {config.mlp!r}")

@@ -15,14 +15,17 @@ class RMSNorm(nn.Module):
 
     The statistics are computed in float32 and the normalised value is cast back to the input
     dtype before the weight multiplies it, exactly as Llama / Hugging Face do, so bf16 runs
-    match theirs bit for bit."""
+    match theirs bit for bit. affine=False: no weight at all, y = x / sqrt(mean(x^2) + eps)
+    (ModelConfig.norm_affine; modded-nanogpt's parameter-free norm)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, affine: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                       # (..., dim) -> (..., dim)
+        if self.weight is None:                                   # parameter-free: statistics in float32
+            return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call, bit for bit the three-op form on
         # a float32 input (the weight goes in too: the same products). Other dtypes are normalised
         # in float32 and rounded to x's dtype before the weight, as Hugging Face does (handing
@@ -32,7 +35,8 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -91,11 +95,11 @@ class LayerNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
 
-def make_norm(kind: str, dim: int, eps: float, zero_centered: bool = False) -> nn.Module:
+def make_norm(kind: str, dim: int, eps: float, zero_centered: bool = False, affine: bool = True) -> nn.Module:
     """`kind` is ModelConfig.norm: "rmsnorm" or "layernorm"; zero_centered (rmsnorm only) is
-    ModelConfig.norm_zero_centered."""
+    ModelConfig.norm_zero_centered, affine (rmsnorm only) ModelConfig.norm_affine."""
     if kind == "rmsnorm":
-        return ZeroCenteredRMSNorm(dim, eps) if zero_centered else RMSNorm(dim, eps)
+        return ZeroCenteredRMSNorm(dim, eps) if zero_centered else RMSNorm(dim, eps, affine)
     if kind == "layernorm":
         return LayerNorm(dim, eps)
     raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")

@@ -23,14 +23,7 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     blocks.{i}.attn.o_proj.weight / .bias       (D, H*Dh) / (D,)       bias when bias
     blocks.{i}.attn.q_norm.weight, k_norm.weight (Dh,)  qk_norm only
     blocks.{i}.attn.gate_proj.weight / .bias    (H*Dh or H, D)         attn_gate elementwise / headwise
-    blocks.{i}.attn.sinks                       (H,)                   attn_sinks only
-    (multi-head latent attention, config.is_mla, has instead, mla.py; R kv_lora_rank, Rq q_lora_rank,
-     Dn + Dr = Dh the query/key head, Dv v_head_dim:)
-    blocks.{i}.attn.q_a_proj / q_a_norm / q_b_proj (Rq, D) / (Rq,) / (H*Dh, Rq)   or attn.q_proj (H*Dh, D)
-    blocks.{i}.attn.kv_a_proj.weight            (R + Dr, D)            rows: latent c, then the RoPE key
-    blocks.{i}.attn.kv_a_norm.weight            (R,)
-    blocks.{i}.attn.kv_b_proj.weight            (H*(Dn + Dv), R)       per head: Dn key rows, Dv value rows
-    blocks.{i}.attn.o_proj.weight               (D, H*Dv)
+    blocks.{i}.attn.sinks                       (H,)                   attn_sinks only (MLA's keys: mla.py)
     blocks.{i}.linear_attn.*                    a Gated DeltaNet layer (layer type "linear_attention",
                                                 no attn.*): in_proj_qkv, in_proj_z, in_proj_b,
                                                 in_proj_a, conv1d, dt_bias, A_log, norm, out_proj
@@ -39,6 +32,8 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     blocks.{i}.mlp.gate_up_proj.weight / .bias  (2F, D) / (2F,)        mlp="swiglu": rows gate, then up
     blocks.{i}.mlp.up_proj.weight / .bias       (F, D) / (F,)          mlp="gelu"
     blocks.{i}.mlp.down_proj.weight / .bias     (D, F) / (D,)
+    value_embeds.{i}.embed.weight / .gate       (V_padded, Hkv*Dh) / (Hkv,)  value_embeddings: layer i's
+                                                table added to its values (attention.ValueEmbedding)
     (a layer whose mlp kind is "moe", config.mlp_kinds, has instead, moe.py; E n_experts, F moe_d_ff:)
     blocks.{i}.mlp.router.weight / .bias        (E, D) / (E,)          bias when router_bias
     blocks.{i}.mlp.router.correction_bias       (E,) float32 buffer    router="sigmoid_topk" only
@@ -47,7 +42,7 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     blocks.{i}.mlp.experts.gate_up_bias / down_bias  (E, 2F) / (E, D)  expert_bias only
     blocks.{i}.mlp.shared.gate_up_proj / down_proj   a SwiGLU of width shared_expert_d_ff, when > 0
     blocks.{i}.mlp.shared_gate.weight           (1, D)                 shared_expert_gate only
-    final_norm.weight / .bias                   (D,)
+    final_norm.weight / .bias                   (D,)   (no norm weights at all when norm_affine=False)
     lm_head.weight                              (V_padded, D)  the same Parameter as tok_emb.weight
                                                                when tie_embeddings
 RoPE cos/sin tables, the sinusoidal table and ALiBi's slopes are non-persistent buffers (not in
@@ -67,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from logitlab.model.attention import Attention
+from logitlab.model.attention import Attention, ValueEmbedding, make_value_embeddings
 from logitlab.model.cache import KVCache
 from logitlab.model.config import (  # noqa: F401  (re-exported: ModelConfig's old home)
     ModelConfig,
@@ -126,7 +121,8 @@ class Transformer(nn.Module):
                      if config.positions == "rope" else None)
         kinds = zip(config.layer_kinds, config.mlp_kinds)          # token mixer, MLP (dense or moe)
         self.blocks = nn.ModuleList(Block(config, mixer, mlp) for mixer, mlp in kinds)
-        self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered)
+        self.value_embeds = make_value_embeddings(config, V)      # value_embeds.{i} (attention.py)
+        self.final_norm = make_norm(config.norm, D, config.norm_eps, config.norm_zero_centered, config.norm_affine)
         self.lm_head = nn.Linear(D, V, bias=False)
         # The padded head's product h @ weight[:V]^T; a kernel installed from outside may replace
         # it (kernels.cpu_bf16.install) with a function computing the same values.
@@ -168,30 +164,34 @@ class Transformer(nn.Module):
 
         - every Linear weight and both embedding tables ~ Normal(0, init_std);
         - the residual output projections (attn.o_proj, mlp.down_proj) ~ Normal(0, init_std /
-          sqrt(2L)), so the residual stream's variance does not grow with depth (2 adds per block);
+          sqrt(2L)), so the residual stream's variance does not grow with depth (2 adds per block),
+          or zeros with zero_init_output (each block starts as the identity);
         - every bias zeros; every norm weight ones (LayerNorm bias zeros; a zero-centred RMSNorm's
           stored offset zeros); attention sink logits zeros; Gated DeltaNet's decay and conv as
-          GatedDeltaNet.reset_parameters (its out_proj scaled as o_proj); an MoE's router and experts
-          as Router / Experts.reset_parameters (the experts' down projections scaled as down_proj).
+          GatedDeltaNet.reset_parameters (its out_proj scaled as o_proj); value-embedding tables as
+          the embeddings, their gates zeros; an MoE's router and experts as Router /
+          Experts.reset_parameters (the experts' down projections scaled, or zeroed, as down_proj).
         A tied LM head is the embedding table and is initialised once, as the embedding."""
         std, L = self.config.init_std, self.config.n_layers
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(("o_proj", "down_proj", "out_proj"))
-                if not (module is self.lm_head and self.config.tie_embeddings):
+                if scaled and self.config.zero_init_output:
+                    nn.init.zeros_(module.weight)
+                elif not (module is self.lm_head and self.config.tie_embeddings):
                     nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * L) if scaled else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, (RMSNorm, LayerNorm, ZeroCenteredRMSNorm, GatedDeltaNet)):
+            elif isinstance(module, (RMSNorm, LayerNorm, ZeroCenteredRMSNorm, GatedDeltaNet, ValueEmbedding)):
                 module.reset_parameters()                          # GatedDeltaNet: its decay, conv, norm
             elif isinstance(module, Attention) and module.sinks is not None:
                 nn.init.zeros_(module.sinks)
             elif isinstance(module, Router):                       # an MoE's router and experts (moe.py)
                 module.reset_parameters(std)
             elif isinstance(module, Experts):
-                module.reset_parameters(std, std / math.sqrt(2 * L))
+                module.reset_parameters(std, 0.0 if self.config.zero_init_output else std / math.sqrt(2 * L))
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -255,8 +255,13 @@ class Transformer(nn.Module):
         backward at (1024, 384) x 50304: 1530 -> 1333 ms, 1 thread)."""
         V = self.config.vocab_size
         if self.lm_head.out_features == V:                         # no padding, or a head quantized
-            return self.lm_head(h)                                 # without its padded rows (B, T, V)
-        return self.head_matmul(h, self.lm_head.weight[:V])        # (B, T, V) of (V_padded, D)
+            logits = self.lm_head(h)                               # without its padded rows (B, T, V)
+        else:
+            logits = self.head_matmul(h, self.lm_head.weight[:V])  # (B, T, V) of (V_padded, D)
+        cap = self.config.logit_softcap                            # soft-capping (Gemma 2): C * tanh(z / C)
+        if cap is None:                                            # keeps |logit| < C smoothly, so none runs
+            return logits                                          # away early; in float32, back in its dtype
+        return (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
 
     def _run(self, ids, cache, positions, attn_mask, want_hidden=False, want_weights=False, check_values=True,
              records=None):
@@ -296,7 +301,7 @@ class Transformer(nn.Module):
             x, w = block(x, rope, cache=cache, layer=i,
                          mask=window if block.layer_type == "sliding_attention" else mask,
                          is_causal=is_causal, impl=self.attn_impl, need_weights=want_weights, pad=pad,
-                         key_rope=key_rope, record=record)
+                         key_rope=key_rope, record=record, value_embed=self.value_embedding(i, ids))
             if record is not None:
                 records.append({"layer": i, **record})
             if want_weights:
@@ -306,6 +311,12 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(T)  # the one place the cache moves
         return x, hidden, weights
+
+    def value_embedding(self, layer: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """Layer `layer`'s value embedding of ids (B, T) -> (B, Hkv, T, Dh), or None when the layer
+        has none (ModelConfig.value_embeddings); a loop that runs the blocks itself passes it on."""
+        ve = self.value_embeds
+        return ve[str(layer)](ids) if ve is not None and str(layer) in ve else None
 
     def _rope_tables(self, positions, cache, S, dtype):
         """(cos, sin) for the queries' positions, in the residual stream's dtype, and for a cache

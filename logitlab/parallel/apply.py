@@ -200,6 +200,19 @@ def _shard_one(module: nn.Module, plan: ParallelPlan, mesh, seq_len: int | None,
     return module
 
 
+def _check_recipe_options(config, plan: ParallelPlan) -> None:
+    """The training recipe's model options that these layouts do not run yet: a pipeline stage
+    computes neither value embeddings (a later stage has no token ids) nor the logits' soft cap,
+    and tensor parallelism does not split a value-embedding table by heads."""
+    ve = getattr(config, "value_embeddings", "none") != "none"
+    cap = getattr(config, "logit_softcap", None) is not None
+    if plan.pp > 1 and (ve or cap):
+        raise ValueError("--pp does not run value_embeddings or logit_softcap yet; train this model with "
+                         "ddp, zero2, fsdp or --tp")
+    if plan.tp > 1 and ve:
+        raise ValueError("--tp does not split value_embeddings by heads yet; train this model with ddp, zero2 or fsdp")
+
+
 def parallelize(model: nn.Module, plan: ParallelPlan, info: DistInfo | None = None, *,
                 seq_len: int | None = None, mixed_precision: bool = False) -> Parallelized:
     """Apply `plan` to a built model (same weights expected on every rank: rank 0's are
@@ -207,6 +220,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, info: DistInfo | None = No
     parallel. Build the optimizer afterwards (Parallelized.build_optimizer)."""
     info = info or current_info()
     plan = plan.resolve(info.world_size)
+    _check_recipe_options(model.config, plan)
     model = split_fused_projections(model.to(info.device))
     if not info.distributed:
         _shard_one(model, plan, None, seq_len)   # resolve() made every dimension 1

@@ -1,7 +1,7 @@
 """The set-up of a training run, before its first step: the data and sampler, the model on its
 device, a resume (weights, step, sampler position, optimizer and generator states, so the run
-continues bit for bit) or a fresh seed, the wrapped model with AdamW and the step's loss, and
-the run directory's files. `Run` holds what the loop's parts share.
+continues bit for bit) or a fresh seed, the wrapped model with its optimizer and the step's loss,
+and the run directory's files. `Run` holds what the loop's parts share.
 
 A resume may also extend the model's context: when the model given has a longer context_length
 and/or another rope_scaling than the checkpoint's config.json (nothing else may differ), the
@@ -28,7 +28,7 @@ from logitlab.train import runtime
 from logitlab.train.config import TrainConfig
 from logitlab.train.hooks import ParallelHooks
 from logitlab.train.loss import evaluate, loss_fn
-from logitlab.train.optim import build_adamw
+from logitlab.train.optim import build_adamw, build_adamw_by_role, role_groups
 
 RUN_FILE = "run.json"
 
@@ -174,22 +174,45 @@ def record_extension(run: Run) -> None:
 
 def build_optimizer(run: Run) -> None:
     """Wrap the model (before the optimizer: FSDP2 replaces the parameters with sharded ones),
-    build AdamW, and the step's loss (compiled: the model and the loss as one graph; a wrapped
-    model may break it)."""
+    build the optimizer (build_training_optimizer), and the step's loss (compiled: the model and
+    the loss as one graph; a wrapped model may break it)."""
     config, par = run.config, run.par
     if config.attention_kernel == "triton":  # installed into the model before any wrapper sees it
         from logitlab.kernels import triton_install
 
         triton_install.install(run.model)
     run.wrapped = par.wrap(run.model) if par.wrap is not None else run.model
-    run.optimizer = build_adamw(run.model, config.lr, config.weight_decay, (config.beta1, config.beta2),
-                                config.eps, config.decay_embeddings)
+    run.optimizer = build_training_optimizer(run.model, config)
     run.compute_loss = loss_fn(run.wrapped, config.compile, fullgraph=par.wrap is None)
     if run.model.config.is_moe:  # + the router's losses; their parts logged (train.moe)
         from logitlab.train.moe import RouterLoss, RoutingLog
 
         run.compute_loss = RouterLoss(run.wrapped, run.model.config, config.compile)
         run.routing = RoutingLog(config.router_bias_update_rate)
+
+
+def build_training_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer `config` asks for over `model` (unwrapped; after FSDP2 has sharded it):
+    AdamW in its two groups (decay / no decay) unless a rate per role is set (embedding_lr,
+    head_lr, matrix_lr: optim.role_groups), or MuonAdamW (muon.py) over the role groups."""
+    rates = {"embedding": config.embedding_lr, "head": config.head_lr, "matrix": config.matrix_lr}
+    if config.head_lr is not None and model.config.tie_embeddings:
+        raise ValueError("head_lr needs an untied LM head (tie_embeddings=False): a tied head is the embedding "
+                         "table, whose rate is embedding_lr")
+    betas = (config.beta1, config.beta2)
+    if config.optimizer == "adamw":
+        if all(v is None for v in rates.values()):
+            return build_adamw(model, config.lr, config.weight_decay, betas, config.eps, config.decay_embeddings)
+        return build_adamw_by_role(model, config.lr, rates, config.weight_decay, betas, config.eps,
+                                   config.decay_embeddings)
+    from logitlab.train.muon import MUON_LR, MuonAdamW, row_blocks
+
+    muon = dict(lr=config.matrix_lr or MUON_LR, weight_decay=config.muon_weight_decay,
+                momentum=config.muon_momentum, nesterov=True, ns_steps=config.muon_ns_steps,
+                ns_method=config.muon_ns, blocks=row_blocks(model))
+    groups = role_groups(model, config.lr, weight_decay=config.weight_decay,
+                         decay_embeddings=config.decay_embeddings, rates={**rates, "matrix": None}, muon=muon)
+    return MuonAdamW(groups, betas=betas, eps=config.eps)
 
 
 def restore_optimizer(run: Run, loaded: dict | None) -> None:
@@ -202,12 +225,24 @@ def restore_optimizer(run: Run, loaded: dict | None) -> None:
     if run.par.load_state is not None:
         run.par.load_state(run.wrapped, ckpt_io.load_model_state(latest), run.optimizer, opt_state)
     else:
-        run.optimizer.load_state_dict(opt_state)
+        _load_optimizer_state(run.optimizer, opt_state, run.config, latest)
     if loaded["rng"] is not None:
         try:
             runtime.restore_rng_state(loaded["rng"])
         except ValueError as exc:
             raise ValueError(f"{latest / ckpt_io.RNG_FILE}: {exc}") from None
+
+
+def _load_optimizer_state(optimizer, state: dict, config: TrainConfig, where) -> None:
+    """optimizer.load_state_dict(state), a mismatch named: which optimizer wrote the checkpoint."""
+    try:
+        optimizer.load_state_dict(state)
+    except ValueError as exc:
+        groups = state.get("param_groups", [])
+        wrote = "muon" if any(g.get("kind") == "muon" for g in groups) else "adamw"
+        raise ValueError(f"{where}: its optimizer state ({wrote}, {len(groups)} groups) does not fit this run's "
+                         f"optimizer ({config.optimizer}, {len(optimizer.param_groups)} groups: the optimizer and "
+                         f"the rates per role must stay as the run began): {exc}") from None
 
 
 def setup(model, config: TrainConfig, run_dir: Path, par: ParallelHooks, resume: bool, device: torch.device,

@@ -20,6 +20,7 @@ def _f(default, help_text: str):
 # reached a validation loss of 5.45 at 3e-3 and 6.85 at 3e-4.
 SMALL_MODEL_PARAMS = 50_000_000
 SMALL_MODEL_LR, LARGE_MODEL_LR = 3e-3, 3e-4
+DECAY_SHAPES = ("linear", "1-sqrt")
 PARALLEL_CHOICES = ("auto", "none", "ddp", "zero1", "zero2", "fsdp")
 
 
@@ -41,7 +42,7 @@ class TrainConfig:
     seq_len: int | None = _f(None, "tokens per sequence T (default: the model's context_length)")
     lr: float | None = _f(None, "peak learning rate (default: 3e-3 for models under 50 M parameters, as the "
                                "tiny, gpt2-tiny and small presets; 3e-4 from there up, as GPT-2 124M)")
-    min_lr: float | None = _f(None, "learning-rate floor of the cosine decay (default lr / 10)")
+    min_lr: float | None = _f(None, "learning-rate floor of the decay (default: lr / 10 for cosine, 0 for wsd)")
     warmup_steps: int | None = _f(None, "linear warmup steps (default min(100, steps // 10))")
     weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
     decay_embeddings: bool = _f(False, "also decay the embedding tables")
@@ -96,6 +97,24 @@ class TrainConfig:
                                           "the step count (at most --steps when given), warmup and cosine inside "
                                           "it; the run stops (evaluates, saves) after the step that passes it")
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+    # --- the optimizer and the schedule (train/optim.py, train/muon.py) ---
+    optimizer: Literal["adamw", "muon"] = _f(
+        "adamw", "adamw, or muon: Muon (momentum orthogonalised by Newton-Schulz) for the 2-D hidden matrices "
+        "and AdamW for embeddings, head, gains and biases (MuonAdamW)")
+    lr_schedule: Literal["cosine", "wsd"] = _f(
+        "cosine", "warmup then cosine decay to min_lr, or wsd: warmup, constant, then a decay to min_lr over "
+        "the last decay_fraction of the steps (a run stopped in its constant phase continues with more --steps)")
+    decay_fraction: float = _f(0.2, "wsd: share of the steps spent decaying")
+    decay_shape: Literal["linear", "1-sqrt"] = _f("linear", "wsd: linear or 1-sqrt decay")
+    embedding_lr: float | None = _f(None, "peak learning rate of the embedding tables (default lr)")
+    head_lr: float | None = _f(None, "peak learning rate of an untied LM head (default lr)")
+    matrix_lr: float | None = _f(None, "peak learning rate of the hidden matrices (default: lr for adamw, "
+                                       "0.02 for muon, in spectral norm per step)")
+    muon_momentum: float = _f(0.95, "muon: momentum of the matrices (Nesterov)")
+    muon_ns: Literal["quintic", "polar_express"] = _f(
+        "quintic", "muon: orthogonalisation polynomial, quintic (Jordan et al.) or polar_express (Amsel et al.)")
+    muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations")
+    muon_weight_decay: float = _f(0.0, "muon: decoupled weight decay of the matrices")
     router_bias_update_rate: float = _f(
         0.0, "MoE with router=sigmoid_topk: after each step move each expert's selection bias by this toward "
         "balance (auxiliary-loss-free balancing, DeepSeek-V3 used 0.001; train.moe.update_correction_bias)")
@@ -168,11 +187,30 @@ class TrainConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        self._check_recipe()
         if self.router_bias_update_rate < 0:
             raise ValueError(f"router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(f"weight_decay ({self.weight_decay}) and grad_clip ({self.grad_clip}) must be "
                              f">= 0 and eps ({self.eps}) > 0")
+
+    def _check_recipe(self) -> None:
+        """The optimizer and schedule settings (optimizer, lr_schedule, their rates and shapes)."""
+        for name in ("embedding_lr", "head_lr", "matrix_lr"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.decay_shape not in DECAY_SHAPES:                   # optim.DECAY_SHAPES (torch not imported)
+            raise ValueError(f"decay_shape must be one of {DECAY_SHAPES}, got {self.decay_shape!r}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        if self.muon_ns_steps <= 0 or self.muon_weight_decay < 0:
+            raise ValueError(f"muon_ns_steps ({self.muon_ns_steps}) must be > 0 and muon_weight_decay "
+                             f"({self.muon_weight_decay}) >= 0")
+        if self.optimizer == "muon" and self.needs_nd_loop():
+            raise ValueError("optimizer='muon' runs with one process, ddp, zero2 and fsdp; not yet with --tp, --pp "
+                             "or --parallel zero1 (their optimizers are built by the sharded layouts)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -189,11 +227,15 @@ class TrainConfig:
         return dataclasses.replace(self, lr=default_lr(sum(p.numel() for p in model.parameters())))
 
     def schedule(self):
-        """The learning-rate schedule: optim.WarmupCosine of this config's numbers."""
-        from logitlab.train.optim import WarmupCosine
+        """The learning-rate schedule: optim.WarmupCosine or optim.WarmupStableDecay (lr_schedule) of
+        this config's numbers."""
+        from logitlab.train.optim import WarmupCosine, WarmupStableDecay
 
         if self.lr is None:
             raise ValueError("lr is not set: TrainConfig.for_model(model) chooses the default for a model")
+        if self.lr_schedule == "wsd":
+            return WarmupStableDecay(self.lr, self.warmup_steps, self.steps, self.min_lr or 0.0,
+                                     self.decay_fraction, self.decay_shape)
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         return WarmupCosine(self.lr, self.warmup_steps, self.steps, min_lr)
 

@@ -44,8 +44,9 @@ import torch
 from logitlab.data import tokens as data_io
 from logitlab.io import checkpoint as ckpt_io
 from logitlab.io import files
-from logitlab.kernels import allocator, cpu_bf16
+from logitlab.kernels import allocator
 from logitlab.model import accounting
+from logitlab.train import progress as progress_view
 from logitlab.train import runtime
 from logitlab.train.build import RUN_FILE, Run, check_new_run_dir, setup, write_run_files
 from logitlab.train.config import TrainConfig
@@ -55,6 +56,7 @@ from logitlab.train.loss import IGNORE_INDEX, cross_entropy, cross_entropy_refer
 from logitlab.train.metrics import MetricsSink
 from logitlab.train.metrics import tensorboard_writer as _tensorboard_writer
 from logitlab.train.optim import clip_grad_norm
+from logitlab.train.timefit import Replanner, TimeFit
 
 __all__ = ["IGNORE_INDEX", "RUN_FILE", "ParallelHooks", "Run", "TrainConfig", "TrainResult", "TrainingDiverged",
            "check_new_run_dir", "cross_entropy", "cross_entropy_reference", "evaluate", "evaluate_run",
@@ -116,12 +118,18 @@ class _StopFlag:
 def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = None, tokenizer=None,
           resume: bool = False, callback: Callable[[str, dict], None] | None = None,
           parallel: ParallelHooks | None = None, extra_state: dict | None = None,
-          lock: bool = True) -> TrainResult:
+          lock: bool = True, progress=None, time_fit: TimeFit | None = None) -> TrainResult:
     """Train `model` (an unwrapped Transformer, already initialised) per `config`.
 
     With resume=True the latest checkpoint of the run directory is loaded (weights, optimizer,
     schedule step, sampler position, RNG states, metrics) and the run continues exactly.
-    `callback(event, record)` receives "start", "step", "eval", "checkpoint" and "end".
+    `callback(event, record)` receives "start", "step", "eval", "checkpoint", "plan" (time_fit)
+    and "end". `progress`: what shows the run's progress, none by default (the library prints
+    nothing unless asked): True for train.progress.TextProgress on stderr, "auto" for it only
+    in a terminal or a notebook, or a callback of its own (the CLI's live view).
+    `time_fit` (timefit.TimeFit, with config.time_limit_s): a new run re-plans its step count,
+    warmup and evaluation interval from its own first steps so that the schedule ends inside
+    the limit ("plan" events say what was planned; one process only).
     `extra_state` (JSON) is stored in every checkpoint's state.json. `parallel` (ParallelHooks)
     defaults to layouts.parallel_hooks(config, run_dir, resume): the layout of a torchrun job or
     an initialised process group, the N-D hooks for --tp / --pp / zero1 or a resume from a
@@ -132,9 +140,12 @@ def train(model, config: TrainConfig, *, run_dir: str | os.PathLike | None = Non
     config = config.for_model(model)  # lr: the size's default unless set
     par = parallel if parallel is not None else parallel_hooks(config, run_dir, resume)
     _check_inputs(model, config, tokenizer, par.world_size)  # every input error before anything is written
+    if time_fit is not None and (config.time_limit_s is None or par.world_size > 1):
+        raise ValueError("time_fit re-plans the steps to config.time_limit_s on one process: "
+                         f"time_limit_s is {config.time_limit_s}, world size {par.world_size}")
+    emit = progress_view.chain(callback, progress_view.resolve(progress))
     with files.RunLock(run_dir) if (lock and par.main) else contextlib.nullcontext():
-        return _train(model, config, run_dir, tokenizer, resume, callback or (lambda event, record: None),
-                      par, extra_state)
+        return _train(model, config, run_dir, tokenizer, resume, emit, par, extra_state, time_fit)
 
 
 def _check_inputs(model, config: TrainConfig, tokenizer, world_size: int) -> None:
@@ -243,10 +254,18 @@ def save(run: Run, val_loss: float | None) -> Path | None:
 
 def _checkpoint_state(run: Run, val_loss: float | None) -> dict:
     """What a checkpoint's state.json holds besides the step: the sampler position, schedule,
-    configs, validation losses and tokens seen (and the caller's extra state)."""
+    configs, validation losses and tokens seen (and the caller's extra state); "kept" (never
+    pruned, io.checkpoint.prune_checkpoints) at the last step of a WSD schedule's stable phase."""
+    kept = ({"kept": "the end of the stable phase: a run resumed from here with more --steps continues as "
+                     "one planned that long"} if run.step == _stable_end(run) else {})
     return {"sampler": run.sampler.state_dict(), "schedule": dataclasses.asdict(run.schedule),
             "train_config": run.config.to_dict(), "val_loss": val_loss, "best_val_loss": run.best_val,
-            "tokens_seen": run.tokens_seen, **(run.extra_state or {})}
+            "tokens_seen": run.tokens_seen, **kept, **(run.extra_state or {})}
+
+
+def _stable_end(run: Run) -> int | None:
+    """The steps done when a warmup-stable-decay schedule's decay begins (None for the cosine)."""
+    return getattr(run.schedule, "decay_start", None)
 
 
 def _saving(run: Run, write: Callable[[], Path | None]) -> Path | None:
@@ -259,28 +278,6 @@ def _saving(run: Run, write: Callable[[], Path | None]) -> Path | None:
         raise TrainingDiverged(f"{exc} at step {run.step}; {_last_good(run.last_ckpt)}") from exc
 
 
-def _freed_memory_policy(config: TrainConfig, device: torch.device, amp_dtype) -> str:
-    """-> "keep" (now), "watch" (allocator.FaultWatch decides after the first steps) or "leave".
-    auto watches compiled float32 steps only: a compiled fp32 step reuses a few planned buffers, so
-    keeping freed memory costs it little peak; under bf16 autocast the casts of every size
-    fragment the kept heap (docs/benchmarks.md)."""
-    if device.type != "cpu" or config.keep_freed_memory == "off":
-        return "leave"
-    if config.keep_freed_memory == "on":
-        return "keep"
-    return "watch" if config.compile and amp_dtype is None else "leave"
-
-
-def _install_bf16_route(model, config: TrainConfig, device: torch.device, amp_dtype) -> cpu_bf16.Installed | None:
-    """The CPU bf16 matmul and attention routes for this run (only where there are bf16 products
-    on a CPU), attention measured at the run's sequence length."""
-    bf16 = amp_dtype == torch.bfloat16 or any(p.dtype == torch.bfloat16 for p in model.parameters())
-    if device.type != "cpu" or not bf16:
-        return None
-    seq_len = config.seq_len or getattr(getattr(model, "config", None), "context_length", None)
-    return cpu_bf16.install(model, config.bf16_matmul, seq_len=seq_len)
-
-
 def _evaluate_at_start(run: Run, sink: MetricsSink, emit) -> None:
     """The untrained model's validation loss as a step-0 record (no RNG is drawn: resume stays exact)."""
     if run.step == 0 and run.has_val and run.config.eval_at_start:
@@ -290,33 +287,27 @@ def _evaluate_at_start(run: Run, sink: MetricsSink, emit) -> None:
         emit("eval", record0)
 
 
-def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, float | None, float | None]:
-    """Steps until config.steps, a signal or the time limit: step, evaluate, record, save.
-    -> (stopped, last loss, last validation loss)."""
-    config = run.config
+def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit,
+          time_fit: TimeFit | None = None) -> tuple[str, float | None, float | None]:
+    """Steps until config.steps (re-planned by a time_fit), a signal or the time limit: step,
+    evaluate, record, save. -> (stopped, last loss, last validation loss)."""
     fpt = flops_per_token(run.model, run.seq_len)
     peak = accounting.matmul_peak_flops(run.device, run.amp_dtype) * (run.par.devices or run.par.world_size)
-    save_every = config.eval_every if config.save_every is None else config.save_every
     last_loss = val_loss = None
-    started = time.perf_counter()
-    while run.step < config.steps:
-        t0 = time.perf_counter()
+    clock = time_fit.clock if time_fit is not None else time.perf_counter
+    started = clock()
+    planner = Replanner(time_fit, run, started) if time_fit is not None and run.step == 0 else None
+    while run.step < run.config.steps:
+        t0 = clock()
         last_loss, grad_norm, lr = train_step(run)
-        step, dt, tps = run.step, time.perf_counter() - t0, run.tokens_per_step
+        step, now, tps = run.step, clock(), run.tokens_per_step
+        dt = max(now - t0, 1e-9)
         record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.tokens_seen,
                   "tokens_per_s": tps / dt, "mfu": fpt * tps / dt / peak, "time_s": dt}
-        if run.routing is not None:       # an MoE: the router's losses and loads (train.moe)
-            record.update(run.routing.step(run.model))
-        measured = run.route_record is not None   # this process's bf16 routes, on its first step's record
-        if measured:
-            record.update(run.route_record)
-            run.route_record = None
-        decided = run.fault_watch.after_step() if run.fault_watch is not None else None
-        if decided is not None:                # keep_freed_memory "auto", measured (allocator.FaultWatch)
-            record.update(decided)
-            emit("allocator", decided)
-            measured = True
-        reason = _stop_reason(run, stop, started)
+        measured = _measurements(run, record, emit, planner.after_step(run, dt, now) if planner else None)
+        config = run.config                    # re-planned by the time fit in its first steps
+        save_every = config.eval_every if config.save_every is None else config.save_every
+        reason = _stop_reason(run, stop, now - started)
         final = step == config.steps or reason is not None
         if run.has_val and ((config.eval_every and step % config.eval_every == 0) or final):
             val_loss = evaluate_run(run)
@@ -329,7 +320,7 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
         emit("step", record)
         if run.par.agree is None and stop.signum is not None:   # one process: a signal during this step's
             reason = reason or "signal"                           # evaluation or callback stops it here too
-        if final or reason is not None or (save_every and step % save_every == 0):
+        if final or reason is not None or (save_every and step % save_every == 0) or step == _stable_end(run):
             path = save(run, record.get("val_loss"))
             if path is not None:
                 emit("checkpoint", {"step": step, "path": str(path)})
@@ -339,32 +330,53 @@ def _loop(run: Run, sink: MetricsSink, stop: _StopFlag, emit) -> tuple[str, floa
     return "done", last_loss, val_loss
 
 
-def _stop_reason(run: Run, stop: _StopFlag, started: float) -> str | None:
+def _measurements(run: Run, record: dict, emit, plan) -> bool:
+    """A step record's measurements beside the loss: an MoE's routing (train.moe), this process's
+    bf16 routes (on its first step's record), the freed-memory decision (allocator.FaultWatch)
+    and the steps re-planned to the time limit (`plan`, timefit.Plan, also a "plan" event).
+    -> whether the record holds a one-time measurement (so it is written whatever log_every says)."""
+    if run.routing is not None:
+        record.update(run.routing.step(run.model))
+    measured = run.route_record is not None
+    if measured:
+        record.update(run.route_record)
+        run.route_record = None
+    decided = run.fault_watch.after_step() if run.fault_watch is not None else None
+    if decided is not None:
+        record.update(decided)
+        emit("allocator", decided)
+    if plan is not None:
+        record.update(planned_steps=plan.steps, planned_step_s=plan.step_s)
+        emit("plan", dataclasses.asdict(plan))
+    return measured or decided is not None or plan is not None
+
+
+def _stop_reason(run: Run, stop: _StopFlag, elapsed_s: float) -> str | None:
     """Whether the run stops after this step: "signal" (SIGINT/SIGTERM), "launcher" (torchrun's
     agent died: ParallelHooks.launcher_gone), "time" (the time limit), or None. The ranks agree
     (each flag OR'd over them): a signal, a dead launcher or the time limit may reach them at
     different steps, and they must stop after the same one."""
     limit = run.config.time_limit_s
     flags = (stop.signum is not None, run.par.launcher_gone is not None and run.par.launcher_gone(),
-             limit is not None and time.perf_counter() - started > limit)
+             limit is not None and elapsed_s > limit)
     if run.par.agree is not None:
         flags = run.par.agree(*flags)
     return next((name for name, on in zip(("signal", "launcher", "time"), flags) if on), None)
 
 
 def _train(model, config: TrainConfig, run_dir: Path, tokenizer, resume: bool, emit, par: ParallelHooks,
-           extra_state: dict | None) -> TrainResult:
+           extra_state: dict | None, time_fit: TimeFit | None = None) -> TrainResult:
     device = runtime.pick_device(config.device)
     amp_dtype = runtime.autocast_dtype(device, config.precision)
     model.to(device)
     route = writer = sink = None
     try:  # the bf16 route, the metrics file and the TensorBoard writer end however the run ends
-        route = _install_bf16_route(model, config, device, amp_dtype)   # before wrapping
+        route = runtime.install_bf16_route(model, config, device, amp_dtype)   # before wrapping
         run = (par.setup or setup)(model, config, run_dir, par, resume, device, amp_dtype, tokenizer, extra_state)
         writer = _tensorboard_writer(run_dir) if (par.main and config.tensorboard) else None
         write_run_files(run)
         sink = MetricsSink(run_dir, run.metrics, par.main, writer)
-        policy = _freed_memory_policy(config, device, amp_dtype)
+        policy = runtime.freed_memory_policy(config, device, amp_dtype)
         if policy == "keep":
             allocator.keep_freed_memory()                          # process-wide, cannot be undone
         run.fault_watch = allocator.FaultWatch() if policy == "watch" else None
@@ -374,7 +386,7 @@ def _train(model, config: TrainConfig, run_dir: Path, tokenizer, resume: bool, e
                        **(run.route_record or {"bf16_route": None, "bf16_route_timings_s": None})})
         _evaluate_at_start(run, sink, emit)
         with _StopFlag() as stop:
-            stopped, last_loss, val_loss = _loop(run, sink, stop, emit)
+            stopped, last_loss, val_loss = _loop(run, sink, stop, emit, time_fit)
     finally:
         if route is not None:
             route.remove()

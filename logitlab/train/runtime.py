@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from logitlab.kernels import cpu_bf16
 from logitlab.kernels.allocator import keep_freed_memory  # noqa: F401  (re-exported)
 
 
@@ -141,3 +142,25 @@ def fastest_thread_count(step, candidates=None, repeats: int = 3) -> tuple[int, 
     best = min(timings, key=timings.get)
     torch.set_num_threads(best)
     return best, timings[best]
+
+
+def freed_memory_policy(config, device: torch.device, amp_dtype) -> str:
+    """-> "keep" (now), "watch" (allocator.FaultWatch decides after the first steps) or "leave".
+    auto watches compiled float32 steps only: a compiled fp32 step reuses a few planned buffers, so
+    keeping freed memory costs it little peak; under bf16 autocast the casts of every size
+    fragment the kept heap (docs/benchmarks.md)."""
+    if device.type != "cpu" or config.keep_freed_memory == "off":
+        return "leave"
+    if config.keep_freed_memory == "on":
+        return "keep"
+    return "watch" if config.compile and amp_dtype is None else "leave"
+
+
+def install_bf16_route(model, config, device: torch.device, amp_dtype) -> cpu_bf16.Installed | None:
+    """The CPU bf16 matmul and attention routes for this run (only where there are bf16 products
+    on a CPU), attention measured at the run's sequence length."""
+    bf16 = amp_dtype == torch.bfloat16 or any(p.dtype == torch.bfloat16 for p in model.parameters())
+    if device.type != "cpu" or not bf16:
+        return None
+    seq_len = config.seq_len or getattr(getattr(model, "config", None), "context_length", None)
+    return cpu_bf16.install(model, config.bf16_matmul, seq_len=seq_len)

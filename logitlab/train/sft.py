@@ -72,7 +72,8 @@ def forward_packed(model, inputs: sft_data.PackedInputs) -> torch.Tensor:
         rope = (cos.to(x.dtype), sin.to(x.dtype))
     mask = document_mask(inputs.segments)                          # (B, 1, T, T)
     for i, block in enumerate(model.blocks):
-        x, _ = block(x, rope, layer=i, mask=mask, is_causal=False, impl=model.attn_impl)
+        x, _ = block(x, rope, layer=i, mask=mask, is_causal=False, impl=model.attn_impl,
+                     value_embed=model.value_embedding(i, ids))
     return model.unembed(x)                                        # (B, T, V)
 
 
