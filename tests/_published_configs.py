@@ -126,6 +126,21 @@ GEMMA2_2B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hi
              "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
              "vocab_size": 256000}
 
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+               "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+               "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+               "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+               "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+               "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+               "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+               "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                       "weight_block_size": [128, 128]},
+               "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                       "type": "yarn"},
+               "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_group": 4,
+               "topk_method": "noaux_tc", "tie_word_embeddings": False, "v_head_dim": 128, "vocab_size": 129280}
+
 _QUOTED = "quoted with the hub's raw URL in several public repositories"
 PUBLISHED = [
     Published("gpt2", GPT2, f"huggingface.co/openai-community/gpt2 config.json, {_QUOTED}", BYTE_LEVEL),
@@ -156,6 +171,11 @@ PUBLISHED = [
     Published("mistralai/Mixtral-8x7B-v0.1", MIXTRAL_8X7B, "its config.json's architecture fields as quoted in "
               "public MoE test fixtures and benchmarks; context, RoPE base and epsilon as in its model card's "
               "config", SENTENCEPIECE, totals=(46_702_792_704, 12_879_925_248)),
+    Published("deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, "its config.json's fields as quoted in public repositories "
+              "(annotated parameter listings, the weights' own documentation of the FP8 quantization_config); "
+              "without that quantization_config it is the deepseek-v3 preset (tests/test_mla_hf.py)",
+              BYTE_LEVEL + " (several Split steps)",
+              refused=r"quantized \(quantization_config\.quant_method='fp8'\).*dequantize them first"),
     Published("google/gemma-2-2b", GEMMA2_2B, "its config.json's fields as quoted in public parsers' fixtures "
               "(hidden 2304, 8 / 4 heads, soft-capping 50 / 30)", SENTENCEPIECE,
               refused=r"unsupported architecture 'Gemma2ForCausalLM'"),

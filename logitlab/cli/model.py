@@ -110,6 +110,7 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
     """Everything `logitlab params` shows, as one JSON-ready dict."""
     from logitlab.model import accounting as acc
     from logitlab.model import planner
+    from logitlab.model.accounting_mla import cache_comparison
     from logitlab.model.accounting_moe import moe_summary
     from logitlab.quant import apply as quant
 
@@ -125,6 +126,7 @@ def params_report(config, batch: int = 1, context: int | None = None, dtype: str
             "weight_bytes": acc.weight_bytes(exact.total),
             "quantized_weight_bytes": quant.quantized_sizes(config),
             "kv_cache": acc.kv_cache_bytes(config, dtype), "plan": plan.as_dict(),
+            "kv_cache_mla": cache_comparison(config, acc.dtype_bytes(dtype)),
             "moe": moe_summary(config, exact, acc.matmul_params(config)),
             "fits_instead": advice.as_dict() if advice is not None else None,
             "weights_in_training": planner.weights_note(dtype, exact.total),
@@ -174,7 +176,8 @@ def _params(args) -> int:
         out.print_json(json.dumps(r))
         return 0
     e, f, c = r["exact"], r["formula"], config
-    title = (f"{args.target}: D {c.d_model}, L {c.n_layers}, H {c.n_heads}, Hkv {c.n_kv_heads}, "
+    heads = f"MLA R {c.kv_lora_rank} Dr {c.qk_rope_head_dim}" if c.is_mla else f"Hkv {c.n_kv_heads}"
+    title = (f"{args.target}: D {c.d_model}, L {c.n_layers}, H {c.n_heads}, {heads}, "
              f"Dh {c.head_dim}, F {c.d_ff}, V {c.vocab_size}, {'tied' if c.tie_embeddings else 'untied'}"
              + (f", {c.n_experts} experts of F {c.moe_d_ff}, {c.n_experts_per_token} per token" if c.is_moe else ""))
     L = c.n_layers
@@ -208,8 +211,9 @@ def _params(args) -> int:
                  for row in r["classic_table"]], right=(1, 3))
     fl = r["flops_per_token"]
     state = f" + Gated DeltaNet state {si(fl['linear_state'], 'FLOP')}" if "linear_state" in fl else ""
+    per_key = "2·H·(Dh + Dv)" if c.is_mla else "4·H·Dh"
     out.print(f"FLOPs per token at context {fl['context']:,}: forward {si(fl['forward'], 'FLOP')} (2·N_matmul "
-              f"{si(fl['dense'], 'FLOP')} + attention 4·H·Dh per key read {si(fl['attention'], 'FLOP')}{state}), "
+              f"{si(fl['dense'], 'FLOP')} + attention {per_key} per key read {si(fl['attention'], 'FLOP')}{state}), "
               f"training {si(fl['training'], 'FLOP')} (3x: forward + backward)")
     w = r["weight_bytes"]
     out.print(f"weights: fp32 {_bytes(w['fp32'])}, bf16 {_bytes(w['bf16'])}, int8 {_bytes(w['int8'])} "
@@ -217,17 +221,34 @@ def _params(args) -> int:
     quantized = ", ".join(f"{name} {_bytes(n)}" for name, n in r["quantized_weight_bytes"].items())
     out.print(f"quantized (--quantize: linear layers int8 per row or int4 in groups of G, with their scales and "
               f"zero points; the rest bf16): {quantized}", soft_wrap=True)
-    kv = r["kv_cache"]
-    out.print(f"KV cache ({args.dtype}): {_bytes(kv['per_token'])} per token, {_bytes(kv['total'])} "
+    _print_kv(out, r, args.dtype)
+    _print_plan(out, r, args.dtype)
+    if args.world_size:
+        _print_ranks(out, config, args)
+    return 0
+
+
+def _print_kv(out, r: dict, dtype: str) -> None:
+    """The KV cache: per token and at the context; a fixed part; multi-head latent attention's
+    cache against multi-head and grouped-query attention of the same heads (accounting_mla)."""
+    kv, mla = r["kv_cache"], r["kv_cache_mla"]
+    out.print(f"KV cache ({dtype}): {_bytes(kv['per_token'])} per token, {_bytes(kv['total'])} "
               f"at {kv['tokens']:,} tokens")
     if kv["fixed"]:
         out.print(f"  of which {_bytes(kv['fixed'])} is fixed whatever the length (Gated DeltaNet state, sliding "
                   f"windows); with every layer full attention: {_bytes(kv['full_attention_equivalent'])} "
                   f"({kv['full_attention_equivalent'] / kv['total']:.1f}x)")
-    _print_plan(out, r, args.dtype)
-    if args.world_size:
-        _print_ranks(out, config, args)
-    return 0
+    if mla:
+        c = r["config"]
+        out.print(f"  latent attention keeps {mla['mla_values_per_layer']:,} values per token and layer (latent "
+                  f"R {c['kv_lora_rank']} + RoPE key Dr {c['qk_rope_head_dim']}); with the same "
+                  f"{c['n_heads']} heads (keys Dh {c['head_dim']}, values Dv {c['v_head_dim']}):", markup=False,
+                  highlight=False)
+        out.print(f"    MHA ({c['n_heads']} key/value heads) {_bytes(mla['mha_per_token'])} per token "
+                  f"({mla['mha_over_mla']:.1f}x), GQA ({mla['gqa_kv_heads']} key/value heads) "
+                  f"{_bytes(mla['gqa_per_token'])} ({mla['gqa_over_mla']:.1f}x), MLA {_bytes(mla['mla_per_token'])}: "
+                  f"as much as GQA with {mla['gqa_equivalent_kv_heads']:.2g} key/value heads", markup=False,
+                  highlight=False)
 
 
 def _mlp_rows(e: dict, f: dict, c, moe: dict | None) -> list[list[str]]:

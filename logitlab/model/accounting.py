@@ -5,8 +5,8 @@ CLI formats them. Two routes to the parameter count, checked against each other 
 
 - exact: the Transformer itself, built on the meta device (no memory, even for 70B), its
   parameters grouped by state-dict name; a tied LM head is the embedding Parameter, counted once;
-- formula: the back-of-envelope count per layer, attention 2·D·H·Dh + 2·D·Hkv·Dh (= 2·D² +
-  2·D·Hkv·Dh when H·Dh = D: q and o are D x H·Dh, k and v D x Hkv·Dh), MLP 3·D·F (SwiGLU: gate, up,
+- formula: the back-of-envelope count per layer, attention 2·D·H·Dh + 2·D·Hkv·Dh (q and o are
+  D x H·Dh, k and v D x Hkv·Dh; latent attention's in accounting_mla.py), MLP 3·D·F (SwiGLU: gate, up,
   down) or 2·D·F (GELU: up, down), embeddings V·D once (tied) or twice. It leaves out norms, biases,
   learned positions and vocabulary padding rows; `explain_difference` itemises them, and the
   classic 12·D²·L rule (MHA, F = 4·D, no embeddings) is shown beside both.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, fields
 
+from logitlab.model import accounting_mla as mla
 from logitlab.model import accounting_moe as moe
 from logitlab.model.config import ModelConfig
 from logitlab.model.matmul_rate import matmul_peak_flops, measure_matmul_flops  # noqa: F401  (importable here)
@@ -205,11 +206,10 @@ class FormulaCount:
 
 def formula_count(config: ModelConfig) -> FormulaCount:
     c = config
-    D, H, Hkv, Dh, F, L, V = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.n_layers, c.vocab_size
-    gate = {"none": 0, "headwise": D * H, "elementwise": D * H * Dh}[c.attn_gate]
-    attention = 2 * D * H * Dh + 2 * D * Hkv * Dh + gate
+    D, F, L, V = c.d_model, c.d_ff, c.n_layers, c.vocab_size
+    attention = mla.attention_formula(c)                        # q, k, v, o (+ gate), or latent attention's
     mlp = (3 if c.mlp == "swiglu" else 2) * D * F
-    embeddings = V * D * (1 if c.tie_embeddings else 2) + len(c.value_embedding_layers) * V * Hkv * Dh
+    embeddings = V * D * (1 if c.tie_embeddings else 2) + len(c.value_embedding_layers) * V * c.n_kv_heads * c.head_dim
     Hk, Hv, Dk, Dv = c.linear_n_k_heads, c.linear_n_v_heads, c.linear_k_head_dim, c.linear_v_head_dim
     channels = 2 * Hk * Dk + Hv * Dv
     linear = D * channels + 2 * D * Hv * Dv + 2 * D * Hv + channels * c.linear_conv_kernel
@@ -286,7 +286,7 @@ def flops_per_token(config: ModelConfig, context: int | None = None) -> dict[str
     T = context or c.context_length
     dense = 2 * matmul_params(c)
     kinds = c.layer_kinds
-    attention = sum(4 * _keys_seen(kind, T, c.sliding_window, c.attention) * c.n_heads * c.head_dim
+    attention = sum(mla.flops_per_key(c) * _keys_seen(kind, T, c.sliding_window, c.attention)   # 4·H·Dh per key
                     for kind in kinds if kind != "linear_attention")
     linear = 6 * c.linear_n_v_heads * c.linear_k_head_dim * c.linear_v_head_dim * kinds.count("linear_attention")
     forward = dense + attention + linear
@@ -301,14 +301,15 @@ def weight_bytes(n_params: int) -> dict[str, int]:
 
 
 def kv_cache_bytes(config: ModelConfig, dtype: str = "bf16", tokens: int | None = None) -> dict[str, int]:
-    """What decoding keeps per sequence. Full attention: K and V, 2·Hkv·Dh values per token per
-    layer (GQA shrinks it by H / Hkv); a sliding window keeps at most W tokens; a Gated DeltaNet
-    layer keeps a fixed state (Hv·Dk·Dv float32 plus its last K-1 conv inputs) at any length.
+    """What decoding keeps per sequence. Full attention: K and V, 2·Hkv·Dh values per token per layer
+    (GQA shrinks it by H / Hkv; latent attention keeps R + Dr, accounting_mla); a sliding window keeps
+    at most W tokens; a Gated DeltaNet layer keeps a fixed state (Hv·Dk·Dv float32 plus its last K-1
+    conv inputs) at any length.
     full_attention_equivalent is what the same shape with every layer full attention would hold."""
     c = config
     b = dtype_bytes(dtype)
     T = tokens or c.context_length
-    per_layer_token = 2 * c.n_kv_heads * c.head_dim * b
+    per_layer_token = mla.cache_values_per_token(c) * b
     kinds = c.layer_kinds
     n_full = kinds.count("full_attention")
     window = min(T, c.sliding_window) if c.sliding_window else T
@@ -325,15 +326,14 @@ def activation_elements_per_token(config: ModelConfig) -> int:
     """Values a training step keeps per token for the backward pass (fused attention, which
     stores no T x T probabilities; no recomputation). Per attention layer: both norms' inputs and
     outputs (4·D), q (H·Dh), k and v (2·Hkv·Dh), the attention output (H·Dh), QK-norm inputs when
-    present, the output gate before and after its sigmoid when present; per Gated DeltaNet layer:
+    present, the output gate before and after its sigmoid when present (latent attention's:
+    accounting_mla); per Gated DeltaNet layer:
     the norms (4·D), the conv's input and output (2·C), z, the rule's output and its normed value
     (3·Hv·Dv), beta and g (2·Hv). Every layer adds the MLP's hidden values (SwiGLU: gate, up,
     silu(gate), product = 4·F; GELU: 2·F; an MoE layer: accounting_moe.moe_activation_elements);
     then the final norm's input and output (2·D). Logits are counted separately (fp32)."""
     c = config
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    gate = {"none": 0, "headwise": c.n_heads, "elementwise": q}[c.attn_gate]
-    attention = 4 * c.d_model + 2 * q + 2 * kv + (q + kv if c.qk_norm else 0) + 2 * gate
+    attention = mla.activation_elements(c)                      # per attention layer (MLA's too)
     channels = 2 * c.linear_n_k_heads * c.linear_k_head_dim + c.linear_n_v_heads * c.linear_v_head_dim
     linear = 4 * c.d_model + 2 * channels + 3 * c.linear_n_v_heads * c.linear_v_head_dim + 2 * c.linear_n_v_heads
     mlp, n_moe = (4 if c.mlp == "swiglu" else 2) * c.d_ff, moe.n_moe_layers(c)   # an MoE layer: accounting_moe

@@ -34,8 +34,9 @@ def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, n_groups, S, Dh).reshape(B, Hkv * n_groups, S, Dh)
 
 
-def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, hook=None):
-    """The reference path: softmax(q k^T / sqrt(Dh) + mask) v, softmax in float32.
+def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, hook=None, scale=None):
+    """The reference path: softmax(q k^T / sqrt(Dh) + mask) v, softmax in float32; `scale`, when
+    given, replaces 1 / sqrt(Dh) (multi-head latent attention's, mla.softmax_scale).
 
     q (B, H, T, Dh); k, v (B, H, S, Dh); mask None, bool broadcastable to (B, H, T, S) with
     True = may attend, or float (added to the logits, -inf = masked: ALiBi's bias);
@@ -47,7 +48,8 @@ def eager_attention(q, k, v, mask=None, is_causal=False, sinks=None, hook=None):
     weights (name "pattern"): an Attention module's hook points (hooks.py).
     Returns (out (B, H, T, Dh), weights (B, H, T, S) in q's dtype)."""
     T, S, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
-    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(Dh)      # (B, H, T, S)
+    scores = torch.matmul(q, k.transpose(-2, -1))                      # (B, H, T, S)
+    scores = scores / math.sqrt(Dh) if scale is None else scores * scale
     if is_causal:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
     if mask is not None and mask.is_floating_point():

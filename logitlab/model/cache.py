@@ -11,6 +11,10 @@ end of its forward, so `length` only changes in that one visible place. The entr
   with their slots on the timeline so the layer masks by distance. Memory stops growing at W.
 - LinearState (Gated DeltaNet): the conv inputs of the last K-1 positions (B, C, K-1) and the
   recurrent state (B, Hv, Dk, Dv) float32. Constant memory, whatever the length.
+- LatentKV (multi-head latent attention, mla.py): preallocated (B, 1, S_max, R + Dr), per position
+  the compressed latent c (R) and the one rotated key k_rope (Dr) that every head shares, instead
+  of H keys and H values: DeepSeek-V3 keeps 576 numbers per token and layer where multi-head
+  attention of its width would keep 40,960.
 - StreamingKV (StreamingLLM, Xiao et al. 2023): the first `sink` positions plus a rolling window
   of the last `window`; keys are kept unrotated and rotated at their slot in the cache, so
   positions are re-indexed and generation can run past the context length.
@@ -80,6 +84,30 @@ class SlidingKV:
         return [self.k, self.v]
 
 
+class LatentKV:
+    """latent: (B, 1, S_max, R + Dr), rows [c | k_rope]; slots [0, length) are filled. One "head":
+    MLA's absorbed form reads these rows as the single key head (and c as the value head) of
+    multi-query attention."""
+
+    key_slots = None
+
+    def __init__(self, batch: int, max_len: int, width: int, dtype, device):
+        self.latent = torch.zeros(batch, 1, max_len, width, dtype=dtype, device=device)
+
+    def update(self, latent_new, start: int):
+        """Write (B, 1, T, R + Dr) at slots [start, start + T); a view over [0, start + T)."""
+        end = start + latent_new.shape[2]
+        self.latent[:, :, start:end] = latent_new
+        return self.latent[:, :, :end]
+
+    def tensors(self):
+        return [self.latent]
+
+
+# entries whose slots below `length` a later write never touches: going back is moving `length`
+_GROWING = (FullKV, LatentKV)
+
+
 class LinearState:
     """conv (B, C, K-1) in the model's dtype, recurrent (B, Hv, Dk, Dv) float32."""
 
@@ -128,11 +156,12 @@ class KVCache:
     sliding window W) and `linear` (dict channels, kernel, heads, dk, dv of the Gated DeltaNet
     layers) build a hybrid model's cache; `for_model` fills these in from a config. stream=(sink,
     window) turns the full-attention layers into StreamingLLM entries (`rotates_keys`: the model
-    rotates cached keys at their slots; `length` then stays at most sink + window)."""
+    rotates cached keys at their slots; `length` then stays at most sink + window). latent=R + Dr
+    makes them multi-head latent attention entries (LatentKV, written by update_latent)."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device=None, *, layer_types=None, window=None,
-                 linear=None, stream=None):
+                 linear=None, stream=None, latent=None):
         _positive("KVCache", n_layers=n_layers, batch_size=batch_size, n_kv_heads=n_kv_heads,
                   max_len=max_len, head_dim=head_dim)
         self.n_layers, self.batch_size, self.n_kv_heads = n_layers, batch_size, n_kv_heads
@@ -141,6 +170,12 @@ class KVCache:
         if len(self.layer_types) != n_layers:
             raise ValueError(f"KVCache: {len(self.layer_types)} layer_types for {n_layers} layers")
         self.rotates_keys = stream is not None
+        if latent is not None:
+            _positive("KVCache", latent=latent)
+        if stream is not None and latent is not None:
+            raise ValueError("KVCache: a StreamingLLM cache keeps keys unrotated, which multi-head latent "
+                             "attention's cache (latent=...) does not")
+        self.latent = latent
         if stream is not None:
             _positive("KVCache", sink=stream[0], window=stream[1])
             if "sliding_attention" in self.layer_types:
@@ -154,6 +189,8 @@ class KVCache:
     def _entry(self, kind, B, dtype, device, window, linear, stream):
         shape = (B, self.n_kv_heads, self.max_len, self.head_dim)
         if kind == "full_attention":
+            if self.latent is not None:
+                return LatentKV(B, self.max_len, self.latent, dtype, device)
             if stream is not None:
                 return StreamingKV(shape, stream[0], stream[1], dtype, device)
             return FullKV(shape, dtype, device)
@@ -197,9 +234,10 @@ class KVCache:
                           + config.linear_n_v_heads * config.linear_v_head_dim,
                           kernel=config.linear_conv_kernel, heads=config.linear_n_v_heads,
                           dk=config.linear_k_head_dim, dv=config.linear_v_head_dim)
+        latent = config.kv_lora_rank + config.qk_rope_head_dim if getattr(config, "is_mla", False) else None
         return cls(config.n_layers, batch_size, config.n_kv_heads, max_len, config.head_dim,
                    dtype=torch.float32 if dtype is None else dtype, device=device, layer_types=layer_types,
-                   window=getattr(config, "sliding_window", None), linear=linear, stream=stream)
+                   window=getattr(config, "sliding_window", None), linear=linear, stream=stream, latent=latent)
 
     @property
     def k(self) -> list:
@@ -240,9 +278,27 @@ class KVCache:
         if k_new.shape != (self.batch_size, self.n_kv_heads, T, self.head_dim) or v_new.shape != k_new.shape:
             raise ValueError(f"KVCache.update: k_new {tuple(k_new.shape)} / v_new {tuple(v_new.shape)} do "
                              f"not fit the cache (B={self.batch_size}, Hkv={self.n_kv_heads}, Dh={self.head_dim})")
-        if not hasattr(entry, "update"):
-            raise ValueError(f"KVCache.update: layer {layer} is {self.layer_types[layer]}, not attention")
+        if not hasattr(entry, "update") or isinstance(entry, LatentKV):
+            what = "multi-head latent attention (update_latent)" if isinstance(entry, LatentKV) else \
+                self.layer_types[layer]
+            raise ValueError(f"KVCache.update: layer {layer} is {what}, not attention with keys and values")
         return entry.update(k_new, v_new, start)
+
+    def update_latent(self, layer: int, latent_new: torch.Tensor) -> torch.Tensor:
+        """Multi-head latent attention: hand latent_new (B, 1, T, R + Dr) of slots [length, length + T)
+        to `layer`'s LatentKV entry -> its rows over slots [0, S), (B, 1, S, R + Dr). As update,
+        `length` moves only in advance()."""
+        entry = self.layers[layer]
+        if not isinstance(entry, LatentKV):
+            raise ValueError(f"KVCache.update_latent: layer {layer} holds no latent (a cache built without latent=)")
+        T = latent_new.shape[2]
+        if self.length + T > self.max_len:
+            raise ValueError(f"KVCache is full: writing {T} position(s) at length {self.length} would pass "
+                             f"max_len ({self.max_len})")
+        if latent_new.shape != (self.batch_size, 1, T, self.latent):
+            raise ValueError(f"KVCache.update_latent: latent_new {tuple(latent_new.shape)} does not fit the cache "
+                             f"(B={self.batch_size}, 1, T, R + Dr={self.latent})")
+        return entry.update(latent_new, self.length)
 
     def key_slots(self, layer: int):
         """The timeline slots (S,) of the keys the last update of `layer` returned, or None when
@@ -272,10 +328,10 @@ class KVCache:
 
     @property
     def can_rewind(self) -> bool:
-        """True when every entry is plain full attention: slots past `length` are never read, so
-        going back is moving `length` (rewind). A ring, a recurrent state or a streaming cache
-        overwrites what came before; those go back through snapshot / restore."""
-        return all(type(e) is FullKV for e in self.layers)
+        """True when every entry is plain full attention or a latent: slots past `length` are never
+        read, so going back is moving `length` (rewind). A ring, a recurrent state or a streaming
+        cache overwrites what came before; those go back through snapshot / restore."""
+        return all(type(e) in _GROWING for e in self.layers)
 
     def rewind(self, length: int) -> None:
         """Forget the positions from `length` on (full-attention caches only, see can_rewind)."""
@@ -288,12 +344,12 @@ class KVCache:
 
     def snapshot(self) -> dict:
         """A copy of what a forward would overwrite: `length` and a clone of every entry that is not
-        plain full attention (a full-attention entry keeps its slots below `length` as they are)."""
+        plain full attention or a latent (those keep their slots below `length` as they are)."""
         if self.rotates_keys:
             raise ValueError("KVCache.snapshot: a StreamingLLM cache evicts positions and cannot go back")
         return {"length": self.length, "seen": self.seen,
                 "entries": {i: [t.clone() for t in e.tensors()] + ([e.slot.clone()] if isinstance(e, SlidingKV) else [])
-                            for i, e in enumerate(self.layers) if type(e) is not FullKV}}
+                            for i, e in enumerate(self.layers) if type(e) not in _GROWING}}
 
     def restore(self, snapshot: dict) -> None:
         """Return to the state `snapshot()` saw (the positions fed since then are forgotten)."""
@@ -318,6 +374,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         kinds = sorted(set(self.layer_types))
-        return (f"KVCache(L={self.n_layers}, B={self.batch_size}, Hkv={self.n_kv_heads}, "
-                f"S_max={self.max_len}, Dh={self.head_dim}, length={self.length}, layers={kinds}, "
+        shape = f"latent={self.latent}" if self.latent else f"Hkv={self.n_kv_heads}, Dh={self.head_dim}"
+        return (f"KVCache(L={self.n_layers}, B={self.batch_size}, {shape}, "
+                f"S_max={self.max_len}, length={self.length}, layers={kinds}, "
                 f"dtype={self.dtype}, {self.nbytes / 2**20:.1f} MiB)")

@@ -18,6 +18,7 @@ from logitlab.model.fields import (  # noqa: F401  (re-exported: their old home)
     conform,
     describe_type,
 )
+from logitlab.model.mla_config import check_mla, mla_head_dim
 from logitlab.model.moe_config import check_moe
 
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
@@ -226,6 +227,13 @@ class ModelConfig:
     router_aux_loss_coef: float = field(
         default=0.0, metadata={"help": "training: weight of the load-balancing loss (Switch / Mixtral form)"})
     router_z_loss_coef: float = field(default=0.0, metadata={"help": "training: weight of the router z-loss"})
+    # --- multi-head latent attention (mla.py; DeepSeek-V2/V3) ---
+    kv_lora_rank: int | None = _help(
+        "width R of the compressed key/value latent that the cache holds (null: standard attention; set: MLA)")
+    q_lora_rank: int | None = _help("MLA: width Rq of the queries' low-rank path (null: one D -> H*Dh projection)")
+    qk_rope_head_dim: int | None = _help("MLA: the RoPE part Dr of each query/key head (one rotated key for all heads)")
+    qk_nope_head_dim: int | None = _help("MLA: the part Dn of each query/key head that carries no position")
+    v_head_dim: int | None = _help("MLA: each value head's width Dv (default qk_nope_head_dim)")
 
     def __post_init__(self) -> None:
         def fix(name: str, value) -> None:
@@ -243,6 +251,9 @@ class ModelConfig:
             raise ValueError(f"n_kv_heads must be a positive integer, got {self.n_kv_heads!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.kv_lora_rank is not None:                          # MLA: Dh = Dn + Dr (mla_config.py)
+            derived = mla_head_dim(self)
+            fix("head_dim", derived if self.head_dim is None else self.head_dim)
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
@@ -250,7 +261,7 @@ class ModelConfig:
             fix("head_dim", self.d_model // self.n_heads)
         if self.head_dim <= 0:
             raise ValueError(f"head_dim must be a positive integer, got {self.head_dim!r}")
-        if self.positions == "rope" and self.head_dim % 2:
+        if self.positions == "rope" and self.head_dim % 2 and self.kv_lora_rank is None:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for positions='rope'")
         if self.positions != "rope" and self.rope_interleaved:     # (a rope_scaling there is unused, as ever)
             raise ValueError(f"rope_interleaved=True needs positions='rope', got {self.positions!r}")
@@ -277,6 +288,7 @@ class ModelConfig:
         self._check_attention()
         self._check_recipe()
         check_moe(self, fix)                                       # moe_config.py
+        check_mla(self, fix)                                       # mla_config.py
 
     def _check_recipe(self) -> None:
         """The recipe's switches: a positive soft cap, parameter-free norms only as RMSNorm."""
@@ -326,7 +338,7 @@ class ModelConfig:
                              "(set layer_types)")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.positions == "rope" and self.rotary_dim % 2:
+        if self.positions == "rope" and self.rotary_dim % 2 and not self.is_mla:   # MLA's: mla_config
             raise ValueError(f"RoPE rotates int(head_dim * partial_rotary_factor) = {self.rotary_dim} "
                              "dimensions per head, which must be even")
         r = self.rope_scaling
@@ -364,9 +376,15 @@ class ModelConfig:
     # --------------------------------------------------------------------------------------------
 
     @property
+    def is_mla(self) -> bool:
+        """True for multi-head latent attention (kv_lora_rank set; mla.py)."""
+        return self.kv_lora_rank is not None
+
+    @property
     def rotary_dim(self) -> int:
-        """Dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """Dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor), or MLA's
+        decoupled qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:

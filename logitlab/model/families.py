@@ -1,11 +1,12 @@
 """Model families: named presets and Hugging Face config.json <-> ModelConfig.
 
 families.py is the only module that knows family names (GPT-2, Llama, Mistral, Qwen, Mixtral,
-gpt-oss) besides hf_config*.py and keymap*.py. Everything
+gpt-oss, DeepSeek) besides hf_config*.py and keymap*.py. Everything
 else branches on the typed features of ModelConfig. It owns:
 
 - PRESETS / get_preset(name): the published shapes of GPT-2, Llama 3, Qwen3 and Qwen3.5 checkpoints
-  and of the mixtures of experts Mixtral, Qwen3-MoE, Qwen3.5-MoE and gpt-oss, plus small shapes
+  and of the mixtures of experts Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss and DeepSeek-V3 (with
+  multi-head latent attention), plus small shapes
   meant for CPU training (moe-tiny: a mixture of experts);
 - config_from_hf(dict) / config_to_hf(ModelConfig): Hugging Face config.json <-> ModelConfig,
   in hf_config.py (dense families) and hf_config_moe.py (the MoE families, and the entry points
@@ -133,6 +134,18 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3.5-397b-a17b": _qwen3_5(d_model=4096, d_ff=1024, n_layers=60, n_heads=32, n_kv_heads=2,
                                   linear_n_v_heads=64, tie_embeddings=False, n_experts=512, n_experts_per_token=10,
                                   shared_expert_d_ff=1024, shared_expert_gate=True, router_aux_loss_coef=0.001),
+    # deepseek-ai/DeepSeek-V3 (config.json): multi-head latent attention (a latent of 512 and one
+    # RoPE key of 64 cached per token and layer), 3 dense layers then 58 of 256 routed experts (8 per
+    # token from 4 of 8 groups, sigmoid scores) and 1 shared expert; YaRN from 4K to 160K. Its
+    # multi-token-prediction layer (model.layers.61) is not part of the causal LM.
+    "deepseek-v3": _llama(vocab_size=129280, context_length=163840, d_model=7168, n_layers=61, n_heads=128,
+                          d_ff=18432, norm_eps=1e-6, rope_theta=10000.0, rope_interleaved=True,
+                          rope_scaling=RopeScaling(rope_type="yarn", factor=40.0, original_context_length=4096,
+                                                   beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                          kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                          v_head_dim=128, mlp_types=("dense",) * 3 + ("moe",) * 58, moe_d_ff=2048, n_experts=256,
+                          n_experts_per_token=8, router="sigmoid_topk", n_expert_groups=8, topk_groups=4,
+                          routed_scaling_factor=2.5, shared_expert_d_ff=2048),
     # Small shapes for CPU training (vocabulary padded to 64 for speed)
     "gpt2-tiny": _gpt2(128, 4, 4, context_length=256, vocab_pad_multiple=64),
     "tiny": _llama(vocab_size=8192, context_length=256, d_model=128, n_layers=4, n_heads=4,

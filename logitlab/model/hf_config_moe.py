@@ -8,7 +8,8 @@ model with an MoE and a gated shared expert in every layer; also the text_config
 checkpoints) and gpt-oss (sinks, biased attention, alternating sliding and full layers, YaRN, a
 biased router whose top-k logits are softmaxed, biased experts with the clamped SwiGLU). The dense
 families are hf_config.py's; this module adds the expert fields, and names the config.json key
-behind each size of any family (hf_field_names, for a loader's messages). It never touches the disk.
+behind each size of any family (hf_field_names, for a loader's messages). DeepSeek-V3 (multi-head
+latent attention with DeepSeekMoE) is hf_config_mla.py's, dispatched from here. It never touches the disk.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import dataclasses
 
 from logitlab.model import hf_config as dense
 from logitlab.model.config import ModelConfig, conform
+from logitlab.model.hf_config_mla import ARCHITECTURE as _DEEPSEEK_V3
+from logitlab.model.hf_config_mla import MODEL_TYPE as _DEEPSEEK_V3_TYPE
+from logitlab.model.hf_config_mla import deepseek_v3_from_hf, deepseek_v3_to_hf
 from logitlab.model.keymap import hf_architecture
 
 _MOE = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss",
-        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+        _DEEPSEEK_V3: _DEEPSEEK_V3_TYPE}                       # DeepSeek-V3: hf_config_mla.py
 SUPPORTED_ARCHITECTURES = (*dense.SUPPORTED_ARCHITECTURES, *_MOE)
 # the JSON type of every MoE key read here (null: the default applies)
 _TYPES = {"num_local_experts": int, "num_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int,
@@ -47,7 +52,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         if isinstance(archs, list) and archs and archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         return dense.config_from_hf(hf, source)
-    hf = dense._checked_hf(hf, source)
+    raw, hf = hf, dense._checked_hf(hf, source)                        # raw: its nulls kept
     if arch == "Qwen3_5MoeForConditionalGeneration":
         hf = dense._checked_hf(dense._need(hf, "text_config", source), f"text_config in {source}")
     for key, value in hf.items():
@@ -57,6 +62,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         method = hf["quantization_config"].get("quant_method")
         raise ValueError(f"{source}: the weights are quantized (quantization_config.quant_method={method!r}); "
                          "logitlab loads floating-point checkpoints: dequantize them first")
+    if arch == _DEEPSEEK_V3:
+        return deepseek_v3_from_hf(raw, source)
     if hf.get("router_jitter_noise", 0.0):
         dense._refuse(arch, "router_jitter_noise", hf["router_jitter_noise"])
     fields = {"MixtralForCausalLM": _mixtral, "Qwen3MoeForCausalLM": _qwen3_moe,
@@ -160,9 +167,13 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict:
     """A Hugging Face config.json dict for `config`, of any family (the class is chosen from its
     typed features, keymap.hf_architecture); the dense families are hf_config.config_to_hf's."""
     c = config
-    if not c.is_moe:
+    if not (c.is_moe or c.is_mla):
         return dense.config_to_hf(c, dtype)
     arch = hf_architecture(c)
+    if arch == _DEEPSEEK_V3:
+        if c.attention != "causal":
+            raise ValueError(f"attention={c.attention!r} cannot be exported as a Hugging Face {arch} checkpoint")
+        return deepseek_v3_to_hf(c, dtype)
     moe = dict(num_experts_per_tok=c.n_experts_per_token, router_aux_loss_coef=c.router_aux_loss_coef,
                output_router_logits=False)
     if arch == "Qwen3_5MoeForCausalLM":

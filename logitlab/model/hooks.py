@@ -12,6 +12,8 @@ fast kernels. The names are the module's path plus the local name, the same for 
     blocks.{i}.attn.q / k / v             per head, after QK-norm and RoPE
     blocks.{i}.attn.scores / pattern      before and after the softmax (the eager path, see below)
     blocks.{i}.attn.z                     per head, what o_proj reads (after the output gate)
+    blocks.{i}.attn.latent                multi-head latent attention (mla.py): the cache rows; it has
+                                          q, scores, pattern and z too, and no k or v
     blocks.{i}.linear_attn.*              a Gated DeltaNet layer's q, k, v, gates g and beta, state
     blocks.{i}.attn_out                   the token mixer's output, added to the residual stream
     blocks.{i}.resid_mid                  the residual stream after that add

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from logitlab.model.config import ModelConfig
+from logitlab.model.keymap_mla import deepseek_v3_architecture, drop_mtp_layers, mla_name_from_hf, mla_name_to_hf
 from logitlab.model.keymap_moe import (  # noqa: F401  (expert_layout_of: importable from here)
     expert_layout_of,
     is_moe_key,
@@ -35,6 +36,8 @@ def hf_architecture(config: ModelConfig) -> str:
 
     if c.norm_placement != "pre":
         bad("norm_placement", c.norm_placement, "model")
+    if c.is_mla:                                         # DeepSeek-V3: keymap_mla.py
+        return deepseek_v3_architecture(c, bad)
     if c.is_moe:                                         # Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss: keymap_moe.py
         return _moe(c, bad)
     if c.attn_sinks:
@@ -196,6 +199,8 @@ def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
     hf_state = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
                 for k, v in hf_state.items()}
     state = _normalise_prefix({k: v for k, v in hf_state.items() if not _IGNORED.search(k)}, layout)
+    if config.is_mla:                                   # DeepSeek's multi-token-prediction layer
+        state = drop_mtp_layers(state, config.n_layers)
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)
     return state
@@ -236,6 +241,10 @@ def hf_tensors_to_logitlab(items, config: ModelConfig):
         moe = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key) if arch else None
         if moe and is_moe_key(moe.group(2)):
             yield from moe_from_hf(moe.group(1), moe.group(2), tensor, config, arch, moe_pending)
+            continue
+        mla = mla_name_from_hf(key) if config.is_mla else None    # multi-head latent attention: a table
+        if mla is not None:
+            yield mla, tensor
             continue
         module, leaf = _split_key(key)
         name = hf_key_to_logitlab(key, layout)
@@ -320,6 +329,9 @@ def state_dict_to_hf(state: dict, config: ModelConfig, expert_layout: str = "per
             out.update({k: v.contiguous() for k, v in moe.items()})
             continue
         if sub == "attn.gate_proj":                                # joined into q_proj with the queries
+            continue
+        if config.is_mla and mla_name_to_hf(i, sub, leaf):
+            out[mla_name_to_hf(i, sub, leaf)] = tensor.contiguous()
             continue
         if sub.split(".")[0] == "linear_attn":
             out[f"{block_prefix}{i}.{sub}.{leaf}"] = tensor.contiguous()

@@ -11,7 +11,9 @@ The families store experts three ways, under model.layers.{i}.:
 - gpt-oss: mlp.router (with a bias), mlp.experts.gate_up_proj (E, D, 2F) whose columns alternate
   gate, up, gate, up, ..., gate_up_proj_bias (E, 2F) alike, down_proj (E, F, D), down_proj_bias.
 
-Qwen3.5-MoE adds mlp.shared_expert.{gate,up,down}_proj and mlp.shared_expert_gate. Import reads
+Qwen3.5-MoE adds mlp.shared_expert.{gate,up,down}_proj and mlp.shared_expert_gate; DeepSeek-V3
+(Qwen's expert names) mlp.shared_experts.{gate,up,down}_proj and the router's selection bias
+mlp.gate.e_score_correction_bias (logitlab's router.correction_bias). Import reads
 the per-expert and fused layouts (which one is the checkpoint's names); export writes per expert,
 the layout transformers writes, unless asked for fused. Family names appear here because the
 names are the families' (as in keymap.py). Pure functions; this module imports nothing.
@@ -27,8 +29,9 @@ _PARTS = {"mixtral": {"w1": 0, "w3": 1, "w2": 2}, "qwen": {"gate_proj": 0, "up_p
 
 
 def moe_family(arch: str) -> str:
-    """The naming scheme of an MoE architecture: "mixtral", "qwen" or "gpt_oss"."""
-    return {"MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss"}.get(arch, "qwen")
+    """The naming scheme of an MoE architecture: "mixtral", "qwen", "gpt_oss" or "deepseek"."""
+    return {"MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
+            "DeepseekV3ForCausalLM": "deepseek"}.get(arch, "qwen")
 
 
 def expert_layout_of(names) -> str:
@@ -89,7 +92,7 @@ def moe_architecture(c, bad) -> str:
 
 def is_moe_key(sub: str) -> bool:
     """Whether a name under model.layers.{i}. belongs to an MoE layer's router, experts or shared expert."""
-    return bool(re.match(r"(block_sparse_moe\.|mlp\.(gate|router|experts|shared_expert)[.]|mlp\.shared_expert_gate\.)",
+    return bool(re.match(r"(block_sparse_moe\.|mlp\.(gate|router|experts|shared_experts?|shared_expert_gate)\.)",
                          sub + "."))
 
 
@@ -102,9 +105,11 @@ def moe_from_hf(i: str, sub: str, tensor, config, arch: str, pending: dict):
     out = f"blocks.{i}.mlp."
     if re.fullmatch(r"(block_sparse_moe|mlp)\.(gate|router)\.(weight|bias)", sub):
         return [(out + "router." + sub.rsplit(".", 1)[1], tensor)]
+    if sub == "mlp.gate.e_score_correction_bias":                          # DeepSeek-V3
+        return [(out + "router.correction_bias", tensor)]
     if sub == "mlp.shared_expert_gate.weight":
         return [(out + "shared_gate.weight", tensor)]
-    if sub.startswith("mlp.shared_expert."):
+    if sub.startswith(("mlp.shared_expert.", "mlp.shared_experts.")):
         part = sub.split(".")[2]
         if part == "down_proj":
             return [(out + "shared.down_proj.weight", tensor)]
@@ -167,15 +172,18 @@ def moe_to_hf(i: str, sub: str, tensor, config, arch: str, layout: str = "per_ex
     family = moe_family(arch)
     base = f"model.layers.{i}."
     owner = "block_sparse_moe" if family == "mixtral" and layout == "per_expert" else "mlp"
+    if sub == "router.correction_bias":
+        return {base + "mlp.gate.e_score_correction_bias": tensor}
     if sub.startswith("router."):
         return {f"{base}{owner}.{'router' if family == 'gpt_oss' else 'gate'}.{sub[7:]}": tensor}
     if sub == "shared_gate.weight":
         return {base + "mlp.shared_expert_gate.weight": tensor}
     if sub.startswith("shared."):
+        shared = base + ("mlp.shared_experts." if family == "deepseek" else "mlp.shared_expert.")
         if sub.startswith("shared.down_proj"):
-            return {base + "mlp.shared_expert.down_proj.weight": tensor}
+            return {shared + "down_proj.weight": tensor}
         gate, up = tensor.chunk(2, dim=0)
-        return {base + "mlp.shared_expert.gate_proj.weight": gate, base + "mlp.shared_expert.up_proj.weight": up}
+        return {shared + "gate_proj.weight": gate, shared + "up_proj.weight": up}
     name = sub.split(".", 1)[1]                                            # experts.<name>
     if family == "gpt_oss":
         return {base + "mlp.experts." + k: v for k, v in _gpt_oss_to_hf(name, tensor).items()}

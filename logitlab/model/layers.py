@@ -18,6 +18,7 @@ from torch import nn
 from logitlab.model.attention import ATTN_IMPLS, Attention, eager_attention, repeat_kv
 from logitlab.model.deltanet import GatedDeltaNet
 from logitlab.model.hooks import tap
+from logitlab.model.mla import MLA
 from logitlab.model.mlp import GeluMLP, SwiGLU, gelu, make_mlp
 from logitlab.model.moe import MoE
 from logitlab.model.norms import LayerNorm, RMSNorm, make_norm
@@ -60,7 +61,8 @@ class Block(nn.Module):
 
     pre-norm (GPT-2, Llama):  x = x + mix(attn_norm(x));  x = x + mlp(mlp_norm(x))
     post-norm (Vaswani et al. 2017): x = attn_norm(x + mix(x));  x = mlp_norm(x + mlp(x))
-    The mixer is attention (`attn`; a sliding window for layer type "sliding_attention") or, for
+    The mixer is attention (`attn`; a sliding window for layer type "sliding_attention"; multi-head
+    latent attention, mla.py, when config.is_mla) or, for
     "linear_attention", Gated DeltaNet (`linear_attn`, deltanet.py): the one difference between
     the blocks of a hybrid stack. The MLP is dense (mlp.py) or, for mlp kind "moe", a mixture of
     experts (moe.py; `mlp_type` says which). Dropout (config.dropout, training only)
@@ -81,7 +83,8 @@ class Block(nn.Module):
         if layer_type == "linear_attention":
             self.attn, self.linear_attn = None, GatedDeltaNet(config)
         else:
-            self.attn, self.linear_attn = Attention(config, layer_type), None
+            attn = MLA(config) if config.is_mla else Attention(config, layer_type)   # mla.py: latent attention
+            self.attn, self.linear_attn = attn, None
         self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps, zc, affine)
         self.mlp_type = mlp_type
         self.mlp = MoE(config) if mlp_type == "moe" else make_mlp(config)

@@ -22,7 +22,8 @@ position distance, which right alignment keeps equal to slot distance); a Gated 
 conv and recurrent state are not positions at all and live in a pool of per-sequence state slots
 (R rows), gathered into the batch before the forward and written back in `advance`. Prefix
 caching is off for such models (a shared block does not carry the recurrent state at its end).
-Attention sinks, MoE and ALiBi need nothing from the cache.
+Attention sinks, MoE and ALiBi need nothing from the cache. A multi-head latent attention layer
+keeps one row per slot, its latent and RoPE key (R + Dr), in place of k and v (`update_latent`).
 
 Shapes: B sequences in this forward, T new positions (padded), L cached slots, S = L + T,
 N blocks, bs block size, Hkv key/value heads, Dh head_dim, R state slots.
@@ -94,6 +95,9 @@ class PagedCache:
                                            device=self.device)
                 self.recurrent[i] = torch.zeros(max_seqs, cfg.linear_n_v_heads, cfg.linear_k_head_dim,
                                                 cfg.linear_v_head_dim, dtype=torch.float32, device=self.device)
+            elif getattr(cfg, "is_mla", False):          # latent attention: one row [c | k_rope] per slot
+                self.k[i] = torch.zeros(slots, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=self.dtype,
+                                        device=self.device)
             else:
                 self.k[i] = torch.zeros(slots, cfg.n_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
                 self.v[i] = torch.zeros_like(self.k[i])
@@ -216,26 +220,36 @@ class PagedView:
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Write k_new, v_new (B, Hkv, T, Dh) into their blocks -> every row's keys and values
         (B, Hkv, S, Dh), cached positions right-aligned before slot L, then the new ones."""
+        k, v = self._write_read(((self.cache.k[layer], k_new), (self.cache.v[layer], v_new)))
+        return k, v
+
+    def update_latent(self, layer: int, latent_new: torch.Tensor) -> torch.Tensor:
+        """Multi-head latent attention (mla.py): latent_new (B, 1, T, R + Dr) into its blocks -> every
+        row's latent rows (B, 1, S, R + Dr), laid out as update lays out keys."""
+        return self._write_read(((self.cache.k[layer], latent_new),))[0]
+
+    def _write_read(self, pairs) -> list:
+        """For each (pool (N*bs, Hkv, Dh), new (B, Hkv, T, Dh)): write, then gather (B, Hkv, S, Dh)."""
         if self.cache.gather == "reference":
-            return self._reference(layer, k_new, v_new)
-        B, Hkv, T, Dh = k_new.shape
+            return self._reference(pairs)
         out = []
-        for pool, new in ((self.cache.k[layer], k_new), (self.cache.v[layer], v_new)):
+        for pool, new in pairs:
+            B, Hkv, T, Dh = new.shape
             new = new.transpose(1, 2).reshape(B * T, Hkv, Dh)                            # (B*T, Hkv, Dh)
             if self.new_rows is not None:
                 new = new.index_select(0, self.new_rows)                                  # (n_new, Hkv, Dh)
             pool.index_copy_(0, self.new_slot, new.to(pool.dtype))
             flat = pool.index_select(0, self.slot.view(-1))                               # (B*S, Hkv, Dh)
             out.append(flat.view(B, -1, Hkv, Dh).transpose(1, 2))                         # (B, Hkv, S, Dh)
-        return out[0], out[1]
+        return out
 
-    def _reference(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
-        """The same as update, one block at a time: write each new position at its block and
+    def _reference(self, pairs) -> list:
+        """The same as _write_read, one block at a time: write each new position at its block and
         offset, then copy each row's blocks into its place on the batch's timeline."""
         bs, L, T = self.cache.block_size, self.length, self.T
-        B, Hkv, _, Dh = k_new.shape
         result = []
-        for pool, new in ((self.cache.k[layer], k_new), (self.cache.v[layer], v_new)):
+        for pool, new in pairs:
+            B, Hkv, _, Dh = new.shape
             out = torch.zeros(B, Hkv, L + T, Dh, dtype=pool.dtype, device=pool.device)  # (B, Hkv, S, Dh)
             for b, (seq, ids) in enumerate(zip(self.seqs, self.new_ids)):
                 n = seq.length
@@ -248,7 +262,7 @@ class PagedView:
                     start = L - n + j * bs
                     out[b, :, start:start + count] = rows.transpose(0, 1)
             result.append(out)
-        return result[0], result[1]
+        return result
 
     def key_slots(self, layer: int):
         return None                      # every row is contiguous on the timeline: slot distance = position distance

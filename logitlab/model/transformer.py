@@ -23,7 +23,7 @@ State-dict keys (an API: checkpoints, Hugging Face maps and accounting rely on t
     blocks.{i}.attn.o_proj.weight / .bias       (D, H*Dh) / (D,)       bias when bias
     blocks.{i}.attn.q_norm.weight, k_norm.weight (Dh,)  qk_norm only
     blocks.{i}.attn.gate_proj.weight / .bias    (H*Dh or H, D)         attn_gate elementwise / headwise
-    blocks.{i}.attn.sinks                       (H,)                   attn_sinks only
+    blocks.{i}.attn.sinks                       (H,)                   attn_sinks only (MLA's keys: mla.py)
     blocks.{i}.linear_attn.*                    a Gated DeltaNet layer (layer type "linear_attention",
                                                 no attn.*): in_proj_qkv, in_proj_z, in_proj_b,
                                                 in_proj_a, conv1d, dt_bias, A_log, norm, out_proj

@@ -144,6 +144,9 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False, seq_
     if config.is_moe:
         raise ValueError(f"tensor parallel does not split mixture-of-experts layers (n_experts={config.n_experts}): "
                          "experts are not sharded here; use tp=1")
+    if getattr(config, "is_mla", False):
+        raise ValueError(f"tensor parallel does not split multi-head latent attention (kv_lora_rank="
+                         f"{config.kv_lora_rank}): its shared latent is not sharded here; use tp=1")
     if config.attn_sinks or config.attn_gate != "none":
         raise ValueError(f"tensor parallel supports plain attention only: attn_sinks={config.attn_sinks}, "
                          f"attn_gate={config.attn_gate!r} are not split by heads here; use tp=1")

@@ -3,9 +3,10 @@
 apply.py owns the walk over a model's linear layers. quantize_model(model, config) replaces every
 nn.Linear inside the blocks (attention's q/k/v and output projections and gate, the MLP,
 Gated DeltaNet's projections) and, with config.head, the LM head, by an Int8Linear or Int4Linear
-holding the quantized weight; the embedding table, norms, biases and Gated DeltaNet's conv and
-decay stay as they are. A tied LM head is the embedding table and is kept. The padded rows of an
-LM head (vocabulary padding) are never multiplied, so its quantized form holds the first V only.
+holding the quantized weight; the embedding table, norms, biases, Gated DeltaNet's conv and decay
+and multi-head latent attention's kv_b_proj stay as they are. A tied LM head is the embedding table
+and is kept. The padded rows of an LM head (vocabulary padding) are never multiplied, so its
+quantized form holds the first V only.
 
     report = quantize_model(model, QuantConfig("int4", group_size=64))
     report.layers, report.skipped, report.bytes_before, report.bytes_after
@@ -57,6 +58,9 @@ def targets(model: nn.Module, config: QuantConfig) -> tuple[dict[str, nn.Linear]
                 continue
         elif not name.startswith("blocks."):
             kept[name] = "outside the blocks"
+            continue
+        if name.endswith(".attn.kv_b_proj"):
+            kept[name] = "latent attention's kv_b_proj (its absorbed form multiplies the weight itself, mla.py)"
             continue
         if config.method == "int4" and module.in_features % config.group_size:
             kept[name] = f"in_features {module.in_features} is not a multiple of the group size {config.group_size}"

@@ -291,9 +291,9 @@ class Engine:
         n, L = len(r.ids), b.cache.length
         alone = KVCache.for_model(self.model, batch_size=1, max_len=n)
         logits = prefill(self.model, torch.tensor([r.ids], device=device), alone)          # (1, V)
-        for big_k, big_v, k, v in zip(b.cache.k, b.cache.v, alone.k, alone.v):             # (B, Hkv, S, Dh)
-            big_k[slot, :, L - n:L] = k[0, :, :n]
-            big_v[slot, :, L - n:L] = v[0, :, :n]
+        for big, small in zip(b.cache.layers, alone.layers):   # keys and values, or MLA's latent rows
+            for big_t, t in zip(big.tensors(), small.tensors()):                           # (B, Hkv|1, S, Dh|R+Dr)
+                big_t[slot, :, L - n:L] = t[0, :, :n]
         b.mask[slot] = torch.arange(b.mask.shape[1], device=device) >= L - n               # (S,)
         b.position[slot, 0] = n
         b.rows[slot] = r

@@ -176,6 +176,9 @@ def projection_parts(model) -> dict[str, tuple[str, int, int]]:
         parts.update(gate_proj=("mlp.gate_up_proj", 0, c.d_ff), up_proj=("mlp.gate_up_proj", c.d_ff, 2 * c.d_ff))
     else:
         parts.update(up_proj=("mlp.up_proj", 0, c.d_ff))
+    if getattr(c, "is_mla", False):     # latent attention: q_a/q_b and kv_a/kv_b, not adapted here
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del parts[name]
     return parts
 
 
@@ -198,7 +201,10 @@ def _wanted_projections(model, config: LoRAConfig) -> dict[str, list]:
         if target == "lm_head" or target in EXPERT_PARTS:
             continue
         if target not in parts:
-            raise ValueError(f"LoRA target {target!r} does not exist in a {model.config.mlp} model")
+            latent = " with multi-head latent attention" if getattr(model.config, "is_mla", False) else ""
+            here = [*parts, "lm_head", *(EXPERT_PARTS if model.config.is_moe else ())]
+            raise ValueError(f"LoRA target {target!r} does not exist in a {model.config.mlp} model{latent} "
+                             f"(targets here: {', '.join(here)})")
         suffix, a, b = parts[target]
         kinds = model.config.mlp_kinds
         layers = [i for i, kind in enumerate(kinds) if kind == "dense" or not suffix.startswith("mlp.")]
