@@ -316,6 +316,18 @@ def test_an_moe_config_is_bounded_and_its_estimate_names_the_experts():
     assert {"num_experts", "num_local_experts", "moe_intermediate_size"} <= set(HF_SIZES)
 
 
+def test_a_latent_attention_config_is_bounded_by_name():
+    """DeepSeek-V3's latent widths are sizes too: a hostile one is refused, named, before anything
+    is built."""
+    from logitlab.model.families import config_to_hf, get_preset
+    from logitlab.model.hf_config_moe import config_from_hf
+
+    raw = config_to_hf(get_preset("deepseek-v3"), dtype="bfloat16")
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        with pytest.raises(ValueError, match=rf"{key} = 1000000000 is beyond logitlab's bound of {SIZE_LIMITS[key]}"):
+            config_from_hf({**raw, key: 10**9})
+
+
 LOADING_COMMANDS = [   # every command that loads weights, with what it needs besides MODEL
     ("generate", "hi"), ("chat",), ("inspect", "hi"), ("convert", "--out", "{tmp}/out"),
     ("convert", "--out", "{tmp}/q", "--quantize", "int8"), ("convert", "--out", "{tmp}/m.gguf", "--gguf", "Q8_0"),

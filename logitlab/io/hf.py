@@ -228,7 +228,9 @@ def _load_hf(directory: Path, dtype, device, max_memory) -> Transformer:
     config = families.config_from_hf(raw, source=str(path))
     weights = WeightFiles(directory)
     names = hf_field_names(raw)
-    check_layers(hf_layer_indices(weights.shapes), config.n_layers, names["n_layers"], path, weights.describe())
+    extra = range(config.n_layers, config.n_layers + int(raw.get("num_nextn_predict_layers") or 0))
+    layers = {i for i in hf_layer_indices(weights.shapes) if i not in extra}   # DeepSeek's MTP layers: not loaded
+    check_layers(layers, config.n_layers, names["n_layers"], path, weights.describe())
     if config.is_moe:     # before one name per expert and layer is made (check_hf_state)
         held = hf_expert_indices(weights.shapes, SIZE_LIMITS["n_experts"] + 1)
         check_layers(held, config.n_experts, names["n_experts"], path, weights.describe(), kind="experts")
