@@ -33,6 +33,10 @@ def _norm(config: ModelConfig, dim: int) -> int:
 def attention_layer_parameters(config: ModelConfig) -> int:
     """One full or sliding attention mixer: qkv_proj, o_proj, QK-norms, output gate, sinks."""
     c = config
+    if c.is_mla:    # latent attention: its projections and the norms of its two latents (accounting_mla)
+        from logitlab.model.accounting_mla import attention_formula
+
+        return attention_formula(c) + _norm(c, c.kv_lora_rank) + (_norm(c, c.q_lora_rank) if c.q_lora_rank else 0)
     D, H, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     qkv = (H + 2 * Hkv) * Dh
     gates = {"none": 0, "headwise": H, "elementwise": H * Dh}[c.attn_gate]
