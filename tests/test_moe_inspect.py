@@ -86,3 +86,29 @@ def test_inspect_command_shows_experts_and_load(tmp_path, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "MoE layer 2: each token's experts, heaviest first" in text
     assert f"layer 0 load over the text ({2 * T} assignments, {2 * T / 6:.1f} per expert if balanced)" in text
+
+
+def test_the_explorer_json_carries_each_tokens_experts_per_moe_layer():
+    """POST /v1/explore on an MoE model: per MoE layer each token's experts and weights and each
+    expert's load, as inspect.expert_routing gives them; a dense model's report has no "experts"."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from logitlab.serve.app import create_app
+    from logitlab.tokenizer.core import Tokenizer
+
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens={"<|endoftext|>": 256})
+    model = _model(vocab_size=tok.vocab_size, mlp_types=("moe", "dense", "moe"))
+    text = "the cat sat"
+    with TestClient(create_app(model, tok, name="moe")) as client:
+        r = client.post("/v1/explore", json={"text": text})
+    assert r.status_code == 200, r.text
+    shown = r.json()["experts"]
+    want = expert_routing(model, tok.encode(text))
+    assert [e["layer"] for e in shown] == [w.layer for w in want] == [0, 2]
+    for e, w in zip(shown, want):
+        assert e["experts"] == w.experts and e["load"] == w.load and sum(e["load"]) == 2 * len(tok.encode(text))
+        assert sum(e["weights"], []) == pytest.approx(sum(w.weights, []), abs=1e-4)
+    dense = Transformer(ModelConfig(vocab_size=tok.vocab_size, **{**BASE, "n_experts": 0, "n_experts_per_token": None, "moe_d_ff": None})).eval()
+    with TestClient(create_app(dense, tok, name="dense")) as client:
+        assert "experts" not in client.post("/v1/explore", json={"text": text}).json()

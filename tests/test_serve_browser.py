@@ -199,3 +199,44 @@ def test_the_page_shows_attention_weights_attribution_bars_and_the_patching_heat
     expected = activation_patching(model, ids, tok.encode(corrupt), logit_difference(ord("h"), ord("t")))
     assert cells == pytest.approx(expected.scores.flatten().tolist(), abs=1e-3)
     _shot(driver, tmp_path, "interpret")
+
+
+def test_the_page_shows_each_tokens_first_expert_and_the_load_of_an_moe(site, tmp_path):
+    """Against an MoE model the experts grid holds, per MoE layer and position, the expert the
+    router sends the token to first with its weight, and each expert's load; the dense model's page
+    says it has none."""
+    from logitlab.inspect.experts import expert_routing
+
+    driver, tok = site["driver"], site["tok"]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2, n_heads=4,
+                                    norm="rmsnorm", mlp="swiglu", positions="rope", bias=False, n_experts=4,
+                                    n_experts_per_token=2, moe_d_ff=16)).eval()
+    server, thread, url = _start(model, tok)
+    try:
+        wait = WebDriverWait(driver, 30)
+        driver.get(url)
+        box = driver.find_element(By.ID, "text")
+        box.clear()
+        box.send_keys(TEXT)
+        driver.find_element(By.ID, "look").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#experts td[data-expert]"))
+        cells = driver.execute_script("return Array.from(document.querySelectorAll('#experts td[data-expert]'))"
+                                      ".map((c) => [Number(c.dataset.expert), Number(c.dataset.weight)]);")
+        loads = driver.execute_script("return Array.from(document.querySelectorAll('#experts td[data-load]'))"
+                                      ".map((c) => c.dataset.load);")
+        _shot(driver, tmp_path, "experts")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    want = expert_routing(model, tok.encode(TEXT))
+    assert [e for e, _ in cells] == [row[0] for r in want for row in r.experts]
+    assert [w for _, w in cells] == pytest.approx([row[0] for r in want for row in r.weights], abs=1e-4)
+    assert loads == [",".join(map(str, r.load)) for r in want]
+    driver.get(site["url"])                                      # the dense model
+    box = driver.find_element(By.ID, "text")
+    box.clear()
+    box.send_keys(TEXT)
+    driver.find_element(By.ID, "look").click()
+    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "experts-none").text)
+    assert "no mixture-of-experts layer" in driver.find_element(By.ID, "experts-none").text

@@ -4,8 +4,8 @@
   - POST /v1/explore {"text", "top_k"?, "bos"?}: the tokens (id, text, bytes), each token's
     probability and surprisal (inspect.core.token_surprisals, the same report `logitlab inspect
     --json` prints under "surprisal"), per position the top-k next tokens by raw logit, the
-    logit-lens grid (layers x positions: top token and probability) and the attention weights
-    per layer and head;
+    logit-lens grid (layers x positions: top token and probability), the attention weights
+    per layer and head, and for a mixture of experts each token's experts per MoE layer ("experts");
   - POST /v1/explore/neighbours {"id", "k"?}: the token's embedding neighbours (inspect.core);
   - POST /v1/explore/attribution {"text", "position"?, "token"?}: direct logit attribution
     (inspect.attribution) of `token` (default: the model's top next token) after `position`;
@@ -71,7 +71,19 @@ def explore(model, tokenizer, ids: list[int], k: int) -> dict:
         report["attention"] = _attention(model, ids)
     if len(ids) >= 2:
         report["surprisal"] = dataclasses.asdict(inspect_core.token_surprisals(model, ids, label))
+    if model.config.is_moe:
+        report["experts"] = _experts(model, ids)
     return report
+
+
+def _experts(model, ids: list[int]) -> list[dict]:
+    """Per MoE layer, each token's experts heaviest first with their weights (4 digits), the
+    router's entropy, and each expert's load over the text (inspect.experts.expert_routing)."""
+    from logitlab.inspect.experts import expert_routing
+
+    return [{"layer": r.layer, "experts": r.experts, "weights": [[round(w, 4) for w in row] for row in r.weights],
+             "entropy": [round(e, 4) for e in r.entropy], "load": r.load, "dropped": r.dropped}
+            for r in expert_routing(model, ids)]
 
 
 def _lens(model, ids: list[int], label) -> list[list[dict]]:
