@@ -109,6 +109,7 @@ def test_the_explorer_json_carries_each_tokens_experts_per_moe_layer():
     for e, w in zip(shown, want):
         assert e["experts"] == w.experts and e["load"] == w.load and sum(e["load"]) == 2 * len(tok.encode(text))
         assert sum(e["weights"], []) == pytest.approx(sum(w.weights, []), abs=1e-4)
-    dense = Transformer(ModelConfig(vocab_size=tok.vocab_size, **{**BASE, "n_experts": 0, "n_experts_per_token": None, "moe_d_ff": None})).eval()
+    dense_config = {**BASE, "n_experts": 0, "n_experts_per_token": None, "moe_d_ff": None}
+    dense = Transformer(ModelConfig(vocab_size=tok.vocab_size, **dense_config)).eval()
     with TestClient(create_app(dense, tok, name="dense")) as client:
         assert "experts" not in client.post("/v1/explore", json={"text": text}).json()
