@@ -155,6 +155,7 @@ def test_missing_and_half_written_are_ignored_or_named(tmp_path):
     assert ck.latest_checkpoint(tmp_path) is None
 
 
+@pytest.mark.slow
 def test_atomic_save_survives_kill_9(tmp_path):
     """A process saving checkpoints in a loop is killed at an arbitrary instant; every checkpoint
     directory that exists afterwards loads completely."""

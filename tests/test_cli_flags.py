@@ -207,6 +207,7 @@ def _fake_time(monkeypatch, timed_s: float, step_s: float) -> list:
     return calls
 
 
+@pytest.mark.slow
 def test_time_limit_fits_warmup_and_cosine_inside_the_budget(tmp_path, capsys, monkeypatch):
     import json
 

@@ -102,6 +102,7 @@ def test_tuned_lens_trains_saves_reloads_and_plots(tmp_path, capsys):
     assert "give --lens-data" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_probe_reads_a_labelled_file_and_reports_the_control(tmp_path, capsys):
     from logitlab.inspect.probes import linear_probe
 

@@ -391,6 +391,7 @@ def test_frozen_compiled_step_traces_the_weights_as_constants(model):
     assert inputs_traced(False) - inputs_traced(True) >= n_params
 
 
+@pytest.mark.slow
 def test_compiled_step_traces_module_floats_as_constants(model):
     """A norm's eps is a constant: traced as a symbolic float (dynamo's default with dynamic shapes
     and the module guards skipped), AOT autograd pins it and restarts the whole trace, a second

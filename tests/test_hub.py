@@ -94,6 +94,7 @@ def test_pickled_weights_are_refused(tmp_path, monkeypatch, model_dir):
         hf.load_pretrained("org/pickled")
 
 
+@pytest.mark.slow
 def test_cli_generate_by_hub_id(cache):
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, "-m", "logitlab", "generate", "tiny-org/tiny-llama", "def",

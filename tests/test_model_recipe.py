@@ -164,6 +164,7 @@ def test_recipe_model_trains_forward_and_backward_compiled_equals_eager():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_params_shows_the_value_embeddings_row(tmp_path, capsys, monkeypatch):
     import json
 

@@ -114,6 +114,7 @@ def test_grad_accumulation_with_skipped_sync_matches(runs, mode):
     assert (result["early_syncs"], result["final_syncs"]) == (0, worker.STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_checkpoint_saved_by_two_ranks_resumes_in_one(runs, mode):
     ckpt = runs["out"] / f"ckpt_{mode}"

@@ -102,6 +102,7 @@ def test_planner_matches_measured_per_rank_memory(two, stage):
             config, 1, "ddp", mixed_precision=False).optimizer
 
 
+@pytest.mark.slow
 def test_tensor_parallel_logits_stay_sharded_on_the_vocabulary(two):
     logits = two[1]["tp_sp"]["logits"]
     assert logits["placements"] == ["S(2)"]                     # Shard(dim=2): V

@@ -158,6 +158,7 @@ def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path, hooks):
     assert ws_full["state"]["step"] == 12 and ws_full["state"]["sampler"]["index"] == 12
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_matches(corpus, tmp_path):
     run = tmp_path / "killed"
     script = textwrap.dedent(f"""
@@ -268,6 +269,7 @@ def test_bf16_autocast_runs_and_validation_is_a_fixed_pass(corpus, tmp_path):
     assert a == b and model.training  # same tokens, same number; training mode restored
 
 
+@pytest.mark.slow
 def test_bf16_matmul_mode_is_the_runs_and_is_restored(corpus, tmp_path):
     """TrainConfig.bf16_matmul holds during the run (installed into the model's layers) and the
     model's plain layers are back afterwards, also when the run fails; nothing process-wide."""
