@@ -209,14 +209,14 @@ def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
 def hf_fused_rows(key: str, config: ModelConfig) -> tuple[str, int, int, int] | None:
     """Where a cleaned llama-layout q/k/v or gate/up tensor goes: (logitlab name of the fused
     projection, first row, end row, the fused tensor's rows), so a loader can read it straight into
-    its rows; None for any other tensor, and for q/k/v under Qwen3.5's output gate (its q_proj rows
-    interleave the gate's, which hf_tensors_to_logitlab splits)."""
+    its rows; None for any other tensor, for q/k/v under Qwen3.5's output gate (its q_proj rows
+    interleave the gate's, which hf_tensors_to_logitlab splits) and for latent attention's q_proj."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", key)
     if m is None or m.group(2) not in _LLAMA_PART or key_layout(config) != "llama":
         return None
     fused, j, _ = _LLAMA_PART[m.group(2)]
-    if fused == "attn.qkv_proj" and config.attn_gate == "elementwise":
-        return None
+    if fused == "attn.qkv_proj" and (config.attn_gate == "elementwise" or config.is_mla):
+        return None                              # Qwen3.5's gated q_proj; latent attention's own q_proj
     H, Hkv, Dh, F = config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
     sizes = (H * Dh, Hkv * Dh, Hkv * Dh) if fused == "attn.qkv_proj" else (F, F)
     start = sum(sizes[:j])
