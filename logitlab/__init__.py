@@ -8,7 +8,7 @@ chooses no device, dtype, thread count or seed (see train/runtime.py). Each stag
 
 from __future__ import annotations
 
-import importlib
+from logitlab._exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -39,15 +39,4 @@ _EXPORTS = {
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'logitlab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"logitlab.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

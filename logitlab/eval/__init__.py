@@ -8,7 +8,7 @@ module of it, imports nothing else of it."""
 
 from __future__ import annotations
 
-import importlib
+from logitlab._exports import lazy_exports
 
 _EXPORTS = {
     "BPBResult": "bpb",
@@ -32,15 +32,4 @@ __all__ = ["BPBResult", "LengthScore", "LongEvalResult", "Score", "batch_nats_an
            "encode_pair", "evaluate_bpb", "loglikelihood_rolling", "nats_and_bytes", "rolling_windows", "score",
            "score_ids", "sweep_lengths", "token_byte_lengths"]
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -9,7 +9,7 @@ module of it, imports nothing else of it."""
 
 from __future__ import annotations
 
-import importlib
+from logitlab._exports import lazy_exports
 
 _EXPORTS = {
     "GenerationResult": "loop",
@@ -33,15 +33,4 @@ __all__ = ["GenerationResult", "NgramDraft", "SampleConfig", "SamplingError", "S
            "decode_step", "generate", "generate_reference", "make_generator", "next_token", "prefill",
            "process_logits", "speculative_generate", "stream"]
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -10,7 +10,7 @@ module of it, imports nothing else of it."""
 
 from __future__ import annotations
 
-import importlib
+from logitlab._exports import lazy_exports
 
 _EXPORTS = {
     "activation_patching": "patching",
@@ -52,15 +52,4 @@ __all__ = ["activation_patching", "activation_patching_reference", "add_steering
            "previous_token_scores", "save_steering", "save_tuned_lens", "sink_shares", "steer", "Steering",
            "steering_direction", "token_surprisals", "train_tuned_lens", "TunedLens"]
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

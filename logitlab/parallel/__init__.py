@@ -11,7 +11,7 @@ module of it, imports nothing else of it."""
 
 from __future__ import annotations
 
-import importlib
+from logitlab._exports import lazy_exports
 
 _EXPORTS = {
     "DEFAULT_TIMEOUT_S": "setup",
@@ -59,15 +59,4 @@ __all__ = ["DEFAULT_TIMEOUT_S", "DistInfo", "MESH_DIMS", "PARALLEL_MODES", "Para
            "plan_rank_memory", "rank_failure_guard", "rank_slice", "read_model_state", "save_sharded",
            "shard_for_rank", "sync_gradients", "unwrap", "wrap_model"]
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -7,7 +7,7 @@ module of it, imports nothing else of it."""
 
 from __future__ import annotations
 
-import importlib
+from logitlab._exports import lazy_exports
 
 _EXPORTS = {
     "TrainConfig": "loop",
@@ -21,15 +21,4 @@ _EXPORTS = {
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "cross_entropy", "evaluate", "loss_fn", "train"]
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
