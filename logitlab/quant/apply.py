@@ -4,9 +4,10 @@ apply.py owns the walk over a model's linear layers. quantize_model(model, confi
 nn.Linear inside the blocks (attention's q/k/v and output projections and gate, the MLP,
 Gated DeltaNet's projections) and, with config.head, the LM head, by an Int8Linear or Int4Linear
 holding the quantized weight; the embedding table, norms, biases, Gated DeltaNet's conv and decay
-and multi-head latent attention's kv_b_proj stay as they are. A tied LM head is the embedding table
-and is kept. The padded rows of an LM head (vocabulary padding) are never multiplied, so its
-quantized form holds the first V only.
+and multi-head latent attention's kv_b_proj stay as they are. A mixture of experts' stacked experts
+become one quantized layer per expert and projection (experts.py); its router stays as it is. A tied
+LM head is the embedding table and is kept. The padded rows of an LM head (vocabulary padding) are
+never multiplied, so its quantized form holds the first V only.
 
     report = quantize_model(model, QuantConfig("int4", group_size=64))
     report.layers, report.skipped, report.bytes_before, report.bytes_after
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from logitlab.quant.experts import QuantExperts, expert_bytes, expert_targets
 from logitlab.quant.linear import LAYERS, QuantConfig, QuantLinear
 
 
@@ -102,18 +104,27 @@ def quantize_model(model: nn.Module, config: QuantConfig = QuantConfig()) -> Qua
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("the model is quantized already: load it again from its file to quantize it another way")
     chosen, kept = targets(model, config)
-    report = QuantReport(config, list(chosen), kept, bytes_before=model_bytes(model))
+    experts, kept_experts = expert_targets(model, config)
+    report = QuantReport(config, list(chosen) + list(experts), kept | kept_experts, bytes_before=model_bytes(model))
     layer = LAYERS[config.method]
     for name, linear in chosen.items():
         _replace(model, name, layer.from_linear(_head_rows(model, name, linear), config))
+    for name, ex in experts.items():
+        _replace(model, name, QuantExperts.from_experts(ex, config))
     report.bytes_after = model_bytes(model)
     return report
 
 
 def quantized_layout(model: nn.Module, config: QuantConfig) -> list[str]:
     """Replace the layers quantize_model would replace by quantized ones with empty tensors on the
-    model's device (for load_state_dict). -> their names."""
+    model's device (for load_state_dict). -> the names of the quantized linear layers (an MoE
+    block's experts: one per expert and projection)."""
     chosen, _ = targets(model, config)
+    names = list(chosen)
+    for name, ex in expert_targets(model, config)[0].items():
+        _replace(model, name, QuantExperts.layout(ex, config))
+        E = ex.n_experts
+        names += [f"{name}.{part}.{e}" for part in ("gate_up", "down") for e in range(E)]
     V = model.config.vocab_size
     for name, linear in chosen.items():
         rows = V if name == "lm_head" else linear.out_features
@@ -125,7 +136,7 @@ def quantized_layout(model: nn.Module, config: QuantConfig) -> list[str]:
             module = LAYERS["int4"](linear.in_features, rows, linear.bias is not None, config.group_size,
                                     bias_dtype, device)
         _replace(model, name, module)
-    return list(chosen)
+    return names
 
 
 def weight_bytes(model_config, quant: QuantConfig | None, dtype_bytes: int = 2) -> int:
@@ -148,6 +159,9 @@ def weight_bytes(model_config, quant: QuantConfig | None, dtype_bytes: int = 2) 
             total += N * K + 2 * N                                  # int8 values, a bf16 scale per row
         else:
             total += N * K // 2 + 3 * N * (K // quant.group_size)   # 4-bit values, bf16 scale + uint8 zero
+    for ex in expert_targets(model, quant)[0].values():
+        E, two_f, D = ex.gate_up_proj.shape
+        total += expert_bytes(E, D, two_f // 2, quant) - (ex.gate_up_proj.numel() + ex.down_proj.numel()) * dtype_bytes
     return total
 
 
