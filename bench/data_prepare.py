@@ -17,7 +17,9 @@ resident memory (VmHWM; with workers, plus the largest worker's ru_maxrss).
   `Tokenizer.encode_ordinary` over each) alternates with `prepare_part` on 1 and 2 workers with
   cleaning on (the code rules: the corpus is code) and exact dedup (reading, filtering, hashing,
   encoding, writing the part; the merge into shards is timed apart). `--prose FILE` adds the
-  same on documents cut from a text file, under the Gopher prose rules.
+  same on documents cut from a text file, under the Gopher prose rules. Where the compiled
+  measurements (logitlab.data._text_fast) are built, one more side runs one worker with them
+  hidden: the pure-Python route an install without a C compiler takes.
 - The peer: `datasets.map` with `num_proc` = workers and `RAYON_NUM_THREADS=1` per process against
   the plain single-file `prepare` (no cleaning, no dedup), so both sides do the same work; its
   Arrow cache lives in a temporary directory and its time includes loading the JSON into Arrow.
@@ -120,6 +122,12 @@ def _part(spec: dict) -> dict:
     from logitlab.data.parts import PrepareConfig, prepare_part
     from logitlab.tokenizer.core import Tokenizer
 
+    if spec.get("python_route"):  # what an install without a C compiler runs
+        from logitlab.data import dedup, measures
+
+        measures._native = dedup._native_ascii_normalised = None
+    from logitlab.data.measures import native_available
+
     tok = Tokenizer.load(spec["tok"])
     name = spec.get("source", "code")
     cfg = PrepareConfig(filters=FilterConfig(code_sources=("code",)),
@@ -134,7 +142,8 @@ def _part(spec: dict) -> dict:
     merged = time.perf_counter()
     merge_parts([Path(spec["out"]) / "part"], Path(spec["out"]) / "data", MergeConfig(val_fraction=0.0))
     return {"seconds": seconds, "cpu": cpu, "worker_cpu": usage.ru_utime + usage.ru_stime, "tokens": info["tokens"],
-            "kept_bytes": info["bytes"], "merge_seconds": time.perf_counter() - merged}
+            "kept_bytes": info["bytes"], "merge_seconds": time.perf_counter() - merged,
+            "route": "compiled" if native_available() else "python"}
 
 
 def _ours(spec: dict) -> dict:
@@ -203,21 +212,29 @@ def _median(results: list[dict], key: str) -> float:
 
 
 def bench_encoder_ratio(corpus: Path, text_bytes: int, tok: Path, repeats: int, source: str = "code") -> dict:
-    """The encoder alone, prepare_part on 1 and on 2 workers, alternating; -> MB/s, ratios, scaling."""
+    """The encoder alone, prepare_part on 1 and on 2 workers (and on 1 by the Python route where the
+    compiled one is built), alternating; -> MB/s, ratios, scaling."""
+    from logitlab.data.measures import native_available
+
     mb = text_bytes / 1e6
     base = {"corpus": str(corpus), "tok": str(tok), "source": source}
     runs: dict[str, list] = {"encoder": [], "1": [], "2": []}
+    sides = [("1", dict(base, side="part", workers=1)), ("2", dict(base, side="part", workers=2))]
+    if native_available():
+        runs["python"] = []
+        sides.append(("python", dict(base, side="part", workers=1, python_route=True)))
     for _ in range(repeats):
         runs["encoder"].append(run_once(dict(base, side="encoder", workers=1)))
-        for w in (1, 2):
-            runs[str(w)].append(run_once(dict(base, side="part", workers=w)))
+        for key, spec in sides:
+            runs[key].append(run_once(spec))
     enc = runs["encoder"]
     rows = [{"side": "encoder alone", "workers": 1, "mb_per_s": mb / _median(enc, "seconds"), "ratio": 1.0,
              "cpu_ratio": 1.0}]
-    for w in (1, 2):
-        res = runs[str(w)]
+    for key, spec in sides:
+        res, w = runs[key], spec["workers"]
         pairs = [(e["seconds"] / r["seconds"], e["cpu"] / (r["cpu"] + r["worker_cpu"])) for e, r in zip(enc, res)]
-        rows.append({"side": "prepare part", "workers": w, "mb_per_s": mb / _median(res, "seconds"),
+        rows.append({"side": f"prepare part ({res[0]['route']} route)", "workers": w,
+                     "mb_per_s": mb / _median(res, "seconds"),
                      "ratio": statistics.median(a for a, _ in pairs) / w,  # per worker, to the encoder
                      "cpu_ratio": statistics.median(b for _, b in pairs),
                      "merge_s": _median(res, "merge_seconds"), "peak_mib": max(r["peak_mib"] for r in res),
@@ -270,8 +287,12 @@ def _ratio_table(case: dict) -> str:
 
 def render(result: dict) -> str:
     lines = [f"Corpus: {result['corpus_mb']:.1f} MB of JSON lines (stdlib *.py files), 4096-id BPE on every side. "
-             f"`{result['command']}`; load average {result['machine'].get('load_avg_1m')} on "
-             f"{result['machine']['nproc']} cores when it started.", ""]
+             f"`{result['command']}` at commit {result['machine'].get('commit')}; load average "
+             f"{result['machine'].get('load_avg_1m')} on {result['machine']['nproc']} cores when it started (a shared "
+             f"machine: other jobs ran beside it, so the ratios of alternating runs count, not the MB/s). The compiled "
+             f"route is the cleaning filters' measurements and the exact-dedup normalisation in C "
+             f"(logitlab.data._text_fast, built at install when a C compiler is present); the Python route is what "
+             f"runs without it.", ""]
     for case in result["encoder_ratio"]:
         two = next(r for r in case["rows"] if r["workers"] == 2)
         lines += [f"**prepare against the encoder alone** ({case['source']}: {case['mb']:.1f} MB, "

@@ -173,7 +173,8 @@ def test_fast_measures_equal_the_plain_ones(lines, sep):
         assert fast.duplicate_ngrams(n) == plain.duplicate_ngrams(n)
     for cfg in (CFG, flt.FilterConfig(min_words=3, max_symbol_ratio=0.5, max_duplicate_lines=0.5, code_sources=("c",))):
         for source in ("web", "c"):
-            assert flt.document_reason(text, source, cfg) == flt.document_reason(text, source, cfg, ms.Measures)
+            assert flt.document_reason(text, source, cfg, ms.FastMeasures) == \
+                flt.document_reason(text, source, cfg, ms.Measures)
 
 
 def test_wide_spaces_are_every_non_ascii_space():

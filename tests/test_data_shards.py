@@ -217,11 +217,18 @@ def test_part_is_the_same_with_worker_processes(tmp_path):
     assert json.loads(ids[0]).endswith("part0.jsonl.gz:1") and len(ids) == a["documents"]
 
 
-def test_the_fast_measurements_prepare_the_same_part_as_the_plain_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("route", ["default", "python"])
+def test_the_fast_measurements_prepare_the_same_part_as_the_plain_ones(tmp_path, monkeypatch, route):
+    """The default route (the compiled measurements and exact-dedup normalisation when built) and the
+    pure-Python one (what an install without a C compiler runs) against the plain measurements."""
     import functools
 
-    from logitlab.data import chunks, filters, measures
+    from logitlab.data import chunks, dedup, filters, measures
 
+    if route == "python":
+        monkeypatch.setattr(measures, "_native", None)
+        monkeypatch.setattr(dedup, "_native_ascii_normalised", None)
+        assert measures.default_measures() is measures.FastMeasures
     tok, sources = byte_tokenizer(), _corpus(tmp_path)
     fast = parts.prepare_part(sources, tok, tmp_path / "fast", CFG, workers=1)
     plain = functools.partial(filters.document_reason, measures=measures.Measures)

@@ -22,8 +22,9 @@ dedup.py owns the pieces and the rule:
 
 Documents are hashed where they are read (each worker of `logitlab prepare --num-shards`), and the
 decision is taken once, over all workers' keys in order, by `logitlab prepare merge`: signatures
-first, then a merge. It imports nothing from logitlab; datasketch is imported when a signature is
-first computed.
+first, then a merge. It imports nothing from logitlab but the optional compiled sibling
+_text_fast.c (`ascii_normalised` in one C pass when the install built it; the same bytes, tested);
+datasketch is imported when a signature is first computed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
+
+try:  # compiled from _text_fast.c at install when a C compiler is present (setup.py: optional extension)
+    from logitlab.data._text_fast import ascii_normalised as _native_ascii_normalised
+except ImportError:  # pragma: no cover - depends on the install
+    _native_ascii_normalised = None
 
 _WORD = re.compile(r"\w+")
 
@@ -92,8 +98,12 @@ def ascii_normalised(text: str) -> bytes:
 
 
 def exact_hash(text: str) -> int:
-    """64-bit hash of the normalised text (of ascii_normalised for an ASCII text: the same bytes)."""
-    data = ascii_normalised(text) if text.isascii() else normalise(text).encode("utf-8")
+    """64-bit hash of the normalised text (of ascii_normalised for an ASCII text, compiled when
+    built: the same bytes)."""
+    if not text.isascii():
+        data = normalise(text).encode("utf-8")
+    else:
+        data = (_native_ascii_normalised or ascii_normalised)(text)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 

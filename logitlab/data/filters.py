@@ -15,8 +15,9 @@ a field of `FilterConfig` (None switches that rule off):
 
 `document_reason` applies the prose or the code rules; `FilterStats` counts what was removed and
 why. The numbers the rules compare come from measures.py: its plain functions are the reference,
-and `FastMeasures` (the default) gives the same numbers faster. It imports nothing from logitlab
-but its sibling measures.py.
+and `default_measures()` (the compiled NativeMeasures when the install built it, else
+FastMeasures) gives the same numbers faster. It imports nothing from logitlab but its sibling
+measures.py.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ from logitlab.data.measures import (  # noqa: F401  the measurements, importable
     ELLIPSES,
     FastMeasures,
     Measures,
+    NativeMeasures,
     alnum_share,
     alpha_share,
     count_chars,
+    default_measures,
     duplicate_line_fraction,
     duplicate_ngram_fraction,
     fast_duplicate_ngram_fraction,
     line_share,
     mean_word_length,
+    native_available,
     symbol_ratio,
 )
 
@@ -95,11 +99,11 @@ class FilterConfig:
 # Rules: each returns the reason a document fails, or None
 # --------------------------------------------------------------------------------------------
 
-def _measured(text: str | Measures, measures: type[Measures]) -> Measures:
-    return text if isinstance(text, Measures) else measures(text)
+def _measured(text: str | Measures, measures: type[Measures] | None) -> Measures:
+    return text if isinstance(text, Measures) else (measures or default_measures())(text)
 
 
-def gopher_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measures] = FastMeasures) -> str | None:
+def gopher_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measures] | None = None) -> str | None:
     """The first Gopher rule `text` (or its Measures) fails, in the order of FilterConfig's fields."""
     m = _measured(text, measures)
     checks = (
@@ -120,38 +124,38 @@ def gopher_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measur
     return None
 
 
-def alpha_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measures] = FastMeasures) -> str | None:
+def alpha_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measures] | None = None) -> str | None:
     if cfg.min_alpha_share is not None and _measured(text, measures).alpha_share() < cfg.min_alpha_share:
         return "alpha_share"
     return None
 
 
-def code_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measures] = FastMeasures) -> str | None:
+def code_reason(text: str | Measures, cfg: FilterConfig, measures: type[Measures] | None = None) -> str | None:
     """The first code rule `text` (or its Measures) fails: line length, alphanumeric share,
     generated markers."""
     m = _measured(text, measures)
-    lines = m.lines
-    if cfg.max_line_length is not None and lines and max(map(len, lines)) > cfg.max_line_length:
+    if cfg.max_line_length is not None and m.longest_line() > cfg.max_line_length:
         return "code.max_line_length"
     if cfg.min_alnum_share is not None and m.alnum_share() < cfg.min_alnum_share:
         return "code.alnum_share"
     if cfg.generated_lines:
-        head = "\n".join(lines[:cfg.generated_lines]).lower()
+        head = "\n".join(m.lines[:cfg.generated_lines]).lower()
         if any(marker in head for marker in GENERATED_MARKERS):
             return "code.generated"
     return None
 
 
 def document_reason(text: str, source: str, cfg: FilterConfig,
-                    measures: type[Measures] = FastMeasures) -> str | None:
+                    measures: type[Measures] | None = None) -> str | None:
     """Why the document fails (the code rules for cfg.code_sources, else Gopher and the alphabetic
     share), or None to keep it. An empty document is always removed ("empty"). `measures=Measures`
-    takes every number from the plain reference functions; the default FastMeasures gives the same."""
+    takes every number from the plain reference functions; the default (None: default_measures(),
+    the compiled NativeMeasures when built, else FastMeasures) gives the same."""
     if not cfg.enabled:
         return None
     if not text.strip():
         return "empty"
-    m = measures(text)  # one set of measurements for all the rules
+    m = (measures or default_measures())(text)  # one set of measurements for all the rules
     if source in cfg.code_sources:
         return code_reason(m, cfg)
     return gopher_reason(m, cfg) or alpha_reason(m, cfg)

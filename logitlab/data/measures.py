@@ -1,13 +1,17 @@
 """What the cleaning rules measure: for one document, each number a rule of filters.py compares
 with its threshold.
 
-measures.py owns two ways to get them. The plain functions (mean_word_length, line_share,
+measures.py owns three ways to get them. The plain functions (mean_word_length, line_share,
 duplicate_ngram_fraction, alpha_share, ...) are the reference: one obvious loop each, the
 definitions of Gopher (Rae et al. 2021, appendix A) checkable by eye. `FastMeasures` computes the
-same numbers, equal to the last bit (tests/test_data_filters.py), with the loops in C: str methods
-over whole lists, bytes.translate, numpy. `prepare` uses it: a Python loop per character (the
-alphabetic share) or per n-gram cost more than encoding the text. `Measures` gives the plain
-numbers through the same interface, so the rules run unchanged on either. Words are the
+same numbers, equal to the last bit (tests/test_data_filters.py), with the loops inside Python's
+and numpy's own C: str methods over whole lists, bytes.translate, numpy. `NativeMeasures` takes
+them from the compiled extension _text_fast.c (built at install when a C compiler is present;
+setup.py): one pass over the str's code points for every count, a second for the repeated
+n-grams (tests/test_data_native.py checks it against the plain functions). `prepare` uses
+`default_measures()`: the native one when built, else FastMeasures; a Python loop per character
+(the alphabetic share) or per n-gram costs more than encoding the text. `Measures` gives the plain
+numbers through the same interface, so the rules run unchanged on any of them. Words are the
 whitespace-separated tokens of str.split(). It imports nothing from logitlab.
 """
 
@@ -15,10 +19,16 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
 from logitlab.data.bytewords import ByteWords, covered_words, repeated_starts
+
+try:  # compiled from _text_fast.c at install when a C compiler is present (setup.py: optional extension)
+    from logitlab.data import _text_fast as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
 
 BULLETS = ("•", "●", "-", "*", "‣", "◦", "–")
 ELLIPSES = ("...", "…")
@@ -180,6 +190,9 @@ class Measures:
     def alnum_share(self) -> float:
         return alnum_share(self.text)
 
+    def longest_line(self) -> int:
+        return max(map(len, self.lines), default=0)
+
 
 class FastMeasures(Measures):
     """The same numbers, equal to the last bit (tests/test_data_filters.py), in fewer passes, most
@@ -236,3 +249,75 @@ class FastMeasures(Measures):
 
     def alnum_share(self) -> float:
         return count_chars(self.text, "isalnum") / len(self.text) if self.text else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# The same measurements from the compiled extension (_text_fast.c), when the install built it
+# --------------------------------------------------------------------------------------------
+
+def native_available() -> bool:
+    """Whether the compiled measurements (logitlab.data._text_fast) were built by this install."""
+    return _native is not None
+
+
+def default_measures() -> type[Measures]:
+    """What the rules measure with unless told: NativeMeasures when built, else FastMeasures."""
+    return NativeMeasures if _native is not None else FastMeasures
+
+
+class TextCounts(NamedTuple):
+    """_text_fast.text_counts(text): every count the rules divide, for one text."""
+
+    words: int  # len(text.split())
+    non_space: int  # characters not str.isspace: the words' characters
+    symbols: int  # text.count("#") + text.count("...") + text.count("…")
+    lines: int  # non-empty stripped lines of text.splitlines()
+    bullet_lines: int  # of those, the ones starting with a BULLETS character
+    ellipsis_lines: int  # ... ending with one of ELLIPSES
+    duplicate_lines: int  # ... equal to an earlier one
+    alpha: int  # characters passing str.isalpha (none is also a space)
+
+
+class NativeMeasures(FastMeasures):
+    """The same numbers, equal to the last bit (tests/test_data_native.py): every count of the
+    Gopher rules and the alphabetic share from one pass of _text_fast.c over the str's code
+    points (classed by CPython's own Unicode tables, the ones str.split, str.strip, str.splitlines
+    and str.isalpha use, so any text qualifies), the repeated n-grams' characters from a second
+    pass, and each share the same int / int division as the plain function's. The code rules'
+    numbers are FastMeasures' (bytes.translate and str.splitlines: already one C loop each). What
+    `prepare` uses when the extension is built."""
+
+    @functools.cached_property
+    def counts(self) -> TextCounts:
+        return TextCounts._make(_native.text_counts(self.text))
+
+    def word_count(self) -> int:
+        return self.counts.words
+
+    def mean_word_length(self) -> float:
+        c = self.counts
+        return c.non_space / c.words if c.words else 0.0
+
+    def symbol_ratio(self) -> float:
+        return self.counts.symbols / max(self.counts.words, 1)
+
+    def _line_share(self, count: int) -> float:
+        return count / self.counts.lines if self.counts.lines else 0.0
+
+    def bullet_lines(self) -> float:
+        return self._line_share(self.counts.bullet_lines)
+
+    def ellipsis_lines(self) -> float:
+        return self._line_share(self.counts.ellipsis_lines)
+
+    def duplicate_lines(self) -> float:
+        return self._line_share(self.counts.duplicate_lines)
+
+    def duplicate_ngrams(self, n: int) -> float:
+        c = self.counts
+        if c.words < n or not c.non_space:
+            return 0.0
+        return _native.duplicate_ngram_chars(self.text, n) / c.non_space
+
+    def alpha_share(self) -> float:
+        return self.counts.alpha / self.counts.non_space if self.counts.non_space else 0.0
