@@ -74,3 +74,15 @@ def test_help_copies_of_library_constants_agree():
     assert cli_eval.DEFAULT_SCALINGS == DEFAULT_SCALINGS and cli_eval.EXTENSIONS == EXTENSIONS
     for value in TRAIN_ON:
         SFTConfig(data="x.jsonl", train_on=value)
+
+
+def test_doctor_says_which_compiled_parts_were_built(monkeypatch, capsys):
+    for module in doctor.NATIVE:                   # every listed extension is one setup.py builds
+        path = ROOT / (module.replace(".", "/") + ".c")
+        assert path.is_file() and path.name in (ROOT / "setup.py").read_text(), module
+    real = doctor.importlib.util.find_spec
+    hidden = "logitlab.data._text_fast"
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name: None if name == hidden else real(name))
+    assert main(["doctor"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{doctor.NATIVE[hidden]}: not built (the Python path runs)" in out

@@ -30,6 +30,12 @@ FEATURES: dict[str, tuple[dict[str, str], str]] = {
     "quant": ({"gguf": "gguf"}, "GGUF files, llama.cpp's format (a MODEL.gguf; quant.gguf)"),
 }
 
+# the optional C extensions (setup.py): module -> what it speeds up; each has a Python path beside it
+NATIVE = {
+    "logitlab.tokenizer._bpe_fast": "the tokenizer trainer's merge loop and GPT-2 pre-tokenizing",
+    "logitlab.data._text_fast": "prepare's quality-rule counts and exact-dedup text",
+}
+
 
 def extra_for(module: str | None) -> str | None:
     """The extra that brings top-level module `module` (e.g. "uvicorn" -> "serve"), or None."""
@@ -83,6 +89,10 @@ def cmd_doctor(args) -> int:
              for r in rows]
     print_table(out, "Optional features (pip install 'logitlab[EXTRA]'; [all] brings every one)",
                 ["extra", "works", "modules", "what it enables"], table)
+    built = [f"{what}: {'built' if importlib.util.find_spec(module) else 'not built (the Python path runs)'}"
+             for module, what in NATIVE.items()]
+    out.print("Compiled parts (built by pip install when a C compiler is present): " + "; ".join(built),
+              soft_wrap=True, markup=False)
     missing = [r["extra"] for r in rows if not r["ok"]]
     if missing:
         out.print(f"to add the missing ones: pip install 'logitlab[{','.join(missing)}]'", soft_wrap=True,
