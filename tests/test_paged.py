@@ -8,7 +8,7 @@ import torch
 
 from logitlab.generate import SampleConfig, generate
 from logitlab.model import ModelConfig, Transformer
-from logitlab.model.paged import PagedCache, run
+from logitlab.model.paged import PagedCache, PagedView, run
 from logitlab.model.paged_blocks import BlockManager, block_hashes
 
 HYBRID = dict(layer_types=("sliding_attention", "linear_attention", "full_attention"), sliding_window=5,
@@ -133,3 +133,27 @@ def test_bad_gather_and_uneven_rows_with_recurrent_state():
         cache.view([s, t], [[1, 2, 3], [4]])
     with pytest.raises(ValueError, match="every state slot"):
         cache.start([5])
+
+
+def test_the_index_gather_reuses_one_buffer_for_every_layer_and_step():
+    model = _model()
+    caches = {g: PagedCache(model, n_blocks=40, block_size=4, gather=g) for g in ("index", "reference")}
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 4]]
+    seen = {g: [] for g in caches}
+    update = PagedView.update
+    for g, cache in caches.items():
+        def spy(view, layer, k_new, v_new, g=g):
+            k, v = update(view, layer, k_new, v_new)                              # (B, Hkv, S, Dh)
+            pad = ~view.attn_mask[:, None, :, None]                               # (B, 1, S, 1)
+            seen[g].append((k.masked_fill(pad, 0), v.masked_fill(pad, 0), k.untyped_storage().data_ptr()))
+            return k, v                                                           # (copied as returned)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(PagedView, "update", spy)
+            _decode_all(model, cache, prompts, 4)
+    for (k, v, _), (rk, rv, _) in zip(seen["index"], seen["reference"]):
+        assert torch.equal(k, rk) and torch.equal(v, rv)            # each layer's keys, as they were returned
+    assert set(caches["index"].workspace) == {0, 1}                  # keys and values: one buffer each, all layers
+    decode = [ptr for _, _, ptr in seen["index"][2 * len(prompts):]]   # the 4 decode steps of 2 layers
+    assert len(set(decode)) <= 2                                      # grown (by doubling) at most once
+    assert len(decode) == 8 and not caches["reference"].workspace

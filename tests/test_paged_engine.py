@@ -190,3 +190,38 @@ def test_cli_serve_chooses_the_engine_and_names_bad_flags(tmp_path, capsys):
     assert main(args + ["--chunk-tokens", "0"]) == 2 and "--chunk-tokens must be >= 1" in capsys.readouterr().err
     assert main(args + ["--engine", "paged", "--draft", "ngram"]) == 2
     assert "--draft needs --engine contiguous" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_batched_choice_gives_each_request_what_choosing_it_alone_gives(model, threads):
+    configs = [GREEDY, GREEDY, SampleConfig(max_new_tokens=1, temperature=0), GREEDY,
+               SampleConfig(max_new_tokens=8, temperature=0, logit_bias=((3, 2.0),)),
+               SampleConfig(max_new_tokens=8, temperature=0.9, seed=3), GREEDY]
+    logits = torch.randn(len(configs), 60, generator=torch.Generator().manual_seed(0))     # (B, V)
+    logits[1, [4, 9]] = 50.0                                       # a tie: the first of them, as pick takes
+    logits[3, 7] = float("nan")                                    # no distribution: an error event
+    logits[6, 5] = 40.0                                            # the end-of-text id: finish "stop"
+    runs, alone = [], []
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batched in (True, False):
+            e = PagedEngine(model, eot_id=5)
+            outs = [Collect() for _ in configs]
+            reqs = [e.submit([1, 2], c, out, top_logprobs=2 * (b == 0))
+                    for b, (c, out) in enumerate(zip(configs, outs))]
+            one = e._choose_one
+            e._choose_one = lambda r, row: alone.append(reqs.index(r)) or one(r, row)
+            if batched:
+                produced = e._choose_rows(reqs, logits)
+            else:
+                produced = sum(e._choose_one(r, logits[b:b + 1]) for b, r in enumerate(reqs))
+            runs.append((produced, [out.events for out in outs], [r.generated for r in reqs]))
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0] == runs[1]                                      # tokens, log-probabilities, bit for bit
+    assert alone[:4] == [0, 3, 4, 5]     # batched: alternatives, the NaN row, the bias, sampling alone
+    produced, events, generated = runs[0]
+    assert produced == 6 and generated[1] == [4] and generated[6] == [5] and len(events[0][0].top) == 2
+    assert events[3][0].finish_reason == "error" and events[2][-1] == DoneEvent("length")
+    assert events[6][-1] == DoneEvent("stop")

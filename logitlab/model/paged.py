@@ -15,7 +15,8 @@ their blocks and returns every row's keys gathered into (B, Hkv, S, Dh), S = L +
 view's `attn_mask` (B, S) False at the padding; positions (B, T) carry each row's own positions.
 Two gathers return the same tensor: "reference" copies block by block in a loop a reader checks
 by eye; "index" computes one flat slot index (B, S) per forward and gathers each layer with one
-indexing operation (the default where it measures faster, docs/benchmarks.md).
+indexing operation, into a buffer the cache reuses (the default where it measures faster,
+docs/benchmarks.md).
 
 Hybrid models: a sliding-window layer keeps all its blocks (the window is applied by the mask, by
 position distance, which right alignment keeps equal to slot distance); a Gated DeltaNet layer's
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from logitlab.model.paged_blocks import BlockManager, block_hashes
@@ -103,6 +105,7 @@ class PagedCache:
                 self.v[i] = torch.zeros_like(self.k[i])
         self.free_slots = list(range(max_seqs)) if self.has_state else []
         self.copies = 0          # copy-on-write block copies
+        self.workspace: dict[int, torch.Tensor] = {}   # gather outputs, reused (see read_slots)
 
     @property
     def nbytes(self) -> int:
@@ -172,9 +175,31 @@ class PagedCache:
             self.blocks.register(seq.table[j], h)
         seq.hashes.extend(fresh)
 
+    def read_slots(self, j: int, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """pool[slots] (n, ...) for the n slots, written into buffer j (0: keys or latent rows, 1:
+        values) that this cache reuses for every layer of every forward: the result is valid until the
+        next read_slots(j) (the next layer's update). A fresh tensor per call would be memory the OS
+        maps and zeroes page by page at its first touch (a 32-row decode step took thousands of page
+        faults, docs/benchmarks.md), and a buffer per layer would keep L times as much memory out of
+        the processor's cache. The buffer grows by doubling, so rows growing a position a step do not
+        reallocate it."""
+        n = slots.numel()
+        buf = self.workspace.get(j)
+        if buf is None or buf.shape[0] < n or buf.shape[1:] != pool.shape[1:]:
+            rows = n if buf is None or buf.shape[1:] != pool.shape[1:] else max(n, 2 * buf.shape[0])
+            buf = self.workspace[j] = pool.new_empty((rows, *pool.shape[1:]))
+        return torch.index_select(pool, 0, slots, out=buf[:n])
+
     def view(self, seqs: list[PagedSequence], new_ids: list[list[int]]) -> "PagedView":
         """The cache one forward of these sequences reads (call prepare for each first)."""
         return PagedView(self, seqs, new_ids)
+
+
+def _ints(rows: list[list[int]], device) -> torch.Tensor:
+    """Equal-length rows of ints -> an int64 tensor (len(rows), len(row)). Through numpy: torch.tensor
+    reads a nested list element by element, four times slower for the few hundred block ids of a
+    32-row decode step."""
+    return torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
 
 
 class PagedView:
@@ -191,13 +216,13 @@ class PagedView:
         self.cache, self.seqs, self.new_ids = cache, seqs, new_ids
         self.layer_types = cache.layer_types
         bs, device = cache.block_size, cache.device
-        lengths = torch.tensor([s.length for s in seqs], device=device)                  # (B,)
-        counts = torch.tensor([len(ids) for ids in new_ids], device=device)              # (B,)
-        B, L, T = len(seqs), int(lengths.max()), int(counts.max())
-        if cache.has_state and bool((counts != T).any()):
+        n, c = [q.length for q in seqs], [len(ids) for ids in new_ids]                  # cached, new per row
+        B, L, T = len(seqs), max(n), max(c)
+        if cache.has_state and any(x != T for x in c):
             raise ValueError("PagedView: with Gated DeltaNet layers every row must feed as many ids (no padding)")
         self.batch_size, self.length, self.T = B, L, T
-        self.ids = torch.tensor([ids + [0] * (T - len(ids)) for ids in new_ids], device=device)   # (B, T)
+        lengths, counts = torch.tensor(n, device=device), torch.tensor(c, device=device)    # (B,), (B,)
+        self.ids = _ints([ids + [0] * (T - len(ids)) for ids in new_ids], device)              # (B, T)
         t = torch.arange(T, device=device)
         self.positions = (lengths[:, None] + t[None, :]).clamp(max=cache.context - 1)    # (B, T)
         self.last = counts - 1                                                           # (B,)
@@ -206,13 +231,16 @@ class PagedView:
         pos = s[None, :] - (L - lengths)[:, None]                                        # (B, S)
         self.attn_mask = (pos >= 0) & (pos < (lengths + counts)[:, None])                # (B, S)
         n_table = max(len(q.table) for q in seqs)
-        tables = torch.tensor([q.table + [0] * (n_table - len(q.table)) for q in seqs], device=device)  # (B, nb)
+        tables = _ints([q.table + [0] * (n_table - len(q.table)) for q in seqs], device)       # (B, nb)
         p = pos.clamp(min=0)
         slot = tables.gather(1, (p // bs).clamp(max=n_table - 1)) * bs + p % bs           # (B, S)
         self.slot = torch.where(self.attn_mask, slot, 0)                                  # padding reads slot 0
-        real = self.attn_mask[:, L:].reshape(-1)                                           # (B*T,)
-        self.new_slot = self.slot[:, L:].reshape(-1)[real]                                # (n_new,) pool slots
-        self.new_rows = None if bool(real.all()) else real.nonzero()[:, 0]                # (n_new,) of B*T, or all
+        # the new positions, row by row (the order of (B, T) flattened, padding left out): their pool
+        # slots, and which of the B*T rows they are (None: all of them, no padding)
+        self.new_slot = torch.tensor([q.table[p // bs] * bs + p % bs for q, nb, cb in zip(seqs, n, c)
+                                      for p in range(nb, nb + cb)], device=device)        # (n_new,)
+        self.new_rows = None if min(c) == T else torch.tensor(
+            [b * T + j for b, cb in enumerate(c) for j in range(cb)], device=device)      # (n_new,) of B*T
         self._states: dict[int, _StateRows] = {}
 
     # --- the protocol the model calls ----------------------------------------------------------
@@ -233,13 +261,13 @@ class PagedView:
         if self.cache.gather == "reference":
             return self._reference(pairs)
         out = []
-        for pool, new in pairs:
+        for j, (pool, new) in enumerate(pairs):
             B, Hkv, T, Dh = new.shape
             new = new.transpose(1, 2).reshape(B * T, Hkv, Dh)                            # (B*T, Hkv, Dh)
             if self.new_rows is not None:
                 new = new.index_select(0, self.new_rows)                                  # (n_new, Hkv, Dh)
             pool.index_copy_(0, self.new_slot, new.to(pool.dtype))
-            flat = pool.index_select(0, self.slot.view(-1))                               # (B*S, Hkv, Dh)
+            flat = self.cache.read_slots(j, pool, self.slot.view(-1))                     # (B*S, Hkv, Dh)
             out.append(flat.view(B, -1, Hkv, Dh).transpose(1, 2))                         # (B, Hkv, S, Dh)
         return out
 

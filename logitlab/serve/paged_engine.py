@@ -11,7 +11,8 @@ start, close, set_paused, running, waiting, stats) and its events, and differs i
      its chained hash). A request whose next uncached block is being computed right now by an
      earlier request waits one step for it rather than computing it too;
   2. **decode** every row that has its first token: one forward of (B, 1) ids over the blocks,
-     each row at its own position, each picking its token with its own SampleConfig and generator;
+     each row at its own position, each picking its token with its own SampleConfig and generator
+     (the plain greedy rows together, in one argmax over the batch: _choose_rows);
   3. **prefill** up to `chunk_tokens` prompt positions of the rows still reading their prompt, in
      chunks (a long prompt takes several steps, and the running rows get a token in each of them),
      batched with right padding (the same length per forward for Gated DeltaNet rows). A row whose
@@ -31,7 +32,14 @@ import torch
 
 from logitlab.model.paged import PagedCache, PagedSequence, run
 from logitlab.model.paged_blocks import block_hashes
-from logitlab.serve.engine import DoneEvent, Engine, Request
+from logitlab.serve.engine import DoneEvent, Engine, Request, TokenEvent
+
+
+def _plain_greedy(r: Request) -> bool:
+    """Greedy, and nothing of its own between the logits and the argmax or in its event."""
+    c = r.config
+    return (c.greedy and r.state.get("bias") is None and c.repetition_penalty == 1.0 and not c.frequency_penalty
+            and not c.presence_penalty and not r.top_logprobs)
 
 
 @dataclass(eq=False)
@@ -161,7 +169,7 @@ class PagedEngine(Engine):
             return 0
         logits = self._forward(rows, [[row.request.ids[-1]] for row in rows])              # (B, V)
         self.stats["decodes"] += 1
-        return sum(self._choose_one(row.request, logits[b:b + 1]) for b, row in enumerate(rows))
+        return self._choose_rows([row.request for row in rows], logits)
 
     def _prefill_rows(self) -> int:
         """Up to chunk_tokens prompt positions of the reading rows, in as few forwards as padding allows."""
@@ -177,9 +185,38 @@ class PagedEngine(Engine):
             logits = self._forward([row for row, _ in group], [ids for _, ids in group])     # (B, V)
             self.stats["prefill_chunks"] += len(group)
             self.stats["prefill_tokens"] += sum(len(ids) for _, ids in group)
-            for b, (row, _) in enumerate(group):
-                if row.seq.length == len(row.request.prompt):                              # its prompt is in
-                    produced += self._choose_one(row.request, logits[b:b + 1])
+            done = [b for b, (row, _) in enumerate(group) if row.seq.length == len(row.request.prompt)]
+            if done:                                                                       # prompts now in
+                produced += self._choose_rows([group[b][0].request for b in done], logits[done])
+        return produced
+
+    def _choose_rows(self, requests: list[Request], logits: torch.Tensor) -> int:
+        """Each request's next token from its row of logits (B, V) -> how many got one. The greedy
+        requests with nothing of their own to apply (no logit bias, penalties or top alternatives)
+        share one max and one log-softmax over their rows: the tokens and log-probabilities that
+        Engine._choose_one gives row by row (a row-wise max and log-softmax do not depend on the
+        other rows), in a handful of tensor operations per step instead of a dozen per row. Every
+        other request, and a row with no finite maximum (its error event), goes through _choose_one."""
+        plain = [b for b, r in enumerate(requests) if _plain_greedy(r)]
+        chosen = {}
+        if plain:
+            x = logits if len(plain) == len(requests) else logits[plain]                  # (Bp, V) float32
+            top, ids = x.max(dim=-1)                                                       # (Bp,) as pick's
+            logprob = torch.log_softmax(x, dim=-1).gather(1, ids[:, None])[:, 0]           # (Bp,)
+            ok = torch.isfinite(top).tolist()
+            chosen = {b: (t, lp) for b, t, lp, good in zip(plain, ids.tolist(), logprob.tolist(), ok) if good}
+        produced = 0
+        for b, r in enumerate(requests):
+            if b not in chosen:
+                produced += self._choose_one(r, logits[b:b + 1])
+                continue
+            token, lp = chosen[b]
+            r.generated.append(token)
+            r.emit(TokenEvent(token, lp))
+            reason = self._stop_reason(r, token)
+            if reason is not None:
+                self._finish(r, DoneEvent(reason))
+            produced += 1
         return produced
 
     def _groups(self, chunks: list) -> list[list]:
