@@ -22,7 +22,7 @@ def test_block_bench_compares_equal_blocks_and_renders(monkeypatch):
                              "machine": {"cpu": "cpu", "nproc": 2, "torch_threads": 1, "torch": "2",
                                          "transformers": "5", "load_avg_1m": 1.0}})
     assert f"| block | tiny, 32 tokens | forward | {rows[0]['form']} | transformers eager |" in text
-    assert all(r["floor"] > 0 for r in rows) and "| tiny, 32 tokens | training step |" in text.split("GEMM floor")[1]
+    assert all(r["floor"] > 0 for r in rows) and "| tiny, 32 tokens | training step |" in text.split("GEMM floor:")[1]
 
 
 def test_blocks_hold_the_same_weights():
