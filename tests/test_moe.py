@@ -426,3 +426,17 @@ def test_activation_checkpointing_an_moe_model_keeps_its_gradients(mode, monkeyp
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, g in grads[1].items():
         torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-5)
+
+
+def test_the_forms_agree_under_bf16_autocast():
+    """Under CPU bf16 autocast the products come out in bf16 and are added to float32 outputs."""
+    moe = _moe()
+    x = torch.randn(2, 7, 32)
+    outs = {}
+    for impl in FORMS:
+        moe.impl = impl
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[impl] = moe(x)
+        assert outs[impl].dtype == torch.float32
+    for impl in ("sorted", "grouped", "gather"):
+        torch.testing.assert_close(outs[impl], outs["loop"], atol=3e-2, rtol=3e-2)

@@ -118,7 +118,7 @@ def experts_sorted(ex, x, weights, experts, keep=None) -> torch.Tensor:
     weights_of = _per_expert(ex, grad)
     out = torch.zeros_like(x)
     for e, rows, t, s in runs:                                             # rows (n_e, D)
-        out.index_add_(0, t, expert_rows(ex, weights_of(e), rows, s))
+        out.index_add_(0, t, expert_rows(ex, weights_of(e), rows, s).to(x.dtype))   # autocast: bf16 rows
     return out
 
 
@@ -155,7 +155,7 @@ def experts_grouped(ex, x, weights, experts, keep=None) -> torch.Tensor:
     used, counts, ids, token = sort_by_expert(experts, keep, ex.n_experts)
     scale = weights.reshape(-1)[used].to(x.dtype)                          # (n,)
     y = ex.products(x.index_select(0, token), counts, ids, scale=scale)   # (n, D)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 def _grouped_mm_fits(rows: torch.Tensor) -> bool:
@@ -211,7 +211,7 @@ def experts_gather(ex, x, weights, experts, keep=None) -> torch.Tensor:
     if b2 is not None:
         y = y + b2[experts]
     w = weights if keep is None else weights * keep
-    return torch.einsum("nkd,nk->nd", y, w.to(x.dtype))
+    return torch.einsum("nkd,nk->nd", y, w.to(x.dtype)).to(x.dtype)           # autocast: x's dtype
 
 
 FORMS = {"loop": experts_loop, "sorted": experts_sorted, "grouped": experts_grouped, "gather": experts_gather}
