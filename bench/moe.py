@@ -239,7 +239,7 @@ def render(result: dict) -> str:
              f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"] for r in result["rows"]]
     text = [f"`{result['command']}` on {m['cpu']} ({m['nproc']} cores, {m['torch_threads']} threads, load "
             f"{m.get('load_avg_1m')} when it started: a shared machine), torch {m['torch']}, transformers "
-            f"{m['transformers']}, {result['clock']}. Ratios are the peer's time over logitlab's (decode: the "
+            f"{m['transformers']}, {result['clock']}, commit {m.get('commit')}. Ratios are the peer's time over logitlab's (decode: the "
             "dense model's time over the MoE's; decode form: the gather form's time over the default's), median "
             "of alternating pairs, with min-max; form: the expert products' form logitlab's \"auto\" took "
             "(measured in the run):", "",
