@@ -17,11 +17,12 @@ def test_block_bench_compares_equal_blocks_and_renders(monkeypatch):
         torch.set_num_threads(before)
     assert {(r["pass_"], r["against"]) for r in rows} == {
         (p, f"transformers {impl}") for p in ("forward", "training step") for impl in ("eager", "grouped_mm")}
-    assert all(r["ratio"] > 0 for r in rows)
+    assert all(r["ratio"] > 0 for r in rows) and {r["form"] for r in rows} <= {"sorted", "grouped"}
     text = moe_bench.render({"command": "python3 -m bench.moe", "clock": "wall time", "rows": rows,
                              "machine": {"cpu": "cpu", "nproc": 2, "torch_threads": 1, "torch": "2",
                                          "transformers": "5", "load_avg_1m": 1.0}})
-    assert "| block | tiny, 32 tokens | forward | transformers eager |" in text
+    assert f"| block | tiny, 32 tokens | forward | {rows[0]['form']} | transformers eager |" in text
+    assert all(r["floor"] > 0 for r in rows) and "| tiny, 32 tokens | training step |" in text.split("GEMM floor:")[1]
 
 
 def test_blocks_hold_the_same_weights():

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from logitlab.model import ModelConfig, Transformer
+from logitlab.model import ModelConfig, Transformer, moe_forms
 from logitlab.model.moe import (
     MoE,
     capacity_keep,
@@ -17,13 +17,14 @@ from logitlab.model.moe import (
     experts_gather,
     experts_grouped,
     experts_loop,
+    experts_sorted,
     route,
     set_moe_impl,
 )
 
 BASE = dict(vocab_size=61, context_length=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, norm="rmsnorm",
             mlp="swiglu", positions="rope", bias=False, n_experts=6, n_experts_per_token=2, moe_d_ff=16)
-FORMS = {"loop": experts_loop, "grouped": experts_grouped, "gather": experts_gather}
+FORMS = {"loop": experts_loop, "sorted": experts_sorted, "grouped": experts_grouped, "gather": experts_gather}
 
 
 def _config(**changes) -> ModelConfig:
@@ -48,24 +49,27 @@ VARIANTS = [
     dict(router="sigmoid_topk", n_experts=8, n_experts_per_token=3, n_expert_groups=4, topk_groups=2,
          routed_scaling_factor=2.5, shared_expert_d_ff=16),
     dict(capacity_factor=0.6),
+    dict(moe_d_ff=48, n_experts=12, n_experts_per_token=3),   # F > D: the weight multiplies the output
 ]
 
 
 @pytest.mark.parametrize("grouped_mm", [True, False])
 @pytest.mark.parametrize("changes", VARIANTS)
-def test_three_forms_agree_in_values_and_gradients(changes, grouped_mm, monkeypatch):
-    """The grouped form both ways: torch's grouped product and one product per group."""
-    import logitlab.model.moe as moe_module
-
+def test_the_forms_agree_in_values_and_gradients(changes, grouped_mm, monkeypatch):
+    """Every form against the loop; the grouped form both ways (torch's grouped product and one
+    product per group); the sorted form with gradients (runs split) and without (runs sliced)."""
     if not grouped_mm:
-        monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda rows: False)
+        monkeypatch.setattr(moe_forms, "_grouped_mm_fits", lambda rows: False)
     has = hasattr(torch.nn.functional, "grouped_mm")
-    assert moe_module._grouped_mm_fits(torch.zeros(2, 32)) == grouped_mm or not has
+    assert moe_forms._grouped_mm_fits(torch.zeros(2, 32)) == grouped_mm or not has
     moe = _moe(**changes)
     x = torch.randn(13, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        weights, experts = route(moe.router(x), moe.config, moe.router.correction_bias)
+        logits = moe.router(x)
+        logits[:, 1] = -30.0                                               # expert 1 gets no rows
+        weights, experts = route(logits, moe.config, moe.router.correction_bias)
     keep = capacity_keep(experts, moe.config.n_experts, expert_capacity(moe.config, 13))
+    assert not (experts == 1).any()
     grads, outs = {}, {}
     for name, form in FORMS.items():
         xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -74,23 +78,84 @@ def test_three_forms_agree_in_values_and_gradients(changes, grouped_mm, monkeypa
         outs[name] = out.detach()
         grads[name] = (xs.grad, ws.grad, moe.experts.gate_up_proj.grad.clone(), moe.experts.down_proj.grad.clone())
         moe.zero_grad()
-    for name in ("grouped", "gather"):
+        with torch.no_grad():
+            torch.testing.assert_close(form(moe.experts, x, weights, experts, keep), outs[name], atol=1e-6, rtol=1e-6)
+    for name in ("sorted", "grouped", "gather"):
         torch.testing.assert_close(outs[name], outs["loop"], atol=1e-5, rtol=1e-5)
         for got, want in zip(grads[name], grads["loop"]):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs["grouped"], outs["sorted"], atol=1e-6, rtol=1e-6)   # the same products
 
 
-def test_auto_form_groups_and_gathers_a_few_tokens_under_compile(monkeypatch):
-    moe = _moe()
-    assert moe.form(3) == "grouped" and moe.form(100) == "grouped"
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert moe.form(3) == "gather" and moe.form(4) == "grouped"          # N * K <= E = 6
-    monkeypatch.undo()
+def _timings(sorted_s: float, grouped_s: float):
+    return lambda ex, x, k: {"sorted": sorted_s, "grouped": grouped_s}
+
+
+def test_auto_takes_the_form_measured_faster(monkeypatch):
+    moe, x = _moe(), torch.randn(5, 32)
+    monkeypatch.setattr(moe_forms, "measure_forms", _timings(1.0, 0.85))
+    assert moe.form(x) == "grouped"
+    monkeypatch.setattr(moe_forms, "measure_forms", _timings(1.0, 0.95))
+    assert moe.form(x) == "sorted"                                         # a near tie keeps sorted
+    monkeypatch.setattr(moe_forms, "measure_forms", _timings(1.0, 2.0))
+    assert moe.form(x) == "sorted"
     moe.impl = "loop"
-    assert moe.form(1) == "loop"
-    moe.impl = "sorted"
+    assert moe.form(x) == "loop"
+    moe.impl = "fast"
     with pytest.raises(ValueError, match="MoE impl must be one of"):
-        moe.form(1)
+        moe.form(x)
+
+
+def test_auto_times_nothing_while_tracing_counting_or_with_replaced_products(monkeypatch):
+    """torch.compile: gather for a handful of tokens (N * K <= E = 6), else grouped; a dispatch
+    mode (a FLOP counter, selective checkpointing) and a kernel's products: grouped."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def refuse(ex, x, k):
+        raise AssertionError("nothing may be timed here")
+
+    monkeypatch.setattr(moe_forms, "measure_forms", refuse)
+    moe = _moe()
+    with FlopCounterMode(display=False):
+        assert moe.form(torch.randn(5, 32)) == "grouped"
+
+    class KernelExperts(type(moe.experts)):
+        def products(self, rows, counts, ids, stacked=None, scale=None):
+            return super().products(rows, counts, ids, stacked, scale)
+
+    moe.experts.__class__ = KernelExperts
+    assert moe.form(torch.randn(5, 32)) == "grouped"
+    moe.experts.__class__ = KernelExperts.__mro__[1]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert moe.form(torch.randn(3, 32)) == "gather" and moe.form(torch.randn(4, 32)) == "grouped"
+
+
+def test_measure_forms_times_each_shape_once(monkeypatch):
+    """One warm-up, then the best of `repeats` timed calls per form, alternating; cached per
+    shape, token counts rounded up to a power of two."""
+    calls = []
+    times = iter(([9.0, 9.0] + [3.0, 2.0, 1.0, 4.0, 2.0, 5.0]) * 2)
+
+    def timed(form, ex, x, weights, experts):
+        calls.append((form.__name__, tuple(x.shape), tuple(experts.shape)))
+        return next(times)
+
+    monkeypatch.setattr(moe_forms, "MEASURED", {})
+    monkeypatch.setattr(moe_forms, "_timed", timed)
+    moe = _moe()
+    got = moe_forms.measure_forms(moe.experts, torch.randn(5, 32), 2, repeats=3)
+    assert got == {"sorted": 1.0, "grouped": 2.0}
+    assert [c[0] for c in calls] == ["experts_sorted", "experts_grouped"] * 4
+    assert calls[0][1:] == ((8, 32), (8, 2))                               # 5 tokens measured as 8
+    assert moe_forms.measure_forms(moe.experts, torch.randn(7, 32), 2, repeats=3) is got and len(calls) == 8
+    moe_forms.measure_forms(moe.experts, torch.randn(9, 32), 2, repeats=3)   # 16: measured anew
+    assert len(calls) == 16 and len(moe_forms.MEASURED) == 2
+
+
+def test_measure_forms_runs_the_forms_for_real():
+    moe = _moe()
+    got = moe_forms.measure_forms(moe.experts, torch.randn(3, 32), 2, repeats=1)
+    assert set(got) == {"sorted", "grouped"} and all(0 < s < 10 for s in got.values())
 
 
 def test_the_loop_is_the_definition():
@@ -149,7 +214,7 @@ def _check_block(ours: MoE, theirs, atol=1e-6) -> None:
     with torch.no_grad():
         want = theirs(x)
         want = want[0] if isinstance(want, tuple) else want
-        for impl in ("loop", "grouped", "gather"):
+        for impl in ("loop", "sorted", "grouped", "gather"):
             ours.impl = impl
             torch.testing.assert_close(ours(x), want, atol=atol, rtol=1e-5)
 
@@ -340,3 +405,38 @@ def test_tensor_parallel_refuses_experts_by_name():
 
     with pytest.raises(ValueError, match="does not split mixture-of-experts layers \\(n_experts=6\\)"):
         check_tensor_parallel(_config(vocab_size=64), 2)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_an_moe_model_keeps_its_gradients(mode, monkeypatch):
+    """"auto" times nothing inside a selectively checkpointed block (its recompute replays the
+    products the first forward ran) and keeps its choice for the recompute of a full one."""
+    import copy
+
+    from logitlab.parallel.activation import apply_activation_checkpointing
+
+    monkeypatch.setattr(moe_forms, "MEASURED", {})
+    torch.manual_seed(0)
+    plain = Transformer(_config(n_layers=2))
+    checkpointed = apply_activation_checkpointing(copy.deepcopy(plain), mode)
+    ids = torch.randint(0, 61, (2, 8))                                    # 16 tokens: the shape "auto" would time
+    grads = []
+    for model in (checkpointed, plain):
+        model(ids).logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-5)
+
+
+def test_the_forms_agree_under_bf16_autocast():
+    """Under CPU bf16 autocast the products come out in bf16 and are added to float32 outputs."""
+    moe = _moe()
+    x = torch.randn(2, 7, 32)
+    outs = {}
+    for impl in FORMS:
+        moe.impl = impl
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[impl] = moe(x)
+        assert outs[impl].dtype == torch.float32
+    for impl in ("sorted", "grouped", "gather"):
+        torch.testing.assert_close(outs[impl], outs["loop"], atol=3e-2, rtol=3e-2)

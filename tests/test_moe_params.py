@@ -60,9 +60,9 @@ def test_flops_count_the_products_a_forward_pass_runs(changes, monkeypatch):
     product per expert group: torch's FLOP counter has no formula for its grouped product)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import logitlab.model.moe as moe_module
+    import logitlab.model.moe_forms as moe_forms
 
-    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda rows: False)
+    monkeypatch.setattr(moe_forms, "_grouped_mm_fits", lambda rows: False)
 
     c = ModelConfig(vocab_size=64, context_length=32, d_model=16, n_layers=2, n_heads=2, norm="rmsnorm", mlp="swiglu",
                     positions="rope", bias=False, n_experts=8, n_experts_per_token=2, d_ff=24, moe_d_ff=12,

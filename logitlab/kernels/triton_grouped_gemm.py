@@ -1,7 +1,7 @@
 """A grouped matrix product in Triton for a mixture of experts' expert products, forward and
 backward: rows grouped by expert, each group times its own expert's matrix, in one launch.
 
-model/moe.py's grouped dispatch sorts the (token, expert) rows by expert, counts[e] rows for
+model/moe_forms.py's grouped dispatch sorts the (token, expert) rows by expert, counts[e] rows for
 expert e in turn, and multiplies every group by its expert (group_products: torch's grouped_mm
 where it takes the shapes, else one product per group). Here one launch does all the groups:
 
@@ -14,9 +14,9 @@ same kernel for the rows' gradient (dx = dout @ W[e], W read through swapped str
 second one for the weights' (dW[e] = dout_e^T x_e: a program per expert and output block loops
 over its group's rows; an expert without rows gets a zero gradient).
 
-`grouped_products(experts, rows, counts, ids)` is model.moe.group_products through these kernels,
+`grouped_products(experts, rows, counts, ids)` is model.moe_forms.group_products through these kernels,
 and `install_grouped_gemm(model)` makes every MoE layer's Experts use it (Experts.products, the
-method the grouped form calls). Reference: model.moe.group_products and a per-group loop of
+method the grouped form calls). Reference: model.moe_forms.group_products and a per-group loop of
 F.linear (tests/triton/test_triton_grouped_gemm.py). Shapes: n rows, E experts, N output and
 K input width of one expert's matrix.
 
@@ -33,6 +33,7 @@ import triton.language as tl
 
 from logitlab.kernels.triton_common import check_tensor
 from logitlab.model.moe import Experts, MoE
+from logitlab.model.moe_forms import weigh_hidden
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
 
@@ -161,21 +162,28 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 
 
 def grouped_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
-                     stacked: tuple | None = None) -> torch.Tensor:
-    """model.moe.group_products by the Triton kernels: rows (n, D) grouped by expert -> (n, D)."""
+                     stacked: tuple | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """model.moe_forms.group_products by the Triton kernels: rows (n, D) grouped by expert ->
+    (n, D), each row times scale[i] when given (on the narrower side, as there)."""
     w1, b1, w2, b2 = stacked or ex.stacked()
     h = grouped_mm(rows, w1, counts)                                       # (n, 2F)
     if b1 is not None:
         h = h + b1[ids]
-    y = grouped_mm(ex.act(h), w2, counts)                                  # (n, D)
-    return y + b2[ids] if b2 is not None else y
+    a = ex.act(h)                                                          # (n, F)
+    early = scale is not None and weigh_hidden(w2, b2)
+    if early:
+        a = a * scale[:, None]
+    y = grouped_mm(a, w2, counts)                                          # (n, D)
+    if b2 is not None:
+        y = y + b2[ids]
+    return y * scale[:, None] if scale is not None and not early else y
 
 
 class TritonExperts(Experts):
     """Experts whose grouped products run on the Triton kernels (install_grouped_gemm)."""
 
-    def products(self, rows, counts, ids, stacked=None):
-        return grouped_products(self, rows, counts, ids, stacked)
+    def products(self, rows, counts, ids, stacked=None, scale=None):
+        return grouped_products(self, rows, counts, ids, stacked, scale)
 
 
 def install_grouped_gemm(model) -> int:

@@ -3,24 +3,25 @@ is the weighted sum of theirs (plus a shared expert's, where the model has one).
 
 moe.py owns the block's parts: `route` (the three scoring rules, as pure functions of the router
 logits), `Router`, `Experts` (E SwiGLU MLPs stored stacked, [E, ...] parameters, as torchtitan
-does), and `MoE`, which joins them with an optional shared expert. The expert products come in
-three forms that compute the same values (tests/test_moe.py checks them against each other):
+does), and `MoE`, which joins them with an optional shared expert. How the routed tokens meet
+their experts is model/moe_forms.py: four forms that compute the same values (tests/test_moe.py
+checks them against each other):
 
 - "loop": for each expert, the tokens routed to it, through it, added back: the reference, read by eye;
-- "grouped": the (token, expert) assignments sorted by expert, the tokens gathered in that order,
-  one product per expert over its contiguous rows (torch's grouped matrix product where it runs,
-  one call for all experts), the outputs scattered back (training, prefill);
+- "sorted": the (token, expert) assignments sorted by expert once, the tokens gathered in that
+  order, then expert by expert over its contiguous rows (one product per expert, no masks);
+- "grouped": the same sort, then all experts at once (Experts.products: torch's grouped matrix
+  product where it runs, one call for all experts), the outputs scattered back in one call;
 - "gather": each token multiplies the weights of its own K experts, gathered (a handful of tokens
   when decoding: no sort, no host sync, the same shapes every step, so it compiles).
 
-`MoE.impl` ("auto" by default) chooses "grouped", and "gather" for a handful of tokens (N * K <= E)
-under torch.compile, which cannot trace the grouped form's host-side counts without a graph break
-(eager on a CPU the grouped form decodes faster: bench/moe.py, docs/benchmarks.md). Dropless by
-default; with `capacity_factor` each expert takes at most C = ceil(capacity_factor * N * K / E)
-assignments per call, in token order, and drops the rest (the token keeps its residual), the same
-in all three forms. Which layers are MoE is config.mlp_kinds
-(layers.py builds the block); the losses that train the router, and the update of sigmoid_topk's
-correction bias, live in train/moe.py.
+`MoE.impl` ("auto" by default) takes "sorted" or "grouped", whichever measured faster on this
+machine for the call's shape (moe_forms.choose_form, once per process and shape), and "gather"
+for a handful of tokens (N * K <= E) under torch.compile. Dropless by default; with
+`capacity_factor` each expert takes at most C = ceil(capacity_factor * N * K / E) assignments per
+call, in token order, and drops the rest (the token keeps its residual), the same in all forms.
+Which layers are MoE is config.mlp_kinds (layers.py builds the block); the losses that train the
+router, and the update of sigmoid_topk's correction bias, live in train/moe.py.
 
 Shapes: N tokens (B * T), D d_model, E experts, K experts per token, F one expert's width
 (config.moe_d_ff), Fs the shared expert's.
@@ -36,8 +37,18 @@ from torch import nn
 
 from logitlab.model.hooks import tap
 from logitlab.model.mlp import SwiGLU
+from logitlab.model.moe_forms import (  # noqa: F401 (the forms' names, imported from here too)
+    FORMS,
+    choose_form,
+    experts_gather,
+    experts_grouped,
+    experts_loop,
+    experts_sorted,
+    group_products,
+    sort_by_expert,
+)
 
-MOE_IMPLS = ("auto", "loop", "grouped", "gather")
+MOE_IMPLS = ("auto", "loop", "sorted", "grouped", "gather")
 
 
 # ------------------------------------------------------------------------------------------
@@ -199,101 +210,12 @@ class Experts(nn.Module):
         return F.linear(self.act(F.linear(x, w1, b1)), w2, b2)
 
     def products(self, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
-                 stacked: tuple | None = None) -> torch.Tensor:
-        """rows (n, D) grouped by expert -> each through its expert (group_products). stacked: the
-        experts' tensors (default: self.stacked(); expert parallelism passes this rank's). A
-        Triton grouped-GEMM kernel (kernels/triton_grouped_gemm.py) overrides this method."""
-        return group_products(self, rows, counts, ids, stacked)
-
-
-# ------------------------------------------------------------------------------------------
-# The three forms: x (N, D), weights (N, K), experts (N, K), keep (N, K) or None -> (N, D)
-# ------------------------------------------------------------------------------------------
-
-def experts_loop(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
-    """The reference: for each expert, the (token, slot) pairs routed to it, through it, weighted,
-    added to those tokens' outputs."""
-    out = torch.zeros_like(x)
-    routed = experts if keep is None else experts.masked_fill(~keep, -1)   # dropped: no expert
-    per_expert = ex.per_expert()
-    for e in range(ex.n_experts):
-        token, slot = torch.nonzero(routed == e, as_tuple=True)
-        if token.numel():
-            y = ex.expert(e, x[token], per_expert) * weights[token, slot, None].to(x.dtype)
-            out.index_add_(0, token, y)
-    return out
-
-
-def sort_by_expert(experts: torch.Tensor, keep: torch.Tensor | None, n_experts: int):
-    """The kept (token, slot) assignments of experts (N, K) ordered by expert, token order kept
-    within one -> (used (n,) their flat indices t * K + k, counts (E,) per expert, ids (n,) their
-    experts, token (n,) their tokens)."""
-    N, K = experts.shape
-    flat = experts.reshape(-1)                                             # (N*K,)
-    if keep is not None:
-        flat = flat.masked_fill(~keep.reshape(-1), n_experts)              # dropped: a last group
-    order = torch.argsort(flat, stable=True)                               # (N*K,) by expert
-    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]     # (E,) rows per expert
-    used = order[:int(counts.sum())]                                       # the kept assignments
-    return used, counts, flat[used], used // K
-
-
-def experts_grouped(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
-    """Sorted dispatch: the N*K assignments ordered by expert (token order kept within one), the
-    tokens gathered in that order, one product per expert over its rows (group_products),
-    weighted and added back to their tokens."""
-    used, counts, ids, token = sort_by_expert(experts, keep, ex.n_experts)
-    y = ex.products(x[token], counts, ids)                                 # (n, D)
-    y = y * weights.reshape(-1)[used, None].to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token, y)
-
-
-def _grouped_mm_fits(rows: torch.Tensor) -> bool:
-    """Whether torch's grouped matrix product takes these rows: a CPU (float32 or bfloat16, not
-    float32 under torch.compile, whose kernel is bf16-only) or CUDA bfloat16 tensor whose rows are
-    a multiple of 16 bytes."""
-    if not hasattr(F, "grouped_mm") or rows.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if rows.dtype == torch.float32 and (rows.device.type != "cpu" or torch.compiler.is_compiling()):
-        return False
-    return rows.device.type in ("cpu", "cuda") and (rows.shape[-1] * rows.element_size()) % 16 == 0
-
-
-def group_products(ex: Experts, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
-                   stacked: tuple | None = None) -> torch.Tensor:
-    """rows (n, D) grouped by expert, counts[e] of them for expert e in turn (ids[i]: row i's
-    expert) -> each row through its expert, (n, D): torch's grouped matrix product (one call per
-    projection for all groups) where it takes the rows, else one product per non-empty group.
-    stacked: the experts' tensors (ex.stacked() by default)."""
-    w1, b1, w2, b2 = stacked or ex.stacked()
-    Fe = w2.shape[-1]
-    if _grouped_mm_fits(rows) and (Fe * rows.element_size()) % 16 == 0 and rows.shape[0]:
-        offs = counts.cumsum(0).to(torch.int32)                            # (E,) end of each group
-        h = F.grouped_mm(rows, w1.transpose(1, 2), offs=offs)                           # (n, 2F)
-        if b1 is not None:
-            h = h + b1[ids]
-        y = F.grouped_mm(ex.act(h), w2.transpose(1, 2), offs=offs)                      # (n, D)
-        return y + b2[ids] if b2 is not None else y
-    per_expert, sizes = ex.per_expert((w1, b1, w2, b2)), counts.tolist()
-    ys = [ex.expert(e, chunk, per_expert) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
-    return torch.cat(ys) if ys else rows
-
-
-def experts_gather(ex: Experts, x, weights, experts, keep=None) -> torch.Tensor:
-    """Each token through its own K experts' gathered weights: (N, K, 2F, D) and (N, K, D, F)
-    copies, so meant for a handful of tokens (decoding)."""
-    w1, b1, w2, b2 = ex.stacked()
-    h = torch.einsum("nd,nkfd->nkf", x, w1[experts])                      # (N, K, 2F)
-    if b1 is not None:
-        h = h + b1[experts]
-    y = torch.einsum("nkf,nkdf->nkd", ex.act(h), w2[experts])             # (N, K, D)
-    if b2 is not None:
-        y = y + b2[experts]
-    w = weights if keep is None else weights * keep
-    return torch.einsum("nkd,nk->nd", y, w.to(x.dtype))
-
-
-_FORMS = {"loop": experts_loop, "grouped": experts_grouped, "gather": experts_gather}
+                 stacked: tuple | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (n, D) grouped by expert -> each through its expert, times scale (n,) when given
+        (moe_forms.group_products). stacked: the experts' tensors (default: self.stacked();
+        expert parallelism passes this rank's). A Triton grouped-GEMM kernel
+        (kernels/triton_grouped_gemm.py) overrides this method."""
+        return group_products(self, rows, counts, ids, stacked, scale)
 
 
 # ------------------------------------------------------------------------------------------
@@ -307,7 +229,8 @@ class MoE(nn.Module):
 
     Keys under blocks.{i}.mlp.: router.weight (E, D) [router.bias (E,)] [router.correction_bias
     (E,), a buffer], experts.* (see Experts), shared.gate_up_proj / shared.down_proj (a SwiGLU of
-    width Fs), shared_gate.weight (1, D). `impl` picks the form of the expert products (MOE_IMPLS)."""
+    width Fs), shared_gate.weight (1, D). `impl` picks the form of the expert products (MOE_IMPLS,
+    moe_forms.py)."""
 
     HOOKS = {"router_logits": "(B, T, E) float32: the router's logits", "experts": "(B, T, K) int: the experts "
              "each token goes to", "weights": "(B, T, K) float32: their weights (0 drops an expert's share)"}
@@ -347,17 +270,18 @@ class MoE(nn.Module):
         """The routed experts' weighted sum for each token: x (N, D) -> (N, D), by the form
         `impl` names. Expert parallelism (parallel/expert.py) overrides this method: the
         tokens travel to the ranks that hold their experts and back."""
-        return _FORMS[self.form(x.shape[0])](self.experts, x, weights, experts, keep)
+        return FORMS[self.form(x)](self.experts, x, weights, experts, keep)
 
-    def form(self, n_tokens: int) -> str:
-        """The form `impl` names; "auto": grouped, or gather for a few tokens (N * K <= E) while
-        torch.compile traces (static shapes, no host sync: the compiled decode step)."""
+    def form(self, x: torch.Tensor) -> str:
+        """The form `impl` names for x (N, D); "auto": moe_forms.choose_form (sorted or grouped,
+        whichever measured faster here; gather for a few tokens while torch.compile traces;
+        grouped where a kernel replaced Experts.products)."""
         if self.impl not in MOE_IMPLS:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {self.impl!r}")
         if self.impl != "auto":
             return self.impl
-        few = n_tokens * self.config.n_experts_per_token <= self.config.n_experts
-        return "gather" if few and torch.compiler.is_compiling() else "grouped"
+        replaced = type(self.experts).products is not Experts.products
+        return choose_form(self.experts, x, self.config.n_experts_per_token, replaced)
 
 
 def set_moe_impl(model: nn.Module, impl: str) -> None:

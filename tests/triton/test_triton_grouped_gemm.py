@@ -1,5 +1,5 @@
 """The Triton grouped product (kernels.triton_grouped_gemm) against a per-group loop of F.linear
-and against model.moe.group_products in a whole MoE layer: values and gradients."""
+and against model.moe_forms.group_products in a whole MoE layer: values and gradients."""
 
 from __future__ import annotations
 
@@ -43,13 +43,14 @@ def test_grouped_mm_names_shapes_that_do_not_fit(device):
         grouped_mm(torch.randn(5, 8, device=device), torch.randn(2, 4, 8, device=device), torch.tensor([2, 2]))
 
 
-def test_an_moe_layer_on_the_kernels_equals_the_torch_grouped_form(device):
+@pytest.mark.parametrize("moe_d_ff", [48, 16])     # the router weight on the output (F > D), on the hidden row
+def test_an_moe_layer_on_the_kernels_equals_the_torch_grouped_form(device, moe_d_ff):
     from logitlab.model.moe import MoE
     from logitlab.model.transformer import ModelConfig
 
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_heads=4, n_layers=1, mlp="swiglu",
-                         n_experts=4, n_experts_per_token=2, moe_d_ff=48)
+                         n_experts=4, n_experts_per_token=2, moe_d_ff=moe_d_ff)
     layer = MoE(config).to(device)
     with torch.no_grad():
         for p in layer.parameters():                                      # MoE leaves its init to the model
