@@ -11,6 +11,7 @@ import torch
 
 from logitlab.model import ModelConfig, Transformer
 from logitlab.model.moe import Experts, experts_loop, set_moe_impl
+from logitlab.model.moe_forms import experts_sorted
 from logitlab.quant import QuantConfig, quantize_model, routes
 from logitlab.quant.apply import model_bytes, weight_bytes
 from logitlab.quant.experts import QuantExperts
@@ -62,7 +63,7 @@ def test_quantized_experts_compute_with_their_dequantized_weights_in_every_form(
         report = quantize_model(model, config)
         expected = _dequantized_copy(model, fields)(ids)
         outputs = {}
-        for impl in ("loop", "grouped", "gather"):
+        for impl in ("loop", "sorted", "grouped", "gather", "auto"):
             set_moe_impl(model, impl)
             outputs[impl] = model(ids)
     assert "blocks.0.mlp.experts" in report.layers and "blocks.1.mlp.experts" in report.layers
@@ -78,6 +79,9 @@ def test_quantized_experts_compute_with_their_dequantized_weights_in_every_form(
     with torch.no_grad():
         want = experts_loop(original, x, weights, experts)
         got = experts_loop(model.blocks[0].mlp.experts, x, weights, experts)
+        with torch.enable_grad():                  # the sorted form's runs with gradients enabled
+            runs = experts_sorted(model.blocks[0].mlp.experts, x, weights, experts)
+    torch.testing.assert_close(runs, got, atol=1e-5, rtol=1e-5)
     error = float((got - want).abs().max() / want.abs().max())
     assert 0 < error < tolerance                                              # quantized, and close
 

@@ -76,30 +76,49 @@ class QuantExperts(Experts):
             return None if layers[0].bias is None else torch.stack([m.bias for m in layers])
         return stack(self.gate_up), biases(self.gate_up), stack(self.down), biases(self.down)
 
-    def per_expert(self, stacked: tuple | None = None) -> list[tuple]:
-        """(gate_up layer, None, down layer, None) of each expert: what `expert` runs (a given
-        `stacked`, the dequantized tensors, is split as Experts splits it)."""
+    def per_expert(self, stacked: tuple | None = None) -> "list[tuple] | _Dequantized":
+        """Each expert's (gate_up, gate_up_bias, down, down_bias) as tensors, for the forms that
+        multiply by tensors: split from `stacked` when given, else dequantized one expert at a
+        time as a form asks for it (expert and products run the quantized layers instead)."""
         if stacked is not None:
             return super().per_expert(stacked)
-        return [(g, None, d, None) for g, d in zip(self.gate_up, self.down)]
+        return _Dequantized(self)
 
-    def expert(self, e: int, x: torch.Tensor, weights: list[tuple] | None = None) -> torch.Tensor:
-        """Expert e on x (n, D) -> (n, D): its quantized gate_up, the activation, its quantized down."""
-        w1, b1, w2, b2 = (weights or self.per_expert())[e]
-        if isinstance(w1, QuantLinear):
-            return w2(self.act(w1(x)))
-        return super().expert(e, x, weights)
+    def expert(self, e: int, x: torch.Tensor, weights=None) -> torch.Tensor:
+        """Expert e on x (n, D) -> (n, D): its quantized gate_up, the activation, its quantized
+        down (`weights` is not needed: the layers hold them)."""
+        return self.down[e](self.act(self.gate_up[e](x)))
 
     def products(self, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
-                 stacked: tuple | None = None) -> torch.Tensor:
+                 stacked: tuple | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
         """rows (n, D) grouped by expert, counts[e] for expert e in turn -> (n, D): each non-empty
-        group through its expert's quantized layers."""
-        per_expert, sizes = self.per_expert(stacked), counts.tolist()
-        ys = [self.expert(e, chunk, per_expert) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
+        group through its expert's quantized layers, times scale (n,) when given. With `stacked`
+        (tensors, as expert parallelism passes its shard) the plain grouped products run."""
+        if stacked is not None:
+            return super().products(rows, counts, ids, stacked, scale)
+        sizes = counts.tolist()
+        scales = scale.split(sizes) if scale is not None else [None] * len(sizes)
+        ys = [self.expert(e, chunk) * (1 if s is None else s[:, None].to(rows.dtype))
+              for e, (chunk, s) in enumerate(zip(rows.split(sizes), scales)) if sizes[e]]
         return torch.cat(ys) if ys else rows
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}"
+
+
+class _Dequantized:
+    """Experts' weights by index, dequantized when asked: d[e] -> (gate_up (2F, D), gate_up_bias,
+    down (D, F), down_bias) in the model's floating dtype."""
+
+    def __init__(self, ex: QuantExperts):
+        self.ex = ex
+
+    def __len__(self) -> int:
+        return self.ex.n_experts
+
+    def __getitem__(self, e: int) -> tuple:
+        g, d, dtype = self.ex.gate_up[e], self.ex.down[e], self.ex.compute_dtype.dtype
+        return g.dequantized(dtype), g.bias, d.dequantized(dtype), d.bias
 
 
 def _as_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
