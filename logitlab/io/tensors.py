@@ -112,11 +112,16 @@ class SafetensorsFile:
             done += got
         return out
 
-    def map_tensor(self, key: str, shape: tuple, dtype):
+    def map_tensor(self, key: str, shape: tuple, dtype, check=None):
         """Tensor `key` (of `shape` and stored `dtype`) as a view of a private, copy-on-write
         mapping of its bytes in the file (mmap(2) MAP_PRIVATE): writes to it stay in this process.
         The mapping is unmapped when the last tensor over it is freed. None where it cannot be
-        mapped: no mmap(2), a big-endian machine, or data not aligned to its element size."""
+        mapped: no mmap(2), a big-endian machine, or data not aligned to its element size.
+        check(tensor), when given, reads it (a NaN check, which may raise); its pages are then let
+        go from this process (madvise MADV_DONTNEED: they stay in the page cache, and nothing was
+        written that could be lost), so that, as for a tensor never read, a page counts in the
+        resident memory from its first use on (an embedding's rows no token looks up never do)."""
+        import ctypes
         import mmap
 
         import torch
@@ -130,7 +135,11 @@ class SafetensorsFile:
         buffer = _map_private(self._raw.fileno(), base, start + nbytes - base)
         if buffer is None:
             return None
-        return torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start - base).view(shape)
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start - base).view(shape)
+        if check is not None:
+            check(tensor)
+            _libc().madvise(ctypes.addressof(buffer), len(buffer), mmap.MADV_DONTNEED)
+        return tensor
 
     def _offset(self, key: str) -> int:
         """Where tensor `key`'s data starts in the file (the header is read once, on first use)."""
@@ -164,6 +173,7 @@ def _libc():
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                               ctypes.c_int64]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     except (OSError, AttributeError):
         return None
     return libc
@@ -243,10 +253,9 @@ def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finit
 
     target = dtype if stored.is_floating_point and dtype is not None else stored
     if mapped and target == stored and stored.itemsize * torch.Size(shape).numel() >= MAP_MIN_BYTES:
-        tensor = f.map_tensor(name, shape, stored)
+        check = (lambda t: require_finite(path, name, t)) if finite else None
+        tensor = f.map_tensor(name, shape, stored, check)
         if tensor is not None:
-            if finite:               # the one pass over its pages: the kernel maps them as it goes
-                require_finite(path, name, tensor)
             return tensor
     return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=target), finite)
 
