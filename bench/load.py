@@ -227,11 +227,12 @@ def render(result: dict) -> str:
               "up are never read). logitlab's default load reads every tensor into memory the model owns (q, k, "
               "v and gate, up straight into their fused projections) and checks it for NaN / inf: most of its "
               "time is the kernel handing out fresh pages (zeroed, then filled). With mmap=True the tensors kept "
-              "as stored (embeddings, o_proj, down_proj, norms, the head) stay pages of private mappings of the "
-              "files, as transformers' do, and only the fused projections take fresh memory; the NaN / inf check "
-              "still reads every tensor once, so logitlab's pages are all resident after loading, while "
-              "transformers pays for its pages on first use, in the forward pass, which is why the load + forward "
-              "speed is closer to even than the load speed.")
+              "as stored (embeddings, o_proj, down_proj, the head) stay pages of private mappings of the files, "
+              "as transformers' do, and only the fused projections take fresh memory; the NaN / inf check still "
+              "reads every tensor once, then lets the mapped pages go, so they count again from their first use "
+              "on (its load MiB is the fused projections and the largest tensor checked while they are held). "
+              "transformers pays for its pages on first use, in the forward pass, which is why the load + "
+              "forward speed is closer to even than the load speed.")
 
 
 def main(argv: list[str] | None = None) -> int:
