@@ -161,8 +161,9 @@ class SafetensorsFile:
 
 @functools.cache
 def _libc():
-    """The C library's mmap(2) and munmap(2) with their argument types, or None where there is none
-    to call (not POSIX, or not 64-bit: off_t is then not the 64-bit integer declared here)."""
+    """The C library's mmap(2), munmap(2) and madvise(2) with their argument types, or None where
+    there is none to call (not POSIX, or not 64-bit: off_t is then not the 64-bit integer declared
+    here)."""
     import ctypes
 
     if os.name != "posix" or ctypes.sizeof(ctypes.c_void_p) != 8:
