@@ -1,11 +1,13 @@
 """`python3 -m bench.load [--quick] [--full] [--no-doc]`: loading a checkpoint, logitlab against
-transformers' AutoModelForCausalLM.from_pretrained, on the same directories.
+transformers' AutoModelForCausalLM.from_pretrained, on the same directories: logitlab's default
+load (every tensor read into memory the model owns) and, where no tensor is cast, its
+load_pretrained(mmap=True) (tensors kept as stored left as private mappings of the files).
 
 Synthetic, randomly initialised checkpoints are written to a temporary directory in Hugging Face's
 layout, sharded with model.safetensors.index.json: small Llama and Qwen3.5 shapes by default (in
 bf16 and fp32, and an fp32 file loaded as bf16), and with --full the published Llama-3.2-1B and
 Qwen3.5-2B shapes in bf16 in 2 GB shards (2.5 and 3.8 GB) and Qwen3.5-2B in fp32 (7.5 GB). Each
-load runs in a fresh process (the two sides alternate, after the files were read once so both find
+load runs in a fresh process (the sides alternate, after the files were read once so all find
 them in the page cache) that first imports both libraries and the checkpoint's transformers model
 class (transformers imports its modelling code, several seconds, on first use), so the same imports
 are left out of the measure, then reports:
@@ -120,8 +122,8 @@ def _child(spec: dict) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[spec["dtype"]]
     base = reset_peak_rss()
     start = time.perf_counter()
-    if spec["side"] == "logitlab":
-        model = hf.load_pretrained(spec["directory"], dtype=dtype)
+    if spec["side"] != "transformers":
+        model = hf.load_pretrained(spec["directory"], dtype=dtype, mmap=spec["side"] == "logitlab-mmap")
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=dtype or "auto")
     seconds = time.perf_counter() - start
@@ -129,7 +131,7 @@ def _child(spec: dict) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        model(ids) if spec["side"] == "logitlab" else model(input_ids=ids)
+        model(ids) if spec["side"] != "transformers" else model(input_ids=ids)
         total = time.perf_counter() - start
         forward_kib = rss_kib("VmHWM") - base
         for p in model.parameters():                                   # every page of every weight, no copy
@@ -148,7 +150,9 @@ def _read_through(directory: Path) -> None:
                 pass
 
 
-def measure(name: str, root: Path, repeats: int, threads: int) -> dict | None:
+def measure(name: str, root: Path, repeats: int, threads: int) -> list[dict] | None:
+    """The rows of one checkpoint: logitlab's default load and (where nothing is cast) mmap=True,
+    each against the same transformers runs; None when it does not fit the memory available."""
     from logitlab.model.memory import available_memory, format_bytes, parameter_count
 
     config = shape_config(name)
@@ -161,29 +165,39 @@ def measure(name: str, root: Path, repeats: int, threads: int) -> dict | None:
     directory = root / name
     file_bytes = write_checkpoint(config, directory, stored, shard_bytes)
     _read_through(directory)
-    runs = {"logitlab": [], "transformers": []}
+    modes = ["logitlab"] + (["logitlab-mmap"] if asked in (None, stored) else [])   # a cast maps nothing
+    runs = {side: [] for side in (*modes, "transformers")}
     for _ in range(repeats):
         for side in runs:
             spec = dict(side=side, directory=str(directory), dtype=asked, threads=threads)
             runs[side].append(json.loads(run_child("bench.load", "--child", spec)[-1]))
-    out = dict(shape=name, stored=stored, dtype=asked or stored, file_gb=file_bytes / GB,
-               shards=len(list(directory.glob("*.safetensors"))), params=parameter_count(config))
+    base = dict(stored=stored, dtype=asked or stored, file_gb=file_bytes / GB,
+                shards=len(list(directory.glob("*.safetensors"))), params=parameter_count(config))
+    rows = [_row(name if mode == "logitlab" else f"{name}, mmap=True", base, runs[mode], runs["transformers"])
+            for mode in modes]
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()
+    return rows
+
+
+def _row(shape: str, base: dict, ours: list[dict], theirs: list[dict]) -> dict:
+    """One table row: the medians of each side's runs and of the ratios of the alternating pairs."""
+    out = dict(shape=shape, **base)
     for key in ("seconds", "forward_seconds", "load_mib", "forward_mib", "read_mib", "weights_mib"):
-        for side, values in runs.items():
-            out[f"{side}_{key}"] = statistics.median(v[key] for v in values)
-    pairs = list(zip(runs["logitlab"], runs["transformers"]))
+        out[f"logitlab_{key}"] = statistics.median(v[key] for v in ours)
+        out[f"transformers_{key}"] = statistics.median(v[key] for v in theirs)
+    pairs = list(zip(ours, theirs))
     out["speed"] = statistics.median(t["seconds"] / o["seconds"] for o, t in pairs)
     out["forward_speed"] = statistics.median(t["forward_seconds"] / o["forward_seconds"] for o, t in pairs)
     out["memory"] = statistics.median(o["forward_mib"] / t["forward_mib"] for o, t in pairs)
     out["read_memory"] = statistics.median(o["read_mib"] / t["read_mib"] for o, t in pairs)
     out["ratio_to_weights"] = out["logitlab_forward_mib"] / out["logitlab_weights_mib"]
-    print(f"{name}: load {out['logitlab_seconds']:.2f} s vs {out['transformers_seconds']:.2f} s "
-          f"({out['speed']:.2f}x), peak with a forward {out['logitlab_forward_mib']:.0f} vs "
-          f"{out['transformers_forward_mib']:.0f} MiB ({out['memory']:.2f}x; logitlab "
-          f"{out['ratio_to_weights']:.2f}x its weights), every weight read {out['read_memory']:.2f}x", flush=True)
-    for path in directory.iterdir():
-        path.unlink()
-    directory.rmdir()
+    print(f"{shape}: load {out['logitlab_seconds']:.2f} s vs {out['transformers_seconds']:.2f} s "
+          f"({out['speed']:.2f}x), with a forward {out['forward_speed']:.2f}x, peak with a forward "
+          f"{out['logitlab_forward_mib']:.0f} vs {out['transformers_forward_mib']:.0f} MiB ({out['memory']:.2f}x; "
+          f"logitlab {out['ratio_to_weights']:.2f}x its weights), every weight read {out['read_memory']:.2f}x",
+          flush=True)
     return out
 
 
@@ -210,11 +224,15 @@ def render(result: dict) -> str:
               "read\" is the same after a maximum over every parameter, when both sides hold every page of every "
               "weight. Right after loading transformers' resident memory is small because its weights are still "
               "pages of the mapped files, read on first use (and an untied embedding's rows that no token looks "
-              "up are never read); logitlab has read every tensor once, converted it (q, k, v and gate, up "
-              "read straight into their fused projections) and checked it for NaN / inf. Most of logitlab's "
-              "load time is the kernel handing out fresh pages for the tensors it reads (zeroed, then "
-              "filled); transformers pays for its pages on first use, in the forward pass, which is why "
-              "the load + forward speed is closer to even than the load speed.")
+              "up are never read). logitlab's default load reads every tensor into memory the model owns (q, k, "
+              "v and gate, up straight into their fused projections) and checks it for NaN / inf: most of its "
+              "time is the kernel handing out fresh pages (zeroed, then filled). With mmap=True the tensors kept "
+              "as stored (embeddings, o_proj, down_proj, the head) stay pages of private mappings of the files, "
+              "as transformers' do, and only the fused projections take fresh memory; the NaN / inf check still "
+              "reads every tensor once, then lets the mapped pages go, so they count again from their first use "
+              "on (its load MiB is the fused projections and the largest tensor checked while they are held). "
+              "transformers pays for its pages on first use, in the forward pass, which is why the load + "
+              "forward speed is closer to even than the load speed.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     results, skipped = [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         for name in shapes:
-            out = measure(name, Path(root), repeats, args.threads)
-            (results.append(out) if out is not None else skipped.append(name))
+            rows = measure(name, Path(root), repeats, args.threads)
+            (results.extend(rows) if rows is not None else skipped.append(name))
     payload = dict(machine=info, command=command_line(), repeats=repeats, threads=args.threads, results=results,
                    skipped=skipped)
     publish("load", "Loading a checkpoint against transformers", payload, render, quick=args.quick,

@@ -130,7 +130,8 @@ def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoin
                              f"config.json implies {tuple(ref.shape)}")
 
 
-def _stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=None, device=None) -> Transformer:
+def _stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=None, device=None,
+                  mapped: bool = False) -> Transformer:
     """A Transformer from a checkpoint's tensors, each read once, so that at no moment is more than
     the model held (in its final dtype and device) plus the tensors in flight.
 
@@ -140,7 +141,9 @@ def _stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=
     read, cast to `dtype`, moved to `device` (a cast commutes with the transposes and concatenations
     of the conversion, so the result is the same bit for bit) and converted by
     families.hf_tensors_to_logitlab. The tensors are assigned into a model built on the meta device.
-    A floating tensor that holds NaN or inf is refused as it is read, naming its file and key."""
+    A floating tensor that holds NaN or inf is refused as it is read, naming its file and key.
+    mapped=True: the tensors that need no cast are private mappings of the files (WeightFiles.tensors);
+    those the conversion keeps as they are (not transposed, split or stacked) stay so in the model."""
     from logitlab.model.keymap import hf_fused_rows
 
     with torch.device("meta"):
@@ -169,7 +172,7 @@ def _stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=
     # the converted tensors are the model's own (final dtype and device): holding them until one
     # assignment costs nothing extra, and one load_state_dict walks the modules once
     rest = {key: name for key, name in names.items() if hf_fused_rows(key, config) is None}
-    state.update(families.hf_tensors_to_logitlab(cast(weights.tensors(rest, finite=True, dtype=dtype)), config))
+    state.update(families.hf_tensors_to_logitlab(cast(weights.tensors(rest, True, dtype, mapped)), config))
     model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()
@@ -182,7 +185,7 @@ def _stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
                     device: str | torch.device = "cpu", revision: str | None = None,
-                    max_memory=None) -> Transformer:
+                    max_memory=None, mmap: bool = False) -> Transformer:
     """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES), a logitlab one, or a hub id
     (`load_pretrained("gpt2")`, `"Qwen/Qwen3-0.6B@main"`, or revision=...), which hub.resolve_model
     fetches into the hub cache first.
@@ -196,15 +199,26 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     each tensor is read once, cast to `dtype` as it arrives (a large one in slices of rows, into its
     final storage), moved to `device`, converted and placed, so the peak is about the loaded model
     plus the tensors in flight (never the file and a converted copy together). A floating tensor
-    that holds NaN or inf is refused as it is read, naming its file and key. verify=True runs
+    that holds NaN or inf is refused as it is read, naming its file and key.
+
+    mmap=True: a safetensors tensor kept as stored (same dtype, not fused, transposed or split: the
+    embeddings, o_proj, down_proj, the head) is not copied but left as a private, copy-on-write
+    mapping of the file's bytes, as transformers leaves its weights: loading skips zeroing and
+    filling fresh memory for it, and the pages are the page cache's, shared with the file. Writes
+    to the model (training) copy the pages they touch and never reach the file. The file must then
+    stay as it is while the model lives: replacing it by a rename (how logitlab, huggingface_hub
+    and most tools write) or deleting it is safe, but truncating it kills the process with SIGBUS on
+    the next touch of a page past the new end (even a page the model had written), and rewriting it
+    in place changes the weights that no write had copied yet. So it is not the default: the default
+    model owns all of its memory and never depends on the files again. verify=True runs
     `verify_against_transformers` on the directory and raises ValueError when any hidden state or
     the logits differ beyond TOLERANCE."""
     directory = resolve_checked(directory, revision, dtype, device, max_memory).directory
     dtype = parse_dtype(dtype)
     if model_dir.is_logitlab_dir(directory):
-        model = model_dir.load_model(directory, device=device, dtype=dtype, max_memory=max_memory)
+        model = model_dir.load_model(directory, device=device, dtype=dtype, max_memory=max_memory, mmap=mmap)
     else:
-        model = _load_hf(directory, dtype, device, max_memory)
+        model = _load_hf(directory, dtype, device, max_memory, mmap)
     model.eval()
     if verify:
         native = model_dir.is_logitlab_dir(directory)   # then compare with its own HF export
@@ -214,7 +228,7 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     return model
 
 
-def _load_hf(directory: Path, dtype, device, max_memory) -> Transformer:
+def _load_hf(directory: Path, dtype, device, max_memory, mapped: bool = False) -> Transformer:
     """A Hugging Face directory, checked in the order that costs least: the config's types and
     bounds, its layer (and expert) count against the file headers, the memory estimate; then built
     and read."""
@@ -238,7 +252,7 @@ def _load_hf(directory: Path, dtype, device, max_memory) -> Transformer:
     memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."), source=str(path),
                       names=names, max_memory=max_memory, device=device)
 
-    return _stream_model(weights, config, str(directory), dtype, device)
+    return _stream_model(weights, config, str(directory), dtype, device, mapped)
 
 
 def _unwrap(model):

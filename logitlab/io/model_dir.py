@@ -157,7 +157,7 @@ def read_quantization(directory: str | os.PathLike):
         raise ValueError(f"{path}: \"quantization\": {exc}") from exc
 
 
-def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, max_memory=None):
+def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, max_memory=None, mmap: bool = False):
     """Load a logitlab model directory written by save_model. Before anything is built, the
     config's layer count is checked against the blocks the weights hold and the weights' memory in
     the dtype asked for against `max_memory` (default: what the machine has available; see
@@ -167,7 +167,9 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
     the peak is the final model plus one tensor in flight. A directory written before q/k/v and
     gate/up became one projection each is read whole and upgraded first (upgrade_legacy_state).
     A floating tensor that holds NaN or inf is refused, naming its key. A quantized directory
-    (read_quantization) is built with its quantized layers, whose tensors keep their stored dtypes."""
+    (read_quantization) is built with its quantized layers, whose tensors keep their stored dtypes.
+    mmap=True: a tensor that needs no cast stays a private mapping of the file (hf.load_pretrained's
+    `mmap` says what that means and costs)."""
     directory = Path(directory)
     config = read_model_config(directory)
     path = directory / WEIGHTS_FILE
@@ -185,7 +187,7 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
         for key in expected:  # each tensor cast as it arrives: only the final model is kept
             cast = dtype if key not in kept else None    # quantized tensors keep their stored dtypes
             tensor = (cast_read(path, key, legacy.pop(key), True, cast) if legacy is not None
-                      else read_tensor(f, path, key, *header[key], finite=True, dtype=cast))
+                      else read_tensor(f, path, key, *header[key], finite=True, dtype=cast, mapped=mmap))
             state[key] = tensor.to(device=device)
             del tensor
     model.load_state_dict(state, strict=False, assign=True)

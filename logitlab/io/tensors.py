@@ -2,19 +2,27 @@
 
 tensors.py owns the lowest layer of loading: a safetensors file opened so that its errors name it
 (open_safetensors), its header read without touching the data (read_header), NaN / inf refused by
-file and key (require_finite), and a tensor read and cast on the way in (read_tensor). Tensors are
-read with pread(2) into fresh CPU tensors rather than memory-mapped: the pages of a mapped file
-count as this process's resident memory for as long as the map lives. A tensor cast to another
-dtype is read a slice of rows at a time into one scratch buffer the open file reuses and copied
-(so cast) into its final tensor: no copy of the whole tensor in the stored dtype ever exists, and
-nothing is allocated per slice to fragment the heap between the model's tensors. A tensor in its
-stored dtype is read straight into its final memory (read_into), which may be the rows of a
-larger tensor (a fused projection's q, k and v). It imports
-nothing of logitlab; which files make a model directory is model_dir.py's and weights.py's.
+file and key (require_finite), and a tensor read and cast on the way in (read_tensor). By default
+tensors are read with pread(2) into fresh CPU tensors: the model owns its memory and no longer
+depends on the file. A tensor cast to another dtype is read a slice of rows at a time into one
+scratch buffer the open file reuses and copied (so cast) into its final tensor: no copy of the
+whole tensor in the stored dtype ever exists, and nothing is allocated per slice to fragment the
+heap between the model's tensors. A tensor in its stored dtype is read straight into its final
+memory (read_into), which may be the rows of a larger tensor (a fused projection's q, k and v).
+
+read_tensor(mapped=True) instead returns a tensor kept in its stored dtype as a private,
+copy-on-write mapping of the file's own bytes (SafetensorsFile.map_tensor): no fresh memory is
+zeroed and filled, the pages are the page cache's, shared with every other reader of the file,
+and a write to the tensor (a training step) copies the page it touches into this process, so the
+file never changes. The mapping lives as long as the tensor and goes with it. The price: the file
+must stay as it is while the tensor lives (load_pretrained's `mmap` explains what happens
+otherwise). It imports nothing of logitlab; which files make a model directory is model_dir.py's
+and weights.py's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -23,6 +31,9 @@ from pathlib import Path
 # A cast tensor is read in slices of rows of at most this many bytes (in the stored dtype): the
 # size of the scratch buffer, the most a load holds beyond the model itself for a cast.
 SLICE_BYTES = 16 * 2**20
+# read_tensor(mapped=True) maps a tensor of at least this many bytes; smaller ones (norms, biases)
+# are read, so that a model holds a few mappings per layer rather than one per vector.
+MAP_MIN_BYTES = 2**20
 
 # safetensors' dtype names -> torch's (torch is imported lazily: importing io is cheap)
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
@@ -86,11 +97,6 @@ class SafetensorsFile:
         has grown to the largest slice. (The header was validated when the file was opened.)"""
         import torch
 
-        if self._offsets is None:
-            self._raw = open(self.path, "rb")
-            size = int.from_bytes(self._raw.read(8), "little")
-            header = json.loads(self._raw.read(size))
-            self._offsets = {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
         row = dtype.itemsize * torch.Size(shape[1:]).numel()
         nbytes = (end - start) * row
         if out is None:
@@ -98,13 +104,51 @@ class SafetensorsFile:
                 self._scratch = None                              # the old buffer goes before the new one
                 self._scratch = torch.empty(nbytes, dtype=torch.uint8)
             out = self._scratch[:nbytes].view(dtype).view(end - start, *shape[1:])
-        buffer, done, at = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0, self._offsets[key] + start * row
+        buffer, done, at = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0, self._offset(key) + start * row
         while done < nbytes:                                      # one call reads at most ~2 GiB
             got = os.preadv(self._raw.fileno(), [buffer[done:nbytes]], at + done)
             if got <= 0:
                 raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
             done += got
         return out
+
+    def map_tensor(self, key: str, shape: tuple, dtype, check=None):
+        """Tensor `key` (of `shape` and stored `dtype`) as a view of a private, copy-on-write
+        mapping of its bytes in the file (mmap(2) MAP_PRIVATE): writes to it stay in this process.
+        The mapping is unmapped when the last tensor over it is freed. None where it cannot be
+        mapped: no mmap(2), a big-endian machine, or data not aligned to its element size.
+        check(tensor), when given, reads it (a NaN check, which may raise); its pages are then let
+        go from this process (madvise MADV_DONTNEED: they stay in the page cache, and nothing was
+        written that could be lost), so that, as for a tensor never read, a page counts in the
+        resident memory from its first use on (an embedding's rows no token looks up never do)."""
+        import ctypes
+        import mmap
+
+        import torch
+
+        start, nbytes = self._offset(key), dtype.itemsize * torch.Size(shape).numel()
+        if sys.byteorder != "little" or start % dtype.itemsize or nbytes == 0:
+            return None
+        if os.fstat(self._raw.fileno()).st_size < start + nbytes:   # a page past the end would be SIGBUS
+            raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        buffer = _map_private(self._raw.fileno(), base, start + nbytes - base)
+        if buffer is None:
+            return None
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start - base).view(shape)
+        if check is not None:
+            check(tensor)
+            _libc().madvise(ctypes.addressof(buffer), len(buffer), mmap.MADV_DONTNEED)
+        return tensor
+
+    def _offset(self, key: str) -> int:
+        """Where tensor `key`'s data starts in the file (the header is read once, on first use)."""
+        if self._offsets is None:
+            self._raw = open(self.path, "rb")
+            size = int.from_bytes(self._raw.read(8), "little")
+            header = json.loads(self._raw.read(size))
+            self._offsets = {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+        return self._offsets[key]
 
     def _read(self, fn, *args):
         from safetensors import SafetensorError
@@ -113,6 +157,49 @@ class SafetensorsFile:
             return fn(*args)
         except SafetensorError as exc:
             raise _invalid_safetensors(self.path, exc) from exc
+
+
+@functools.cache
+def _libc():
+    """The C library's mmap(2), munmap(2) and madvise(2) with their argument types, or None where
+    there is none to call (not POSIX, or not 64-bit: off_t is then not the 64-bit integer declared
+    here)."""
+    import ctypes
+
+    if os.name != "posix" or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int64]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _map_private(fd: int, offset: int, length: int):
+    """Bytes [offset, offset + length) of the open file `fd` (offset a multiple of the page size)
+    mapped readable, writable and private (copy-on-write), as a ctypes array a tensor can be made
+    over (torch.frombuffer keeps it alive); unmapped when the array is freed. The mapping holds no
+    file descriptor (Python's mmap.mmap keeps one per mapping until 3.13). None when it fails."""
+    import ctypes
+    import mmap
+    import weakref
+
+    libc = _libc()
+    if libc is None:
+        return None
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
+    if address is None or address == ctypes.c_void_p(-1).value:        # MAP_FAILED: read it instead
+        return None
+    buffer = (ctypes.c_char * length).from_address(address)
+    # at exit the process's memory goes anyway: unmapping then could pull pages from under a tensor
+    # that some other exit handler still reads
+    weakref.finalize(buffer, libc.munmap, address, length).atexit = False
+    return buffer
 
 
 def _invalid_safetensors(path: Path, exc: Exception) -> ValueError:
@@ -157,13 +244,21 @@ def cast_read(path, name: str, tensor, finite: bool, dtype):
     return tensor
 
 
-def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finite: bool = False, dtype=None):
+def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finite: bool = False, dtype=None,
+                mapped: bool = False):
     """Tensor `name` of the open file `f` (of `shape` and `stored` dtype), as `dtype` (None: as
-    stored; integer tensors stay as stored): read_into a tensor allocated for it."""
+    stored; integer tensors stay as stored): read_into a tensor allocated for it, or with
+    `mapped`, when it stays in its stored dtype and holds at least MAP_MIN_BYTES, a view of a
+    private mapping of the file (f.map_tensor; read as usual where it cannot be mapped)."""
     import torch
 
-    floating = stored.is_floating_point and dtype is not None
-    return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=dtype if floating else stored), finite)
+    target = dtype if stored.is_floating_point and dtype is not None else stored
+    if mapped and target == stored and stored.itemsize * torch.Size(shape).numel() >= MAP_MIN_BYTES:
+        check = (lambda t: require_finite(path, name, t)) if finite else None
+        tensor = f.map_tensor(name, shape, stored, check)
+        if tensor is not None:
+            return tensor
+    return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=target), finite)
 
 
 def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, finite: bool = False):

@@ -8,9 +8,10 @@ so no full-size copy in the stored dtype ever exists). Hugging Face's layouts
 (model.safetensors, sharded with model.safetensors.index.json, pytorch_model.bin and its index) are
 told apart here; what the names mean is keymap.py's, what a directory is hf.py's and model_dir.py's.
 
-safetensors are read with pread(2) into fresh CPU tensors rather than memory-mapped: pages of a
-mapped file count as this process's resident memory for as long as the map lives, so a map read
-through while the model fills up costs the file's size on top of the model. A .bin is
+safetensors are read with pread(2) into fresh CPU tensors by default, so the model owns its
+memory; tensors(mapped=True) leaves the tensors kept in their stored dtype as private mappings of
+the file instead (tensors.read_tensor), each mapping only its own tensor's pages, unmapped with it.
+A .bin is
 memory-mapped where torch's zip format allows (torch.load(mmap=True, weights_only=True): never
 unpickles code, and only the pages of tensors read become resident); a .bin tensor the loader keeps
 as it is (no cast, no transpose) still points into the map, which then lives as long as the model.
@@ -95,11 +96,13 @@ class WeightFiles:
         held = sorted(set(self.files.values()))
         return str(held[0]) if len(held) == 1 else f"the {len(held)} shards in {held[0].parent}" if held else "no file"
 
-    def tensors(self, names: dict[str, str], finite: bool = False, dtype: torch.dtype | None = None):
+    def tensors(self, names: dict[str, str], finite: bool = False, dtype: torch.dtype | None = None,
+                mapped: bool = False):
         """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
         dtype: floating tensors come cast to it (tensors.read_tensor). A .bin file's memory map (and
         its unread tensors) is released after its last tensor. finite=True: a floating tensor that
-        holds NaN or inf is a ValueError naming file and name."""
+        holds NaN or inf is a ValueError naming file and name. mapped=True: a safetensors tensor
+        that needs no cast comes as a private, copy-on-write mapping of the file's bytes."""
         for path, wanted in self._by_file(names):
             if path in self._bin:
                 state = self._bin.pop(path)
@@ -109,7 +112,8 @@ class WeightFiles:
                 continue
             with tensors.open_safetensors(path) as f:
                 for key, name in wanted:
-                    yield key, tensors.read_tensor(f, path, name, self.shapes[name], self.dtypes[name], finite, dtype)
+                    yield key, tensors.read_tensor(f, path, name, self.shapes[name], self.dtypes[name], finite, dtype,
+                                                   mapped)
 
     def fill(self, places: dict[str, torch.Tensor], finite: bool = False) -> None:
         """Read each file name in `places` straight into its tensor (tensors.read_into: the rows of a

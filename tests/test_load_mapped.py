@@ -1,0 +1,194 @@
+"""Loading with mmap=True: tensors kept as stored are private, copy-on-write mappings of the
+file. The model equals the one read the default way bit for bit, writes to it never reach the
+file, NaN is still refused by tensor and file, and the default load holds no mapping at all."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_load_errors import CONFIG, HF_Q, shard, tokenizer
+
+from logitlab.io import checkpoint as ck
+from logitlab.io import hf
+from logitlab.io import tensors as tensor_files
+from logitlab.model import ModelConfig, Transformer
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mappings in /proc/self/maps")
+LLAMA = {**CONFIG, "tie_embeddings": False}
+GPT2 = dict(vocab_size=300, context_length=64, d_model=64, n_layers=2, n_heads=4, d_ff=256, norm="layernorm",
+            mlp="gelu", positions="learned", bias=True, qkv_bias=True, tie_embeddings=True)
+
+
+@pytest.fixture(autouse=True)
+def map_every_tensor(monkeypatch):
+    """Tiny tensors are mapped too (by default only those of MAP_MIN_BYTES and more are)."""
+    monkeypatch.setattr(tensor_files, "MAP_MIN_BYTES", 1)
+
+
+def hf_dir(path: Path, config: dict = LLAMA, dtype=torch.float32) -> Path:
+    torch.manual_seed(0)
+    hf.save_pretrained(Transformer(ModelConfig(**config)).to(dtype), path, tokenizer())
+    return path
+
+
+def mapped_files() -> list[str]:
+    """The files this process has mapped with the private, writable mappings that mmap=True makes."""
+    return [line.split(maxsplit=5)[5].strip() for line in Path("/proc/self/maps").read_text().splitlines()
+            if line.split()[1] == "rw-p" and line.rstrip().endswith(".safetensors")]
+
+
+def resident_kib(name: str) -> int:
+    """The resident KiB of this process's mappings of files called `name` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(maxsplit=1)[0]:                     # a mapping's first line
+            inside = line.rstrip().endswith(name)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def digest(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("*.safetensors"))}
+
+
+def assert_same(a: Transformer, b: Transformer) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+
+
+@linux
+@pytest.mark.parametrize("config, dtype", [(LLAMA, torch.float32), (LLAMA, torch.bfloat16), (GPT2, torch.float32)],
+                         ids=["llama-fp32", "llama-bf16", "gpt2"])
+def test_a_mapped_load_equals_the_read_one_bit_for_bit(tmp_path, config, dtype):
+    d = hf_dir(tmp_path / "h", config, dtype)
+    read = hf.load_pretrained(d)
+    assert not mapped_files()                                   # the default holds no mapping
+    mapped = hf.load_pretrained(d, mmap=True)
+    assert_same(read, mapped)
+    assert mapped_files() and set(mapped_files()) == {str(d / hf.SAFETENSORS)}
+    ids = torch.randint(0, config["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(read(ids), mapped(ids))
+    del mapped
+    gc.collect()
+    assert not mapped_files()                                   # each mapping went with its tensor
+
+
+@linux
+def test_only_tensors_kept_as_stored_stay_mapped(tmp_path):
+    """q/k/v and gate/up are read into the fused projections; a cast reads every tensor."""
+    d = hf_dir(tmp_path / "h")
+    model = hf.load_pretrained(d, mmap=True)
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(hf.SAFETENSORS)]
+    spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps]
+    inside = {name for name, p in model.named_parameters() if any(a <= p.data_ptr() < b for a, b in spans)}
+    assert "blocks.0.attn.o_proj.weight" in inside and "tok_emb.weight" in inside and "lm_head.weight" in inside
+    assert not any("qkv_proj" in name or "gate_up_proj" in name for name in inside)
+    # checked for NaN, then let go: a page counts in the resident memory from its first use on
+    assert resident_kib(hf.SAFETENSORS) == 0
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert resident_kib(hf.SAFETENSORS) > 0
+    del model
+    gc.collect()
+    cast = hf.load_pretrained(d, dtype="bf16", mmap=True)
+    assert next(cast.parameters()).dtype == torch.bfloat16 and not mapped_files()
+    assert_same(hf.load_pretrained(d, dtype="bf16"), cast)
+
+
+def test_writes_to_a_mapped_model_never_reach_the_file(tmp_path):
+    d = hf_dir(tmp_path / "h")
+    before = digest(d)
+    model = hf.load_pretrained(d, mmap=True).train()
+    with torch.no_grad():
+        model.tok_emb.weight.add_(1.0)                          # in place, on a mapped tensor
+    original = hf.load_pretrained(d)
+    assert torch.equal(model.tok_emb.weight, original.tok_emb.weight + 1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    optimizer.step()
+    assert not torch.equal(model.blocks[0].attn.o_proj.weight, original.blocks[0].attn.o_proj.weight)
+    assert digest(d) == before
+    assert_same(hf.load_pretrained(d, mmap=True), original)
+
+
+@linux
+def test_a_replaced_file_leaves_a_mapped_model_as_it_was(tmp_path):
+    """A file replaced by a rename (how logitlab, huggingface_hub and most tools write) keeps the
+    old file's pages for the model that maps them; deleting it does too."""
+    d = hf_dir(tmp_path / "h")
+    model = hf.load_pretrained(d, mmap=True)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    state = load_file(str(d / hf.SAFETENSORS))
+    save_file({k: torch.zeros_like(v) for k, v in state.items()}, str(d / "new.safetensors"))
+    (d / "new.safetensors").replace(d / hf.SAFETENSORS)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    (d / hf.SAFETENSORS).unlink()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def test_the_default_load_does_not_depend_on_the_file(tmp_path):
+    """Truncating a file under a mapped model would kill the process (SIGBUS); under a default
+    one it changes nothing, since the default copies every tensor."""
+    d = hf_dir(tmp_path / "h")
+    model = hf.load_pretrained(d)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with open(d / hf.SAFETENSORS, "r+b") as f:
+        f.truncate(0)
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_nan_in_a_mapped_tensor_is_refused_by_tensor_and_file(tmp_path, bad):
+    d = hf_dir(tmp_path / "h")
+    state = load_file(str(d / hf.SAFETENSORS))
+    for key in ("lm_head.weight", HF_Q):                       # a mapped tensor, a fused one's rows
+        broken = dict(state)
+        broken[key] = broken[key].clone()
+        broken[key][2, 3] = bad
+        save_file(broken, str(d / hf.SAFETENSORS), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=rf"{d / hf.SAFETENSORS}: tensor {key} holds 1 NaN / inf values"):
+            hf.load_pretrained(d, mmap=True)
+
+
+def test_a_sharded_checkpoint_maps_each_shard(tmp_path):
+    d = hf_dir(tmp_path / "h")
+    shard(d)
+    assert (d / hf.SAFETENSORS_INDEX).is_file() and len(list(d.glob("model-*.safetensors"))) == 2
+    assert_same(hf.load_pretrained(d), hf.load_pretrained(d, mmap=True))
+    if sys.platform.startswith("linux"):
+        model = hf.load_pretrained(d, mmap=True)                # noqa: F841  (held while the maps are read)
+        assert {Path(p).name for p in mapped_files()} == {p.name for p in d.glob("model-*.safetensors")}
+
+
+def test_a_logitlab_directory_maps_too(tmp_path):
+    torch.manual_seed(0)
+    ck.save_model(Transformer(ModelConfig(**LLAMA)), tmp_path / "m")
+    assert_same(hf.load_pretrained(tmp_path / "m"), hf.load_pretrained(tmp_path / "m", mmap=True))
+
+
+def test_a_tensor_that_cannot_be_mapped_is_read(tmp_path):
+    """Data not aligned to its element size (a file written by another tool) is read instead."""
+    values = torch.arange(6, dtype=torch.float32)
+    header = {"pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+              "x": {"dtype": "F32", "shape": [2, 3], "data_offsets": [1, 25]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)                         # the data starts 8-byte aligned: x does not
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\x07" + values.numpy().tobytes())
+    with tensor_files.open_safetensors(path) as f:
+        assert f.map_tensor("x", (2, 3), torch.float32) is None
+        got = tensor_files.read_tensor(f, path, "x", (2, 3), torch.float32, finite=True, mapped=True)
+    assert torch.equal(got, values.view(2, 3))
