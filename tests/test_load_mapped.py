@@ -192,3 +192,28 @@ def test_a_tensor_that_cannot_be_mapped_is_read(tmp_path):
         assert f.map_tensor("x", (2, 3), torch.float32) is None
         got = tensor_files.read_tensor(f, path, "x", (2, 3), torch.float32, finite=True, mapped=True)
     assert torch.equal(got, values.view(2, 3))
+
+
+@linux
+def test_the_mmap_flag_reaches_the_loader_and_gives_the_same_tokens(tmp_path, capsys, monkeypatch):
+    from logitlab.cli.main import main
+    from logitlab.io import loading
+    from logitlab.io.loading import load_model_and_tokenizer
+
+    d = hf_dir(tmp_path / "hf")
+    loaded = load_model_and_tokenizer(d, mmap=True)
+    assert any(f.endswith(hf.SAFETENSORS) for f in mapped_files())
+    ids = torch.tensor([[5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids), load_model_and_tokenizer(d).model(ids))
+    del loaded
+    gc.collect()
+    asked = []
+    monkeypatch.setattr(loading, "load_model_and_tokenizer",
+                        lambda *a, **k: asked.append(k.get("mmap")) or load_model_and_tokenizer(*a, **k))
+    outputs = []
+    for flags in ([], ["--mmap"]):
+        assert main(["generate", str(d), "ab", "--max-new-tokens", "4", "--temperature", "0", *flags]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert asked == [False, True]
+    assert outputs[0] == outputs[1] and outputs[0].strip()

@@ -42,6 +42,10 @@ def add_model_argument(p, *, dtype: bool = True, memory: bool = True) -> None:
         add_dtype_flag(p)
     if memory:
         add_memory_flag(p)
+        p.add_argument("--mmap", action="store_true",
+                       help="leave the safetensors tensors that need no conversion as private mappings of the "
+                       "files (faster loading, pages read on first use); the files must not be truncated or "
+                       "rewritten in place while the model runs")
 
 
 def rewrite_legacy(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -70,18 +74,20 @@ def rewrite_legacy(argv: list[str]) -> tuple[list[str], list[str]]:
     return out, [LEGACY_NOTE.format(flag=name, example=f"logitlab {command} {value} ...")]
 
 
-def load_model(spec: str, revision: str | None = None, dtype: str | None = None, max_memory: str | None = None):
+def load_model(spec: str, revision: str | None = None, dtype: str | None = None, max_memory: str | None = None,
+               mmap: bool = False):
     """Any MODEL with its tokenizer and settings: io.loading.Loaded. max_memory (--max-memory): the
-    most its weights may take (default: what the machine has available), checked before loading."""
+    most its weights may take (default: what the machine has available), checked before loading;
+    mmap (--mmap): tensors kept as stored stay mapped from the files."""
     from logitlab.io.loading import load_model_and_tokenizer
 
-    return load_model_and_tokenizer(spec, revision, dtype, max_memory=max_memory)
+    return load_model_and_tokenizer(spec, revision, dtype, max_memory=max_memory, mmap=mmap)
 
 
 def load(args):
     """load_model for a parsed command line (MODEL, --revision, --dtype, --max-memory)."""
     return load_model(args.model, getattr(args, "revision", None), getattr(args, "dtype", None),
-                      getattr(args, "max_memory", None))
+                      getattr(args, "max_memory", None), getattr(args, "mmap", False))
 
 
 def generation_defaults(generation: dict) -> dict:

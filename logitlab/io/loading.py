@@ -44,12 +44,13 @@ def is_hf_dir(path) -> bool:
 
 
 def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = None, dtype=None,
-                             device: str = "cpu", max_memory=None) -> Loaded:
+                             device: str = "cpu", max_memory=None, mmap: bool = False) -> Loaded:
     """Any model (see the module docstring) with its tokenizer, in eval mode, cast to `dtype`
     (None keeps the stored dtype). A model whose weights need more than `max_memory` ("8GB",
     "512MiB" or bytes; default: what the machine has available) is refused before it is built,
     naming the field that drives the size (a hub id's before its weights are downloaded). A model
-    without a tokenizer is a FileNotFoundError naming it."""
+    without a tokenizer is a FileNotFoundError naming it. mmap: the safetensors tensors kept as
+    stored stay private mappings of the files (hf.load_pretrained's mmap; not for GGUF files)."""
     if str(spec).endswith(".gguf"):
         return load_gguf_and_tokenizer(spec, dtype, device, max_memory)
     resolved = hf.resolve_checked(spec, revision, dtype, device, max_memory)   # a hub id: its config first
@@ -58,7 +59,7 @@ def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = Non
     eos: list = []
     generation: dict = {}
     if is_hf_dir(d):
-        model = hf.load_pretrained(d, dtype=dtype, device=device, max_memory=max_memory)
+        model = hf.load_pretrained(d, dtype=dtype, device=device, max_memory=max_memory, mmap=mmap)
         tok = hf.load_tokenizer(d)
         if tok is None:
             raise FileNotFoundError(f"{spec}: no tokenizer.json, vocab.json + merges.txt, or "
@@ -67,7 +68,8 @@ def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = Non
         for value in (hf.read_hf_config(d).get("eos_token_id"), generation.get("eos_token_id")):
             eos += [value] if isinstance(value, int) else list(value or [])
     else:
-        model, tok = checkpoint.load_for_inference(d, device=device, dtype=dtype, max_memory=max_memory)
+        model, tok = checkpoint.load_for_inference(d, device=device, dtype=dtype, max_memory=max_memory,
+                                                   mmap=mmap)
         if tok is None:
             raise FileNotFoundError(f"{spec}: no {checkpoint.TOKENIZER_FILE} beside the model")
     end = [tok.eot_id] if tok.eot_id is not None else []
