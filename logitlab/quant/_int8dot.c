@@ -1,0 +1,357 @@
+/* int8 weights times int8 activations: the products of quant/int8dot.py, in C.
+ *
+ * The math (int8dot.py states it with the plain torch reference beside it):
+ *   activations, per row m and block b of 32 columns:  d = max|x| / 127,  q = round(x / d) in -127..127
+ *     (x * (1 / d), rounded half away from zero: the float32 operations of reference.quantize_q8_0,
+ *     so that both give the same bytes; an all-zero block has d = 0 and q = 0)
+ *   weights: int8 (N, K) with one float32 scale s_n per row (Int8Linear's qweight and scales)
+ *   y_mn = s_n * sum_b d_mb * isum_mnb,   isum_mnb = sum over the block's 32 columns of q_mk * w_nk (int32)
+ * A block holding a NaN or an infinity gets d = NaN, so that the rows it touches come out NaN.
+ *
+ * Routes, chosen per call (isa argument; 0 takes the best this CPU has, found by CPUID):
+ *   1 scalar: plain loops, any CPU;
+ *   2 AVX2:   32 products a block with the sign trick: maddubs multiplies unsigned by signed bytes,
+ *             so |w| (sign(w, w)) times x carrying w's sign (sign(x, w)) gives w * x; pairs summed
+ *             to int16 (at most 2 * 127 * 127 = 32258, no saturation since neither side holds -128),
+ *             madd by ones to eight int32, converted and multiplied by the block's scale in float32.
+ * Both give the same int32 block sums (block_dots, tested exactly); the float sums may differ in
+ * their last bits (order of the additions).
+ *
+ * Threads: output rows split over `threads` OpenMP threads (torch's libgomp: the same soname, so
+ * the same pool); the GIL is released during the work. Shapes: M rows of x, K columns (a multiple
+ * of 32), N rows of w, B = K / 32 blocks a row.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86 1
+#include <immintrin.h>
+#else
+#define HAVE_X86 0
+#endif
+
+#define BLOCK 32
+#define MR 4               /* at most MR rows of x and NR rows of w in a tile */
+#define NR 4
+#ifndef PREFETCH
+#define PREFETCH 16384     /* bytes ahead of a tile's first row that it asks the cache for */
+#endif
+enum { ISA_BEST = 0, ISA_SCALAR = 1, ISA_AVX2 = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+static int have_avx2(void) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {       /* round to nearest even, NaN kept quiet (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Activations: one row of K floats -> K int8 and K/32 scales                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+static void load_block(const void *x, int dtype, Py_ssize_t k0, float *out) {
+    if (dtype == DT_F32) {
+        memcpy(out, (const float *)x + k0, BLOCK * sizeof(float));
+    } else {
+        const uint16_t *h = (const uint16_t *)x + k0;
+        for (int i = 0; i < BLOCK; i++) out[i] = bf16_to_f32(h[i]);
+    }
+}
+
+static void quantize_row(const void *x, int dtype, Py_ssize_t K, int8_t *q, float *d) {
+    float v[BLOCK];
+    for (Py_ssize_t b = 0; b < K / BLOCK; b++) {
+        load_block(x, dtype, b * BLOCK, v);
+        float amax = 0.0f;
+        int bad = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            float a = fabsf(v[i]);
+            bad |= !(a <= 3.402823466e+38f);                /* NaN or infinity */
+            amax = a > amax ? a : amax;
+        }
+        float db = amax / 127.0f;
+        float inv = db != 0.0f ? 1.0f / db : 0.0f;
+        for (int i = 0; i < BLOCK; i++) {
+            float t = v[i] * inv;
+            float r = floorf(fabsf(t) + 0.5f);               /* half away from zero */
+            q[b * BLOCK + i] = bad ? 0 : (int8_t)(t < 0.0f ? -r : r);
+        }
+        d[b] = bad ? NAN : db;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Scalar route                                                                               */
+/* ------------------------------------------------------------------------------------------ */
+
+static inline int32_t dot32_scalar(const int8_t *a, const int8_t *w) {
+    int32_t s = 0;
+    for (int i = 0; i < BLOCK; i++) s += (int32_t)a[i] * (int32_t)w[i];
+    return s;
+}
+
+static void rows_scalar(const int8_t *qa, const float *da, Py_ssize_t M, Py_ssize_t K, const int8_t *w,
+                        const float *s, Py_ssize_t n0, Py_ssize_t n1, float *y, Py_ssize_t N) {
+    Py_ssize_t B = K / BLOCK;
+    for (Py_ssize_t n = n0; n < n1; n++) {
+        for (Py_ssize_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (Py_ssize_t b = 0; b < B; b++)
+                acc += da[m * B + b] * (float)dot32_scalar(qa + m * K + b * BLOCK, w + n * K + b * BLOCK);
+            y[m * N + n] = s[n] * acc;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* AVX2 route                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+#if HAVE_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+static inline AVX2 __m256i dot32_avx2(__m256i absw, __m256i w, __m256i a) {
+    __m256i p16 = _mm256_maddubs_epi16(absw, _mm256_sign_epi8(a, w));   /* 16 x (two products) */
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));                 /* 8 x int32 */
+}
+
+static inline AVX2 float hsum_avx2(__m256 v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+
+/* `nr` rows of w (w[0..nr), a row repeated where fewer are left) against `mr` rows of x, summed
+ * into acc[m][r]; inlined with mr and nr fixed, so that the accumulators stay in registers. Each
+ * accumulator takes one fma a block, so nr * mr of them are what hides the fma's latency. */
+static inline __attribute__((always_inline)) AVX2 void tile_avx2(
+        const int8_t *qa, const float *da, int mr, int nr, Py_ssize_t K, const int8_t *const *w,
+        float out[MR][NR]) {
+    Py_ssize_t B = K / BLOCK;
+    __m256 acc[MR][NR];
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) acc[m][r] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < B; b++) {
+        __m256i v[NR], a[NR];
+        _mm_prefetch((const char *)(w[0] + PREFETCH + b * nr * BLOCK), _MM_HINT_T0);   /* rows further on */
+        _mm_prefetch((const char *)(w[0] + PREFETCH + b * nr * BLOCK + 64), _MM_HINT_T0);
+        for (int r = 0; r < nr; r++) {
+            v[r] = _mm256_loadu_si256((const __m256i *)(w[r] + b * BLOCK));
+            a[r] = _mm256_sign_epi8(v[r], v[r]);
+        }
+        for (int m = 0; m < mr; m++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(qa + m * K + b * BLOCK));
+            __m256 scale = _mm256_broadcast_ss(da + m * B + b);
+            for (int r = 0; r < nr; r++)
+                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(a[r], v[r], x)), scale, acc[m][r]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) out[m][r] = hsum_avx2(acc[m][r]);
+}
+
+static AVX2 void rows_avx2(const int8_t *qa, const float *da, Py_ssize_t M, Py_ssize_t K, const int8_t *w,
+                           const float *s, Py_ssize_t n0, Py_ssize_t n1, float *y, Py_ssize_t N) {
+    Py_ssize_t B = K / BLOCK;
+    float out[MR][NR];
+    for (Py_ssize_t m0 = 0; m0 < M; m0 += MR) {
+        int mr = M - m0 < MR ? (int)(M - m0) : MR;
+        int nr = mr == 1 ? NR : 2;                          /* 4 or 8 accumulators */
+        const int8_t *q = qa + m0 * K;
+        const float *d = da + m0 * B;
+        for (Py_ssize_t n = n0; n < n1; n += nr) {
+            const int8_t *rows[NR];
+            for (int r = 0; r < NR; r++) rows[r] = w + (n + r < n1 ? n + r : n) * K;
+            switch (mr) {                                   /* each case inlines tile_avx2 with mr fixed */
+                case 1: tile_avx2(q, d, 1, NR, K, rows, out); break;
+                case 2: tile_avx2(q, d, 2, 2, K, rows, out); break;
+                case 3: tile_avx2(q, d, 3, 2, K, rows, out); break;
+                default: tile_avx2(q, d, MR, 2, K, rows, out); break;
+            }
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr && n + r < n1; r++) y[(m0 + m) * N + n + r] = s[n + r] * out[m][r];
+        }
+    }
+}
+
+static AVX2 void block_dots_avx2(const int8_t *qa, Py_ssize_t M, Py_ssize_t K, const int8_t *w, Py_ssize_t N,
+                                 int32_t *out) {
+    Py_ssize_t B = K / BLOCK;
+    for (Py_ssize_t m = 0; m < M; m++)
+        for (Py_ssize_t n = 0; n < N; n++)
+            for (Py_ssize_t b = 0; b < B; b++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w + n * K + b * BLOCK));
+                __m256i x = _mm256_loadu_si256((const __m256i *)(qa + m * K + b * BLOCK));
+                __m256i p = dot32_avx2(_mm256_sign_epi8(v, v), v, x);
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+                out[(m * N + n) * B + b] = _mm_cvtsi128_si32(t);
+            }
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Dispatch                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+static int resolve_isa(int isa) {
+    if (isa == ISA_BEST) return have_avx2() ? ISA_AVX2 : ISA_SCALAR;
+    if (isa == ISA_SCALAR || (isa == ISA_AVX2 && have_avx2())) return isa;
+    return -1;
+}
+
+typedef void (*rows_fn)(const int8_t *, const float *, Py_ssize_t, Py_ssize_t, const int8_t *, const float *,
+                        Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
+
+/* y (M, N) float32 = the product; rows of w split between threads in runs of a multiple of NR. */
+static void gemm(const int8_t *qa, const float *da, Py_ssize_t M, Py_ssize_t K, const int8_t *w, const float *s,
+                 Py_ssize_t N, float *y, int threads, int isa) {
+    rows_fn rows = rows_scalar;
+#if HAVE_X86
+    if (isa == ISA_AVX2) rows = rows_avx2;
+#endif
+    Py_ssize_t chunks = threads > 1 ? threads : 1;
+    Py_ssize_t per = ((N + chunks - 1) / chunks + NR - 1) / NR * NR;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (Py_ssize_t c = 0; c < chunks; c++) {
+        Py_ssize_t n0 = c * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 < n1) rows(qa, da, M, K, w, s, n0, n1, y, N);
+    }
+}
+
+static void store(const float *y, Py_ssize_t count, int dtype, void *out) {
+    if (dtype == DT_F32) {
+        if ((const void *)y != out) memcpy(out, y, (size_t)count * sizeof(float));
+    } else {
+        uint16_t *h = (uint16_t *)out;
+        for (Py_ssize_t i = 0; i < count; i++) h[i] = f32_to_bf16(y[i]);
+    }
+}
+
+static int check(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int dtype, int isa) {
+    if (M < 0 || N < 0 || K <= 0 || K % BLOCK) {
+        PyErr_Format(PyExc_ValueError, "int8dot needs K a positive multiple of %d, got M=%zd K=%zd N=%zd", BLOCK, M, K, N);
+        return -1;
+    }
+    if (dtype != DT_F32 && dtype != DT_BF16) {
+        PyErr_Format(PyExc_ValueError, "int8dot dtype code must be 0 (float32) or 1 (bfloat16), got %d", dtype);
+        return -1;
+    }
+    if (isa < 0) {
+        PyErr_SetString(PyExc_ValueError, "int8dot: this CPU does not have the instruction set asked for");
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Python entry points: addresses (tensor.data_ptr()) and sizes; int8dot.py checks the tensors */
+/* ------------------------------------------------------------------------------------------ */
+
+static PyObject *py_linear(PyObject *self, PyObject *args) {
+    Py_ssize_t x, w, s, out, M, K, N;
+    int dtype, threads, isa;
+    if (!PyArg_ParseTuple(args, "nnnnnnniii", &x, &w, &s, &out, &M, &K, &N, &dtype, &threads, &isa)) return NULL;
+    isa = resolve_isa(isa);
+    if (check(M, K, N, dtype, isa)) return NULL;
+    Py_ssize_t B = K / BLOCK;
+    int8_t *qa = (int8_t *)malloc((size_t)(M * K) + 1);
+    float *da = (float *)malloc(sizeof(float) * (size_t)(M * B) + 1);
+    float *y = dtype == DT_F32 ? (float *)out : (float *)malloc(sizeof(float) * (size_t)(M * N) + 1);
+    if (!qa || !da || !y) {
+        free(qa); free(da);
+        if (dtype != DT_F32) free(y);
+        return PyErr_NoMemory();
+    }
+    size_t row_bytes = (size_t)K * (dtype == DT_F32 ? 4 : 2);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * row_bytes, dtype, K, qa + m * K, da + m * B);
+    gemm(qa, da, M, K, (const int8_t *)w, (const float *)s, N, y, threads < 1 ? 1 : threads, isa);
+    store(y, M * N, dtype, (void *)out);
+    Py_END_ALLOW_THREADS
+    free(qa); free(da);
+    if (dtype != DT_F32) free(y);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    Py_ssize_t x, q, d, M, K;
+    int dtype;
+    if (!PyArg_ParseTuple(args, "nnnnni", &x, &q, &d, &M, &K, &dtype)) return NULL;
+    if (check(M, K, 0, dtype, ISA_SCALAR)) return NULL;
+    size_t row_bytes = (size_t)K * (dtype == DT_F32 ? 4 : 2);
+    for (Py_ssize_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * row_bytes, dtype, K, (int8_t *)q + m * K, (float *)d + m * (K / BLOCK));
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_block_dots(PyObject *self, PyObject *args) {
+    Py_ssize_t qa, w, out, M, K, N;
+    int isa;
+    if (!PyArg_ParseTuple(args, "nnnnnni", &qa, &w, &out, &M, &K, &N, &isa)) return NULL;
+    isa = resolve_isa(isa);
+    if (check(M, K, N, DT_F32, isa)) return NULL;
+    Py_ssize_t B = K / BLOCK;
+    const int8_t *a = (const int8_t *)qa, *v = (const int8_t *)w;
+    int32_t *o = (int32_t *)out;
+#if HAVE_X86
+    if (isa == ISA_AVX2) {
+        block_dots_avx2(a, M, K, v, N, o);
+        Py_RETURN_NONE;
+    }
+#endif
+    for (Py_ssize_t m = 0; m < M; m++)
+        for (Py_ssize_t n = 0; n < N; n++)
+            for (Py_ssize_t b = 0; b < B; b++)
+                o[(m * N + n) * B + b] = dot32_scalar(a + m * K + b * BLOCK, v + n * K + b * BLOCK);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isas(PyObject *self, PyObject *unused) {
+    return have_avx2() ? Py_BuildValue("(ss)", "scalar", "avx2") : Py_BuildValue("(s)", "scalar");
+}
+
+static PyMethodDef methods[] = {
+    {"linear", py_linear, METH_VARARGS,
+     "linear(x, w, s, out, M, K, N, dtype, threads, isa): out (M, N) = the product of x quantized and w"},
+    {"quantize", py_quantize, METH_VARARGS, "quantize(x, q, d, M, K, dtype): x (M, K) -> q (M, K) int8, d (M, K/32)"},
+    {"block_dots", py_block_dots, METH_VARARGS,
+     "block_dots(q, w, out, M, K, N, isa): out (M, N, K/32) int32 = the sums of q_mk * w_nk a block"},
+    {"isas", py_isas, METH_NOARGS, "isas() -> the instruction sets this CPU runs, as names"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int8dot", "int8 x int8 products over blocks of 32.",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__int8dot(void) { return PyModule_Create(&module); }

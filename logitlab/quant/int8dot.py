@@ -1,0 +1,128 @@
+"""int8 weights times int8 activations: the compiled products of the "int8dot" route.
+
+int8dot.py owns the calls into _int8dot.c (built at install when a C compiler with OpenMP is
+present; setup.py: an optional extension) and the checks on the tensors handed to it. The math is
+reference.int8dot_linear: each row of x is quantized per block of 32 columns (Q8_0's rule, the
+scale in float32) as it arrives, the block sums of int8 x int8 products are exact in int32, then
+scaled by the activation block's d and the weight row's s:
+
+    y_mn = s_n * sum_b d_mb * sum_{k in b} qx_mk * q_nk          x (M, K) -> y (M, N)
+
+Weight-only int8 (the reference and the packed route) multiplies by x itself; quantizing x moves
+each product by at most sum_b d_mb / 2 * sum_{k in b} |q_nk s_n| (tests/test_quant_int8dot.py
+asserts it). In exchange the products run on integer dot-product instructions that read the
+int8 weights at memory speed: AVX2's maddubs / madd with the sign trick (see _int8dot.c), chosen
+at run time by CPUID, and plain C loops elsewhere. Whether that is faster than torch's kernels on
+a machine is measured there (routes.install "auto"), never assumed.
+
+    linear(x, qweight, scales)        # x (M, K) float32 or bf16, qweight (N, K) int8, scales (N,) float32
+    bind(qweight, scales)(x)          # the same, the weight checked once (what the route installs)
+    quantize(x) -> (q, d)             # the activations as the kernel quantizes them
+    block_dots(q, w) -> (M, N, K/32)  # the int32 block sums, for the exact test
+    isas()                            # ("scalar", "avx2") on this machine
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # built from _int8dot.c at install when a C compiler is present (setup.py: optional extension)
+    from logitlab.quant import _int8dot as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
+BLOCK = 32
+ISAS = {"best": 0, "scalar": 1, "avx2": 2}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    """Whether the compiled products (logitlab.quant._int8dot) were built by this install."""
+    return _native is not None
+
+
+def _need() -> None:
+    if _native is None:
+        raise ValueError("the int8dot products need the compiled extension logitlab.quant._int8dot, which this "
+                         "install did not build (reinstall with a C compiler that has OpenMP: pip install -e .)")
+
+
+def isas() -> tuple[str, ...]:
+    """The instruction sets the compiled products can use on this CPU, plainest first."""
+    _need()
+    return tuple(_native.isas())
+
+
+def _isa(isa: str) -> int:
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {tuple(ISAS)}, got {isa!r}")
+    return ISAS[isa]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x checked: a CPU tensor (M, K) of float32 or bf16 with K a multiple of 32, made contiguous."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] % BLOCK:
+        raise ValueError(f"int8dot takes a CPU tensor (M, K) of float32 or bfloat16 with K a multiple of {BLOCK}, "
+                         f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+    return x.contiguous()
+
+
+def _weight(w: torch.Tensor, K: int) -> None:
+    if w.device.type != "cpu" or w.dtype != torch.int8 or w.dim() != 2 or w.shape[1] != K or not w.is_contiguous():
+        raise ValueError(f"int8dot takes a contiguous CPU int8 weight (N, {K}), got {tuple(w.shape)} {w.dtype} "
+                         f"on {w.device}")
+
+
+def bind(qweight: torch.Tensor, scales: torch.Tensor, isa: str = "best", threads: int | None = None):
+    """The product by one weight, its tensors checked once: a function x (M, K) float32 or bf16 ->
+    y (M, N) in x's dtype, computed as the module docstring says. qweight (N, K) int8, scales (N,)
+    float32; threads: OpenMP threads (default: torch's count at each call)."""
+    _need()
+    N, K = qweight.shape if qweight.dim() == 2 else (0, 0)
+    _weight(qweight, K)
+    if scales.dtype != torch.float32 or scales.shape != (N,) or not scales.is_contiguous():
+        raise ValueError(f"int8dot takes the weight's scales as a contiguous float32 ({N},), got "
+                         f"{tuple(scales.shape)} {scales.dtype}")
+    code, w, s = _isa(isa), qweight.data_ptr(), scales.data_ptr()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        x = _rows(x)
+        if x.shape[1] != K:
+            raise ValueError(f"int8dot: x has {x.shape[1]} columns, the weight {K}")
+        y = torch.empty(x.shape[0], N, dtype=x.dtype)
+        _native.linear(x.data_ptr(), w, s, y.data_ptr(), x.shape[0], K, N, DTYPES[x.dtype],
+                       threads or torch.get_num_threads(), code)
+        return y
+    product.tensors = (qweight, scales)          # kept alive as long as the function is
+    return product
+
+
+def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, isa: str = "best",
+           threads: int | None = None) -> torch.Tensor:
+    """x (M, K) float32 or bf16 -> y (M, N) in x's dtype: bind(qweight, scales, isa, threads)(x)."""
+    return bind(qweight, scales, isa, threads)(x)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (q (M, K) int8, d (M, K/32) float32), quantized by the compiled code (equal to
+    reference.quantize_activations, byte for byte)."""
+    _need()
+    x = _rows(x)
+    M, K = x.shape
+    q, d = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // BLOCK, dtype=torch.float32)
+    _native.quantize(x.data_ptr(), q.data_ptr(), d.data_ptr(), M, K, DTYPES[x.dtype])
+    return q, d
+
+
+def block_dots(q: torch.Tensor, w: torch.Tensor, isa: str = "best") -> torch.Tensor:
+    """q (M, K) int8, w (N, K) int8 -> (M, N, K/32) int32: the sum over each block of 32 columns of
+    q_mk * w_nk, by the instruction set `isa` uses in linear (values in -127..127)."""
+    _need()
+    if q.dim() != 2:
+        raise ValueError(f"block_dots takes q (M, K), got {tuple(q.shape)}")
+    M, K = q.shape
+    _weight(q.contiguous(), K)
+    _weight(w, K)
+    out = torch.empty(M, w.shape[0], K // BLOCK, dtype=torch.int32)
+    _native.block_dots(q.contiguous().data_ptr(), w.data_ptr(), out.data_ptr(), M, K, w.shape[0], _isa(isa))
+    return out
