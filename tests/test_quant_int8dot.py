@@ -156,3 +156,19 @@ def test_auto_considers_int8dot_for_bf16_activations_only(monkeypatch):
     handle.remove()
     with pytest.raises(ValueError, match="int8dot"):
         routes.install(layer, "fast")
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_the_route_runs_in_the_compiled_decode_step():
+    from logitlab.generate import SampleConfig, decode_step, generate
+    from logitlab.kernels.decode import compiled_decode_step
+
+    model = _model()
+    handle = routes.install(model, "int8dot")
+    prompts, sample = [[5, 6, 7, 8]], SampleConfig(temperature=0, max_new_tokens=6)
+    want = generate(model, prompts, sample).tokens
+    for backend in ("aot_eager", "inductor"):                         # one graph each (fullgraph)
+        step = compiled_decode_step(model, backend, step=decode_step)
+        assert generate(model, prompts, sample, step=step).tokens == want
+    handle.remove()

@@ -16,7 +16,8 @@ at run time by CPUID, and plain C loops elsewhere. Whether that is faster than t
 a machine is measured there (routes.install "auto"), never assumed.
 
     linear(x, qweight, scales)        # x (M, K) float32 or bf16, qweight (N, K) int8, scales (N,) float32
-    bind(qweight, scales)(x)          # the same, the weight checked once (what the route installs)
+    bind(qweight, scales)(x)          # the same, the weight checked once (what the route runs eagerly)
+    linear_op(x, qweight, scales)     # the same as a torch operator (what a compiled graph calls)
     quantize(x) -> (q, d)             # the activations as the kernel quantizes them
     block_dots(q, w) -> (M, N, K/32)  # the int32 block sums, for the exact test
     isas()                            # ("scalar", "avx2") on this machine
@@ -101,6 +102,18 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, isa: st
            threads: int | None = None) -> torch.Tensor:
     """x (M, K) float32 or bf16 -> y (M, N) in x's dtype: bind(qweight, scales, isa, threads)(x)."""
     return bind(qweight, scales, isa, threads)(x)
+
+
+@torch.library.custom_op("logitlab::int8dot_linear", mutates_args=())
+def linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """linear(x, qweight, scales) as an operator of its own, so that torch.compile keeps it as one
+    opaque call in its graph (a compiled decode step is one graph; the C call would break it)."""
+    return linear(x, qweight, scales)
+
+
+@linear_op.register_fake
+def _(x, qweight, scales):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

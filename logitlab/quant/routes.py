@@ -94,11 +94,14 @@ def _int4_kernel(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: to
 
 
 def _int8dot_kernel(module: Int8Linear):
-    product = int8dot.bind(module.qweight, module.scales.float())
+    scales = module.scales.float()
+    product = int8dot.bind(module.qweight, scales)
 
     def kernel(module: Int8Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in int8dot.DTYPES or x.device.type != "cpu":
             return module.reference(x)
+        if torch.compiler.is_compiling():                  # one opaque operator in a compiled graph
+            return int8dot.linear_op(x, module.qweight, scales)
         return product(x)                                                                  # (M, N)
     return kernel
 
