@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) AVX2 void tile_avx2(
 static AVX2 void rows_avx2(const int8_t *qa, const float *da, Py_ssize_t M, Py_ssize_t K, const int8_t *w,
                            const float *s, Py_ssize_t n0, Py_ssize_t n1, float *y, Py_ssize_t N) {
     Py_ssize_t B = K / BLOCK;
-    float out[MR][NR];
+    float out[MR][NR] = {{0.0f}};
     for (Py_ssize_t m0 = 0; m0 < M; m0 += MR) {
         int mr = M - m0 < MR ? (int)(M - m0) : MR;
         int nr = mr == 1 ? NR : 2;                          /* 4 or 8 accumulators */
@@ -197,6 +197,44 @@ static AVX2 void rows_avx2(const int8_t *qa, const float *da, Py_ssize_t M, Py_s
             for (int m = 0; m < mr; m++)
                 for (int r = 0; r < nr && n + r < n1; r++) y[(m0 + m) * N + n + r] = s[n + r] * out[m][r];
         }
+    }
+}
+
+/* quantize_row's numbers with 8 floats at a time: the same float32 operations (|x|, max, x * inv,
+ * |t| + 0.5, floor, the sign put back), so the same bytes. */
+static inline AVX2 __m256 load8_avx2(const void *x, int dtype, Py_ssize_t k) {
+    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)x + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static AVX2 void quantize_row_avx2(const void *x, int dtype, Py_ssize_t K, int8_t *q, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.402823466e+38f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (Py_ssize_t b = 0; b < K / BLOCK; b++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        int bad = 0;
+        for (int i = 0; i < 4; i++) {
+            v[i] = load8_avx2(x, dtype, b * BLOCK + 8 * i);
+            __m256 a = _mm256_andnot_ps(sign, v[i]);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ));     /* NaN or infinity */
+            m = _mm256_max_ps(m, a);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float db = _mm_cvtss_f32(h) / 127.0f;
+        float inv = db != 0.0f ? 1.0f / db : 0.0f;
+        __m256i n[4];
+        for (int i = 0; i < 4; i++) {
+            __m256 t = _mm256_mul_ps(v[i], _mm256_set1_ps(inv));
+            __m256 r = _mm256_floor_ps(_mm256_add_ps(_mm256_andnot_ps(sign, t), _mm256_set1_ps(0.5f)));
+            n[i] = _mm256_cvttps_epi32(_mm256_or_ps(r, _mm256_and_ps(sign, t)));
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        p = _mm256_permutevar8x32_epi32(p, order);
+        _mm256_storeu_si256((__m256i *)(q + b * BLOCK), bad ? _mm256_setzero_si256() : p);
+        d[b] = bad ? NAN : db;
     }
 }
 
@@ -225,6 +263,20 @@ static int resolve_isa(int isa) {
     if (isa == ISA_BEST) return have_avx2() ? ISA_AVX2 : ISA_SCALAR;
     if (isa == ISA_SCALAR || (isa == ISA_AVX2 && have_avx2())) return isa;
     return -1;
+}
+
+static void quantize_rows(const void *x, int dtype, Py_ssize_t M, Py_ssize_t K, int8_t *q, float *d, int isa) {
+    size_t row_bytes = (size_t)K * (dtype == DT_F32 ? 4 : 2);
+    for (Py_ssize_t m = 0; m < M; m++) {
+        const char *row = (const char *)x + m * row_bytes;
+#if HAVE_X86
+        if (isa == ISA_AVX2) {
+            quantize_row_avx2(row, dtype, K, q + m * K, d + m * (K / BLOCK));
+            continue;
+        }
+#endif
+        quantize_row(row, dtype, K, q + m * K, d + m * (K / BLOCK));
+    }
 }
 
 typedef void (*rows_fn)(const int8_t *, const float *, Py_ssize_t, Py_ssize_t, const int8_t *, const float *,
@@ -292,10 +344,8 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
         if (dtype != DT_F32) free(y);
         return PyErr_NoMemory();
     }
-    size_t row_bytes = (size_t)K * (dtype == DT_F32 ? 4 : 2);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * row_bytes, dtype, K, qa + m * K, da + m * B);
+    quantize_rows((const void *)x, dtype, M, K, qa, da, isa);
     gemm(qa, da, M, K, (const int8_t *)w, (const float *)s, N, y, threads < 1 ? 1 : threads, isa);
     store(y, M * N, dtype, (void *)out);
     Py_END_ALLOW_THREADS
@@ -306,12 +356,11 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
 
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     Py_ssize_t x, q, d, M, K;
-    int dtype;
-    if (!PyArg_ParseTuple(args, "nnnnni", &x, &q, &d, &M, &K, &dtype)) return NULL;
-    if (check(M, K, 0, dtype, ISA_SCALAR)) return NULL;
-    size_t row_bytes = (size_t)K * (dtype == DT_F32 ? 4 : 2);
-    for (Py_ssize_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * row_bytes, dtype, K, (int8_t *)q + m * K, (float *)d + m * (K / BLOCK));
+    int dtype, isa;
+    if (!PyArg_ParseTuple(args, "nnnnnii", &x, &q, &d, &M, &K, &dtype, &isa)) return NULL;
+    isa = resolve_isa(isa);
+    if (check(M, K, 0, dtype, isa)) return NULL;
+    quantize_rows((const void *)x, dtype, M, K, (int8_t *)q, (float *)d, isa);
     Py_RETURN_NONE;
 }
 
@@ -344,7 +393,8 @@ static PyObject *py_isas(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(x, w, s, out, M, K, N, dtype, threads, isa): out (M, N) = the product of x quantized and w"},
-    {"quantize", py_quantize, METH_VARARGS, "quantize(x, q, d, M, K, dtype): x (M, K) -> q (M, K) int8, d (M, K/32)"},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(x, q, d, M, K, dtype, isa): x (M, K) -> q (M, K) int8, d (M, K/32)"},
     {"block_dots", py_block_dots, METH_VARARGS,
      "block_dots(q, w, out, M, K, N, isa): out (M, N, K/32) int32 = the sums of q_mk * w_nk a block"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the instruction sets this CPU runs, as names"},

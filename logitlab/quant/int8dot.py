@@ -116,14 +116,14 @@ def _(x, qweight, scales):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (q (M, K) int8, d (M, K/32) float32), quantized by the compiled code (equal to
-    reference.quantize_activations, byte for byte)."""
+def quantize(x: torch.Tensor, isa: str = "best") -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (q (M, K) int8, d (M, K/32) float32), quantized by the compiled code with the
+    instruction set `isa` (equal to reference.quantize_activations, byte for byte)."""
     _need()
     x = _rows(x)
     M, K = x.shape
     q, d = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // BLOCK, dtype=torch.float32)
-    _native.quantize(x.data_ptr(), q.data_ptr(), d.data_ptr(), M, K, DTYPES[x.dtype])
+    _native.quantize(x.data_ptr(), q.data_ptr(), d.data_ptr(), M, K, DTYPES[x.dtype], _isa(isa))
     return q, d
 
 
