@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from logitlab.model import ModelConfig, Transformer
-from logitlab.quant import Int8Linear, QuantConfig, int8dot, quantize_model, routes
+from logitlab.quant import Int4Linear, Int8Linear, QuantConfig, int8dot, quantize_model, routes
 from logitlab.quant import reference as ref
+from logitlab.quant.linear import QuantLinear
 
 pytestmark = pytest.mark.skipif(not int8dot.available(), reason="logitlab.quant._int8dot was not built "
                                 "(no C compiler with OpenMP at install)")
@@ -79,6 +80,26 @@ def test_the_product_equals_the_reference(isa, threads, dtype):
         assert torch.allclose(int8dot.linear(x[:m], q, s.float(), isa=isa).float(), got[:m].float(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("isa", int8dot.isas() if int8dot.available() else [])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_block_sums_and_product_equal_the_reference(isa, group_size):
+    M, K, N = 5, 256, 37
+    x = _x(M=M, K=K, seed=5)
+    q, s, z = ref.quantize_int4(torch.randn(N, K, generator=torch.Generator().manual_seed(6)), group_size)
+    packed = ref.pack_int4(q)
+    qx, _ = int8dot.quantize(x)
+    want = (qx.view(M, 1, K // 32, 32).to(torch.int32) * q.view(1, N, K // 32, 32).to(torch.int32)).sum(-1)
+    assert torch.equal(int8dot.block_dots_int4(qx, packed, isa), want)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+        got = int8dot.linear_int4(x.to(dtype), packed, s, z, isa=isa, threads=2)
+        plain = ref.int4dot_linear(x.to(dtype), packed, s, z)
+        assert got.dtype == dtype and got.shape == (M, N)
+        assert float((got.float() - plain.float()).abs().max()) <= tolerance * float(plain.float().abs().max())
+        for m in range(1, 5):                                     # every tile height gives the same rows
+            assert torch.allclose(int8dot.linear_int4(x[:m].to(dtype), packed, s, z, isa=isa).float(),
+                                  got[:m].float(), rtol=1e-5, atol=1e-5 * float(got.float().abs().max()))
+
+
 def test_the_product_moves_from_weight_only_int8_by_at_most_the_activations_rounding():
     x, (q, s) = _x(M=8, K=256, seed=3), _weight(N=40, K=256, seed=4)
     got = int8dot.linear(x, q, s.float())
@@ -117,17 +138,17 @@ def test_bad_tensors_are_refused_with_their_shapes():
 # The route
 # --------------------------------------------------------------------------------------------
 
-def _model() -> Transformer:
+def _model(method: str = "int8") -> Transformer:
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=256, context_length=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                          d_ff=128, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False, tie_embeddings=False)
     model = Transformer(config).to(torch.bfloat16).eval()
-    quantize_model(model, QuantConfig("int8"))
+    quantize_model(model, QuantConfig(method, group_size=32))
     return model
 
 
 def _plain_products(model, product) -> None:
-    for layer in (m for m in model.modules() if isinstance(m, Int8Linear)):
+    for layer in (m for m in model.modules() if isinstance(m, QuantLinear)):
         layer.kernel = product
 
 
@@ -147,10 +168,24 @@ def test_the_route_runs_a_model_as_its_reference_does():
     assert float((got - weight_only).abs().max()) > 0                          # it is another product
 
 
+@torch.no_grad()
+def test_the_route_runs_an_int4_model_as_its_reference_does():
+    model, ids = _model("int4"), torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    handle = routes.install(model, "int8dot")
+    assert handle.route == "int8dot" and handle.layers == 2 * 4 + 1
+    got = model(ids).float()
+    handle.remove()
+    _plain_products(model, lambda module, x: ref.int4dot_linear(x, module.qweight, module.scales, module.zeros))
+    want = model(ids).float()
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+
+
 def test_auto_considers_int8dot_for_bf16_activations_only(monkeypatch):
     layer = Int8Linear.from_linear(torch.nn.Linear(64, 16))
-    assert routes.candidates(layer, torch.bfloat16) == ["packed", "int8dot"]
-    assert routes.candidates(layer, torch.float32) == ["packed"]
+    int4 = Int4Linear.from_linear(torch.nn.Linear(64, 16), QuantConfig("int4", 32))
+    for module in (layer, int4):
+        assert routes.candidates(module, torch.bfloat16) == ["packed", "int8dot"]
+        assert routes.candidates(module, torch.float32) == ["packed"]
     assert routes.fastest({"reference": 6.0, "packed": 4.0, "int8dot": 2.0}) == "int8dot"
     assert routes.fastest({"reference": 6.0, "packed": 4.0, "int8dot": float("inf")}) == "packed"
     assert routes.fastest({"reference": 6.0, "packed": 5.8}) == "reference"           # a near tie
@@ -170,11 +205,12 @@ def test_the_route_runs_in_the_compiled_decode_step():
     from logitlab.generate import SampleConfig, decode_step, generate
     from logitlab.kernels.decode import compiled_decode_step
 
-    model = _model()
-    handle = routes.install(model, "int8dot")
-    prompts, sample = [[5, 6, 7, 8]], SampleConfig(temperature=0, max_new_tokens=6)
-    want = generate(model, prompts, sample).tokens
-    for backend in ("aot_eager", "inductor"):                         # one graph each (fullgraph)
-        step = compiled_decode_step(model, backend, step=decode_step)
-        assert generate(model, prompts, sample, step=step).tokens == want
-    handle.remove()
+    for method in ("int8", "int4"):
+        model = _model(method)
+        handle = routes.install(model, "int8dot")
+        prompts, sample = [[5, 6, 7, 8]], SampleConfig(temperature=0, max_new_tokens=6)
+        want = generate(model, prompts, sample).tokens
+        for backend in ("aot_eager", "inductor"):                     # one graph each (fullgraph)
+            step = compiled_decode_step(model, backend, step=decode_step)
+            assert generate(model, prompts, sample, step=step).tokens == want
+        handle.remove()

@@ -127,8 +127,8 @@ def add_inference_flags(p, draft: bool = True) -> None:
                    help="with --quantize int4: columns per group (default 64; smaller follows the weights more "
                    "closely and stores more scales)")
     p.add_argument("--quant-kernel", choices=["auto", "reference", "packed", "int8dot"], default="auto",
-                   help="matrix products of the quantized layers: torch's packed CPU kernels (packed), int8 weights "
-                   "times activations quantized to int8 per block of 32 (int8dot, int8 only; changes the numbers "
+                   help="matrix products of the quantized layers: torch's packed CPU kernels (packed), the int8 or "
+                   "int4 weights times activations quantized to int8 per block of 32 (int8dot; changes the numbers "
                    "slightly), the plain dequantize-then-matmul (reference), or whichever measured faster here "
                    "(auto, the default; int8dot only for bf16 models)")
     p.add_argument("--steer", metavar="FILE", help="add a steering direction (inspect --save-direction writes "

@@ -17,6 +17,14 @@
  * Both give the same int32 block sums (block_dots, tested exactly); the float sums may differ in
  * their last bits (order of the additions).
  *
+ * int4 weights (Int4Linear): (N, K/2) bytes, column 2j in the low nibble and 2j+1 in the high one,
+ * and per group of G columns a bf16 scale s and a uint8 zero point z, w = (q - z) * s:
+ *   y_mn = sum_g s_ng * (sum_{b in g} d_mb * isum_mnb  -  z_ng * sum_{b in g} d_mb * sum_{k in b} qx_mk)
+ * with isum the block sums of q (0..15) times qx. Each activation block is reordered [its 16 even
+ * columns | its 16 odd ones] (interleave), so that the low and the high nibbles of the weight's 16
+ * bytes, side by side, line up with it; AVX2 multiplies them unsigned by signed (maddubs, pairs at
+ * most 2 * 15 * 127: no saturation) without the sign trick.
+ *
  * Threads: output rows split over `threads` OpenMP threads (torch's libgomp: the same soname, so
  * the same pool); the GIL is released during the work. Shapes: M rows of x, K columns (a multiple
  * of 32), N rows of w, B = K / 32 blocks a row.
@@ -46,6 +54,22 @@
 #endif
 enum { ISA_BEST = 0, ISA_SCALAR = 1, ISA_AVX2 = 2 };
 enum { DT_F32 = 0, DT_BF16 = 1 };
+
+typedef struct {            /* M rows of activations, quantized */
+    const int8_t *q;        /* (M, K); for int4 weights each block interleaved */
+    const float *d;         /* (M, B) the blocks' scales */
+    const float *sum;       /* (M, B) d times the block's sum of q (int4's zero points), else NULL */
+    Py_ssize_t M, K;
+} Act;
+
+typedef struct {            /* a weight of N rows: int8 with a scale a row (w4 NULL), or int4 groups */
+    const int8_t *w8;
+    const float *s8;        /* (N,) */
+    const uint8_t *w4;      /* (N, K/2) */
+    const uint16_t *s4;     /* (N, K/G) bf16 */
+    const uint8_t *z4;      /* (N, K/G) */
+    Py_ssize_t N, G;
+} Weight;
 
 static int have_avx2(void) {
 #if HAVE_X86
@@ -116,15 +140,39 @@ static inline int32_t dot32_scalar(const int8_t *a, const int8_t *w) {
     return s;
 }
 
-static void rows_scalar(const int8_t *qa, const float *da, Py_ssize_t M, Py_ssize_t K, const int8_t *w,
-                        const float *s, Py_ssize_t n0, Py_ssize_t n1, float *y, Py_ssize_t N) {
-    Py_ssize_t B = K / BLOCK;
+static void rows_scalar(const Act *a, const Weight *w, Py_ssize_t n0, Py_ssize_t n1, float *y) {
+    Py_ssize_t K = a->K, B = K / BLOCK;
     for (Py_ssize_t n = n0; n < n1; n++) {
-        for (Py_ssize_t m = 0; m < M; m++) {
+        for (Py_ssize_t m = 0; m < a->M; m++) {
             float acc = 0.0f;
             for (Py_ssize_t b = 0; b < B; b++)
-                acc += da[m * B + b] * (float)dot32_scalar(qa + m * K + b * BLOCK, w + n * K + b * BLOCK);
-            y[m * N + n] = s[n] * acc;
+                acc += a->d[m * B + b] * (float)dot32_scalar(a->q + m * K + b * BLOCK, w->w8 + n * K + b * BLOCK);
+            y[m * w->N + n] = w->s8[n] * acc;
+        }
+    }
+}
+
+/* int4: a is one interleaved block, w its 16 bytes. */
+static inline int32_t dot4_scalar(const int8_t *a, const uint8_t *w) {
+    int32_t s = 0;
+    for (int j = 0; j < BLOCK / 2; j++) s += (int32_t)(w[j] & 15) * a[j] + (int32_t)(w[j] >> 4) * a[BLOCK / 2 + j];
+    return s;
+}
+
+static void rows4_scalar(const Act *a, const Weight *w, Py_ssize_t n0, Py_ssize_t n1, float *y) {
+    Py_ssize_t K = a->K, B = K / BLOCK, per = w->G / BLOCK, groups = K / w->G;
+    for (Py_ssize_t n = n0; n < n1; n++) {
+        for (Py_ssize_t m = 0; m < a->M; m++) {
+            float total = 0.0f;
+            for (Py_ssize_t g = 0; g < groups; g++) {
+                float acc = 0.0f, sum = 0.0f;
+                for (Py_ssize_t b = g * per; b < (g + 1) * per; b++) {
+                    acc += a->d[m * B + b] * (float)dot4_scalar(a->q + m * K + b * BLOCK, w->w4 + n * (K / 2) + b * 16);
+                    sum += a->sum[m * B + b];
+                }
+                total += bf16_to_f32(w->s4[n * groups + g]) * (acc - (float)w->z4[n * groups + g] * sum);
+            }
+            y[m * w->N + n] = total;
         }
     }
 }
@@ -176,18 +224,17 @@ static inline __attribute__((always_inline)) AVX2 void tile_avx2(
         for (int r = 0; r < nr; r++) out[m][r] = hsum_avx2(acc[m][r]);
 }
 
-static AVX2 void rows_avx2(const int8_t *qa, const float *da, Py_ssize_t M, Py_ssize_t K, const int8_t *w,
-                           const float *s, Py_ssize_t n0, Py_ssize_t n1, float *y, Py_ssize_t N) {
-    Py_ssize_t B = K / BLOCK;
+static AVX2 void rows_avx2(const Act *a, const Weight *w, Py_ssize_t n0, Py_ssize_t n1, float *y) {
+    Py_ssize_t K = a->K, B = K / BLOCK;
     float out[MR][NR] = {{0.0f}};
-    for (Py_ssize_t m0 = 0; m0 < M; m0 += MR) {
-        int mr = M - m0 < MR ? (int)(M - m0) : MR;
+    for (Py_ssize_t m0 = 0; m0 < a->M; m0 += MR) {
+        int mr = a->M - m0 < MR ? (int)(a->M - m0) : MR;
         int nr = mr == 1 ? NR : 2;                          /* 4 or 8 accumulators */
-        const int8_t *q = qa + m0 * K;
-        const float *d = da + m0 * B;
+        const int8_t *q = a->q + m0 * K;
+        const float *d = a->d + m0 * B;
         for (Py_ssize_t n = n0; n < n1; n += nr) {
             const int8_t *rows[NR];
-            for (int r = 0; r < NR; r++) rows[r] = w + (n + r < n1 ? n + r : n) * K;
+            for (int r = 0; r < NR; r++) rows[r] = w->w8 + (n + r < n1 ? n + r : n) * K;
             switch (mr) {                                   /* each case inlines tile_avx2 with mr fixed */
                 case 1: tile_avx2(q, d, 1, NR, K, rows, out); break;
                 case 2: tile_avx2(q, d, 2, 2, K, rows, out); break;
@@ -195,7 +242,74 @@ static AVX2 void rows_avx2(const int8_t *qa, const float *da, Py_ssize_t M, Py_s
                 default: tile_avx2(q, d, MR, 2, K, rows, out); break;
             }
             for (int m = 0; m < mr; m++)
-                for (int r = 0; r < nr && n + r < n1; r++) y[(m0 + m) * N + n + r] = s[n + r] * out[m][r];
+                for (int r = 0; r < nr && n + r < n1; r++) y[(m0 + m) * w->N + n + r] = w->s8[n + r] * out[m][r];
+        }
+    }
+}
+
+/* 16 bytes of int4 -> 32 bytes 0..15: [low nibbles | high nibbles], the interleaved order. */
+static inline AVX2 __m256i nibbles_avx2(const uint8_t *p) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+/* int4: `nr` rows of w against `mr` rows of x, group by group: acc sums a group's blocks (times d),
+ * total the groups (times s, less the zero point's part). */
+static inline __attribute__((always_inline)) AVX2 void tile4_avx2(
+        const Act *a, Py_ssize_t m0, int mr, int nr, const Weight *w, const Py_ssize_t *n, float out[MR][NR]) {
+    Py_ssize_t K = a->K, B = K / BLOCK, per = w->G / BLOCK, groups = K / w->G;
+    const __m256i ones = _mm256_set1_epi16(1);
+    float total[MR][NR];
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) total[m][r] = 0.0f;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        __m256 acc[MR][NR];
+        for (int m = 0; m < mr; m++)
+            for (int r = 0; r < nr; r++) acc[m][r] = _mm256_setzero_ps();
+        for (Py_ssize_t b = g * per; b < (g + 1) * per; b++) {
+            const uint8_t *first = w->w4 + n[0] * (K / 2);
+            _mm_prefetch((const char *)(first + PREFETCH + b * nr * 16), _MM_HINT_T0);   /* rows further on */
+            __m256i v[NR];
+            for (int r = 0; r < nr; r++) v[r] = nibbles_avx2(w->w4 + n[r] * (K / 2) + b * 16);
+            for (int m = 0; m < mr; m++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + m) * K + b * BLOCK));
+                __m256 scale = _mm256_broadcast_ss(a->d + (m0 + m) * B + b);
+                for (int r = 0; r < nr; r++) {
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(v[r], x), ones);
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[m][r]);
+                }
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            float xs = 0.0f;
+            for (Py_ssize_t b = g * per; b < (g + 1) * per; b++) xs += a->sum[(m0 + m) * B + b];
+            for (int r = 0; r < nr; r++) {
+                float sg = bf16_to_f32(w->s4[n[r] * groups + g]);
+                total[m][r] += sg * (hsum_avx2(acc[m][r]) - (float)w->z4[n[r] * groups + g] * xs);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) out[m][r] = total[m][r];
+}
+
+static AVX2 void rows4_avx2(const Act *a, const Weight *w, Py_ssize_t n0, Py_ssize_t n1, float *y) {
+    float out[MR][NR] = {{0.0f}};
+    for (Py_ssize_t m0 = 0; m0 < a->M; m0 += MR) {
+        int mr = a->M - m0 < MR ? (int)(a->M - m0) : MR;
+        int nr = mr == 1 ? NR : 2;                          /* 4 or 8 accumulators */
+        for (Py_ssize_t n = n0; n < n1; n += nr) {
+            Py_ssize_t rows[NR];
+            for (int r = 0; r < NR; r++) rows[r] = n + r < n1 ? n + r : n;
+            switch (mr) {                                   /* each case inlines tile4_avx2 with mr fixed */
+                case 1: tile4_avx2(a, m0, 1, NR, w, rows, out); break;
+                case 2: tile4_avx2(a, m0, 2, 2, w, rows, out); break;
+                case 3: tile4_avx2(a, m0, 3, 2, w, rows, out); break;
+                default: tile4_avx2(a, m0, MR, 2, w, rows, out); break;
+            }
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr && n + r < n1; r++) y[(m0 + m) * w->N + n + r] = out[m][r];
         }
     }
 }
@@ -253,6 +367,15 @@ static AVX2 void block_dots_avx2(const int8_t *qa, Py_ssize_t M, Py_ssize_t K, c
                 out[(m * N + n) * B + b] = _mm_cvtsi128_si32(t);
             }
 }
+
+static AVX2 int32_t dot4_avx2(const int8_t *a, const uint8_t *w) {      /* a: one interleaved block */
+    __m256i x = _mm256_loadu_si256((const __m256i *)a);
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles_avx2(w), x), _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
@@ -279,24 +402,37 @@ static void quantize_rows(const void *x, int dtype, Py_ssize_t M, Py_ssize_t K, 
     }
 }
 
-typedef void (*rows_fn)(const int8_t *, const float *, Py_ssize_t, Py_ssize_t, const int8_t *, const float *,
-                        Py_ssize_t, Py_ssize_t, float *, Py_ssize_t);
+/* int4's activations: each block reordered [even columns | odd columns] in place, and its d * sum. */
+static void interleave(int8_t *q, const float *d, Py_ssize_t blocks, float *sum) {
+    int8_t t[BLOCK];
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        int32_t total = 0;
+        for (int j = 0; j < BLOCK / 2; j++) {
+            t[j] = q[b * BLOCK + 2 * j];
+            t[BLOCK / 2 + j] = q[b * BLOCK + 2 * j + 1];
+            total += t[j] + t[BLOCK / 2 + j];
+        }
+        memcpy(q + b * BLOCK, t, BLOCK);
+        sum[b] = d[b] * (float)total;
+    }
+}
+
+typedef void (*rows_fn)(const Act *, const Weight *, Py_ssize_t, Py_ssize_t, float *);
 
 /* y (M, N) float32 = the product; rows of w split between threads in runs of a multiple of NR. */
-static void gemm(const int8_t *qa, const float *da, Py_ssize_t M, Py_ssize_t K, const int8_t *w, const float *s,
-                 Py_ssize_t N, float *y, int threads, int isa) {
-    rows_fn rows = rows_scalar;
+static void gemm(const Act *a, const Weight *w, float *y, int threads, int isa) {
+    rows_fn rows = w->w4 ? rows4_scalar : rows_scalar;
 #if HAVE_X86
-    if (isa == ISA_AVX2) rows = rows_avx2;
+    if (isa == ISA_AVX2) rows = w->w4 ? rows4_avx2 : rows_avx2;
 #endif
-    Py_ssize_t chunks = threads > 1 ? threads : 1;
+    Py_ssize_t N = w->N, chunks = threads > 1 ? threads : 1;
     Py_ssize_t per = ((N + chunks - 1) / chunks + NR - 1) / NR * NR;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
 #endif
     for (Py_ssize_t c = 0; c < chunks; c++) {
         Py_ssize_t n0 = c * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 < n1) rows(qa, da, M, K, w, s, n0, n1, y, N);
+        if (n0 < n1) rows(a, w, n0, n1, y);
     }
 }
 
@@ -329,29 +465,51 @@ static int check(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int dtype, int isa) {
 /* Python entry points: addresses (tensor.data_ptr()) and sizes; int8dot.py checks the tensors */
 /* ------------------------------------------------------------------------------------------ */
 
+/* x (M, K) quantized, times `w` -> out (M, N) in x's dtype; the GIL released meanwhile. */
+static PyObject *run(Py_ssize_t x, int dtype, Py_ssize_t M, Py_ssize_t K, Weight *w, Py_ssize_t out, int threads,
+                     int isa) {
+    isa = resolve_isa(isa);
+    if (check(M, K, w->N, dtype, isa)) return NULL;
+    Py_ssize_t B = K / BLOCK, N = w->N;
+    int8_t *q = (int8_t *)malloc((size_t)(M * K) + 1);
+    float *d = (float *)malloc(sizeof(float) * (size_t)(2 * M * B) + 1);
+    float *y = dtype == DT_F32 ? (float *)out : (float *)malloc(sizeof(float) * (size_t)(M * N) + 1);
+    if (!q || !d || !y) {
+        free(q); free(d);
+        if (dtype != DT_F32) free(y);
+        return PyErr_NoMemory();
+    }
+    Act a = {q, d, w->w4 ? d + M * B : NULL, M, K};
+    Py_BEGIN_ALLOW_THREADS
+    quantize_rows((const void *)x, dtype, M, K, q, d, isa);
+    if (w->w4) interleave(q, d, M * B, d + M * B);
+    gemm(&a, w, y, threads < 1 ? 1 : threads, isa);
+    store(y, M * N, dtype, (void *)out);
+    Py_END_ALLOW_THREADS
+    free(q); free(d);
+    if (dtype != DT_F32) free(y);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_linear(PyObject *self, PyObject *args) {
     Py_ssize_t x, w, s, out, M, K, N;
     int dtype, threads, isa;
     if (!PyArg_ParseTuple(args, "nnnnnnniii", &x, &w, &s, &out, &M, &K, &N, &dtype, &threads, &isa)) return NULL;
-    isa = resolve_isa(isa);
-    if (check(M, K, N, dtype, isa)) return NULL;
-    Py_ssize_t B = K / BLOCK;
-    int8_t *qa = (int8_t *)malloc((size_t)(M * K) + 1);
-    float *da = (float *)malloc(sizeof(float) * (size_t)(M * B) + 1);
-    float *y = dtype == DT_F32 ? (float *)out : (float *)malloc(sizeof(float) * (size_t)(M * N) + 1);
-    if (!qa || !da || !y) {
-        free(qa); free(da);
-        if (dtype != DT_F32) free(y);
-        return PyErr_NoMemory();
+    Weight weight = {(const int8_t *)w, (const float *)s, NULL, NULL, NULL, N, 0};
+    return run(x, dtype, M, K, &weight, out, threads, isa);
+}
+
+static PyObject *py_linear4(PyObject *self, PyObject *args) {
+    Py_ssize_t x, w, s, z, out, M, K, N, G;
+    int dtype, threads, isa;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnniii", &x, &w, &s, &z, &out, &M, &K, &N, &G, &dtype, &threads, &isa))
+        return NULL;
+    if (G <= 0 || G % BLOCK || K % G) {
+        PyErr_Format(PyExc_ValueError, "int8dot: the group size %zd must be a multiple of %d dividing K=%zd", G, BLOCK, K);
+        return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS
-    quantize_rows((const void *)x, dtype, M, K, qa, da, isa);
-    gemm(qa, da, M, K, (const int8_t *)w, (const float *)s, N, y, threads < 1 ? 1 : threads, isa);
-    store(y, M * N, dtype, (void *)out);
-    Py_END_ALLOW_THREADS
-    free(qa); free(da);
-    if (dtype != DT_F32) free(y);
-    Py_RETURN_NONE;
+    Weight weight = {NULL, NULL, (const uint8_t *)w, (const uint16_t *)s, (const uint8_t *)z, N, G};
+    return run(x, dtype, M, K, &weight, out, threads, isa);
 }
 
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
@@ -386,6 +544,34 @@ static PyObject *py_block_dots(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static int32_t dot4(const int8_t *a, const uint8_t *w, int isa) {
+#if HAVE_X86
+    if (isa == ISA_AVX2) return dot4_avx2(a, w);
+#endif
+    return dot4_scalar(a, w);
+}
+
+static PyObject *py_block_dots4(PyObject *self, PyObject *args) {
+    Py_ssize_t qa, w, out, M, K, N;
+    int isa;
+    if (!PyArg_ParseTuple(args, "nnnnnni", &qa, &w, &out, &M, &K, &N, &isa)) return NULL;
+    isa = resolve_isa(isa);
+    if (check(M, K, N, DT_F32, isa)) return NULL;
+    Py_ssize_t B = K / BLOCK;
+    int8_t *q = (int8_t *)malloc((size_t)(M * K) + 1);
+    float *d = (float *)calloc((size_t)(2 * M * B) + 1, sizeof(float));
+    if (!q || !d) { free(q); free(d); return PyErr_NoMemory(); }
+    memcpy(q, (const void *)qa, (size_t)(M * K));
+    interleave(q, d, M * B, d + M * B);
+    for (Py_ssize_t m = 0; m < M; m++)
+        for (Py_ssize_t n = 0; n < N; n++)
+            for (Py_ssize_t b = 0; b < B; b++)
+                ((int32_t *)out)[(m * N + n) * B + b] =
+                    dot4(q + m * K + b * BLOCK, (const uint8_t *)w + n * (K / 2) + b * 16, isa);
+    free(q); free(d);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_isas(PyObject *self, PyObject *unused) {
     return have_avx2() ? Py_BuildValue("(ss)", "scalar", "avx2") : Py_BuildValue("(s)", "scalar");
 }
@@ -397,6 +583,10 @@ static PyMethodDef methods[] = {
      "quantize(x, q, d, M, K, dtype, isa): x (M, K) -> q (M, K) int8, d (M, K/32)"},
     {"block_dots", py_block_dots, METH_VARARGS,
      "block_dots(q, w, out, M, K, N, isa): out (M, N, K/32) int32 = the sums of q_mk * w_nk a block"},
+    {"linear4", py_linear4, METH_VARARGS,
+     "linear4(x, w, s, z, out, M, K, N, G, dtype, threads, isa): the same with an int4 weight in groups of G"},
+    {"block_dots4", py_block_dots4, METH_VARARGS,
+     "block_dots4(q, w, out, M, K, N, isa): out (M, N, K/32) int32 = the sums of q_mk * w_nk a block, w int4 (N, K/2)"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the instruction sets this CPU runs, as names"},
     {NULL, NULL, 0, NULL},
 };

@@ -16,10 +16,11 @@ at run time by CPUID, and plain C loops elsewhere. Whether that is faster than t
 a machine is measured there (routes.install "auto"), never assumed.
 
     linear(x, qweight, scales)        # x (M, K) float32 or bf16, qweight (N, K) int8, scales (N,) float32
+    linear_int4(x, packed, scales, zeros)   # the same for Int4Linear's tensors (int4 weights)
     bind(qweight, scales)(x)          # the same, the weight checked once (what the route runs eagerly)
     linear_op(x, qweight, scales)     # the same as a torch operator (what a compiled graph calls)
     quantize(x) -> (q, d)             # the activations as the kernel quantizes them
-    block_dots(q, w) -> (M, N, K/32)  # the int32 block sums, for the exact test
+    block_dots(q, w) -> (M, N, K/32)  # the int32 block sums, for the exact test (block_dots_int4 too)
     isas()                            # ("scalar", "avx2") on this machine
 """
 
@@ -74,34 +75,71 @@ def _weight(w: torch.Tensor, K: int) -> None:
                          f"on {w.device}")
 
 
-def bind(qweight: torch.Tensor, scales: torch.Tensor, isa: str = "best", threads: int | None = None):
-    """The product by one weight, its tensors checked once: a function x (M, K) float32 or bf16 ->
-    y (M, N) in x's dtype, computed as the module docstring says. qweight (N, K) int8, scales (N,)
-    float32; threads: OpenMP threads (default: torch's count at each call)."""
-    _need()
-    N, K = qweight.shape if qweight.dim() == 2 else (0, 0)
-    _weight(qweight, K)
-    if scales.dtype != torch.float32 or scales.shape != (N,) or not scales.is_contiguous():
-        raise ValueError(f"int8dot takes the weight's scales as a contiguous float32 ({N},), got "
-                         f"{tuple(scales.shape)} {scales.dtype}")
-    code, w, s = _isa(isa), qweight.data_ptr(), scales.data_ptr()
+def _product(N: int, K: int, call, tensors: tuple, isa: str, threads: int | None):
+    """x (M, K) -> y (M, N) through `call(x_ptr, y_ptr, M, dtype code, threads, isa code)`."""
+    code = _isa(isa)
 
     def product(x: torch.Tensor) -> torch.Tensor:
         x = _rows(x)
         if x.shape[1] != K:
             raise ValueError(f"int8dot: x has {x.shape[1]} columns, the weight {K}")
         y = torch.empty(x.shape[0], N, dtype=x.dtype)
-        _native.linear(x.data_ptr(), w, s, y.data_ptr(), x.shape[0], K, N, DTYPES[x.dtype],
-                       threads or torch.get_num_threads(), code)
+        call(x.data_ptr(), y.data_ptr(), x.shape[0], DTYPES[x.dtype], threads or torch.get_num_threads(), code)
         return y
-    product.tensors = (qweight, scales)          # kept alive as long as the function is
+    product.tensors = tensors                    # kept alive as long as the function is
     return product
+
+
+def _vector(t: torch.Tensor, what: str, shape: tuple, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"int8dot takes {what} as a contiguous CPU {dtype} {shape}, got {tuple(t.shape)} {t.dtype}")
+
+
+def bind(qweight: torch.Tensor, scales: torch.Tensor, isa: str = "best", threads: int | None = None):
+    """The product by one int8 weight, its tensors checked once: a function x (M, K) float32 or
+    bf16 -> y (M, N) in x's dtype, computed as the module docstring says. qweight (N, K) int8,
+    scales (N,) float32; threads: OpenMP threads (default: torch's count at each call)."""
+    _need()
+    N, K = qweight.shape if qweight.dim() == 2 else (0, 0)
+    _weight(qweight, K)
+    _vector(scales, "the weight's scales", (N,), torch.float32)
+    w, s = qweight.data_ptr(), scales.data_ptr()
+    return _product(N, K, lambda x, y, M, dtype, threads_, code: _native.linear(x, w, s, y, M, K, N, dtype, threads_,
+                                                                                 code),
+                    (qweight, scales), isa, threads)
+
+
+def bind_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: str = "best",
+              threads: int | None = None):
+    """The same for an int4 weight (Int4Linear's tensors): packed (N, K/2) uint8, two columns a
+    byte (reference.pack_int4); scales (N, K/G) bf16 and zeros (N, K/G) uint8, G a multiple of 32:
+    y_mn = sum_g s_ng * sum_{k in g} (q_nk - z_ng) * x_mk with x quantized per block of 32."""
+    _need()
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous() or scales.dim() != 2:
+        raise ValueError(f"int8dot takes an int4 weight as contiguous uint8 (N, K/2) and its scales (N, K/G), "
+                         f"got {tuple(packed.shape)} {packed.dtype} and {tuple(scales.shape)}")
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    groups = scales.shape[1]
+    if groups == 0 or K % groups or (K // groups) % BLOCK:
+        raise ValueError(f"int8dot: {groups} groups do not split {K} columns into multiples of {BLOCK}")
+    _vector(scales, "the int4 scales", (N, groups), torch.bfloat16)
+    _vector(zeros, "the int4 zero points", (N, groups), torch.uint8)
+    w, s, z, G = packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), K // groups
+    return _product(N, K, lambda x, y, M, dtype, threads_, code: _native.linear4(x, w, s, z, y, M, K, N, G, dtype,
+                                                                                  threads_, code),
+                    (packed, scales, zeros), isa, threads)
 
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, isa: str = "best",
            threads: int | None = None) -> torch.Tensor:
     """x (M, K) float32 or bf16 -> y (M, N) in x's dtype: bind(qweight, scales, isa, threads)(x)."""
     return bind(qweight, scales, isa, threads)(x)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                isa: str = "best", threads: int | None = None) -> torch.Tensor:
+    """x (M, K) -> y (M, N) by an int4 weight: bind_int4(packed, scales, zeros, isa, threads)(x)."""
+    return bind_int4(packed, scales, zeros, isa, threads)(x)
 
 
 @torch.library.custom_op("logitlab::int8dot_linear", mutates_args=())
@@ -114,6 +152,17 @@ def linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
 @linear_op.register_fake
 def _(x, qweight, scales):
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+@torch.library.custom_op("logitlab::int8dot_linear_int4", mutates_args=())
+def linear_int4_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """linear_int4 as an operator of its own (see linear_op)."""
+    return linear_int4(x, packed, scales, zeros)
+
+
+@linear_int4_op.register_fake
+def _(x, packed, scales, zeros):
+    return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 def quantize(x: torch.Tensor, isa: str = "best") -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,4 +187,19 @@ def block_dots(q: torch.Tensor, w: torch.Tensor, isa: str = "best") -> torch.Ten
     _weight(w, K)
     out = torch.empty(M, w.shape[0], K // BLOCK, dtype=torch.int32)
     _native.block_dots(q.contiguous().data_ptr(), w.data_ptr(), out.data_ptr(), M, K, w.shape[0], _isa(isa))
+    return out
+
+
+def block_dots_int4(q: torch.Tensor, packed: torch.Tensor, isa: str = "best") -> torch.Tensor:
+    """q (M, K) int8, packed (N, K/2) uint8 -> (M, N, K/32) int32: the sum over each block of 32
+    columns of q_mk * u_nk, u (0..15) unpacked from `packed`, by the instruction set `isa`."""
+    _need()
+    if q.dim() != 2 or packed.dim() != 2 or packed.dtype != torch.uint8 or 2 * packed.shape[1] != q.shape[1]:
+        raise ValueError(f"block_dots_int4 takes q (M, K) and packed (N, K/2) uint8, got {tuple(q.shape)} and "
+                         f"{tuple(packed.shape)} {packed.dtype}")
+    M, K = q.shape
+    _weight(q.contiguous(), K)
+    packed = packed.contiguous()
+    out = torch.empty(M, packed.shape[0], K // BLOCK, dtype=torch.int32)
+    _native.block_dots4(q.contiguous().data_ptr(), packed.data_ptr(), out.data_ptr(), M, K, packed.shape[0], _isa(isa))
     return out

@@ -197,11 +197,23 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d.masked_fill(bad, float("nan"))
 
 
+def _int8_activations_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (..., K) quantized per block of 32 (quantize_activations), dequantized, @ w (N, K)^T in
+    float32 -> (..., N) in x's dtype."""
+    K = x.shape[-1]
+    qx, d = quantize_activations(x.reshape(-1, K))                             # (M, K), (M, K/32)
+    y = F.linear(dequantize_q8_0(qx, d), w)                                    # (M, N) float32
+    return y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
+
+
 def int8dot_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (..., K) @ (q * s)^T with x first quantized per block of 32 (quantize_activations) ->
     (..., N) in x's dtype: both sides dequantized, then a float32 matmul. The fast route computes
     y_mn = s_n * sum_b d_mb * (sum over block b of qx_mk * q_nk), the inner sums in int32."""
-    K = x.shape[-1]
-    qx, d = quantize_activations(x.reshape(-1, K))                             # (M, K), (M, K/32)
-    y = F.linear(dequantize_q8_0(qx, d), dequantize_int8(q, scales))           # (M, N) float32
-    return y.view(*x.shape[:-1], q.shape[0]).to(x.dtype)
+    return _int8_activations_times(x, dequantize_int8(q, scales))
+
+
+def int4dot_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The same with an int4 weight (packed (N, K/2), scales and zeros (N, K/G)): x quantized per
+    block of 32, times ((q - z) * s)^T; the fast route sums q_nk * qx_mk per block in int32."""
+    return _int8_activations_times(x, dequantize_int4(unpack_int4(packed), scales, zeros))

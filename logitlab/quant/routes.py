@@ -14,12 +14,12 @@ they run. Two kinds read the small integers directly instead of building a dequa
   then F.linear) up to summation order and the rounding of the scales and zero terms to x's dtype
   (tests/test_quant.py). They need shapes the kernels accept (checked before any call: int8 with
   K % 32 != 0 reads past its rows) and a CPU.
-- "int8dot", int8 layers only: x is quantized to int8 per block of 32 columns as it arrives and
-  multiplied by the int8 weight on integer dot-product instructions (int8dot.py, _int8dot.c; the
-  extension is built at install when a C compiler is present). Its product is
-  reference.int8dot_linear, which differs from the weight-only one by the activations' rounding:
-  at most half a step of 1/254 of each block's largest |x| (tests/test_quant_int8dot.py). It takes
-  float32 and bf16 activations on the CPU, K % 32 == 0.
+- "int8dot": x is quantized to int8 per block of 32 columns as it arrives and multiplied by the
+  int8 or int4 weight on integer dot-product instructions (int8dot.py, _int8dot.c; the extension
+  is built at install when a C compiler is present), reading the layer's own tensors. Its products
+  are reference.int8dot_linear and int4dot_linear, which differ from the weight-only ones by the
+  activations' rounding: at most half a step of 1/254 of each block's largest |x|
+  (tests/test_quant_int8dot.py). It takes float32 and bf16 activations on the CPU, K % 32 == 0.
 
     handle = install(model, "auto")   # "reference": nothing; "packed" / "int8dot": wherever allowed
     handle.route, handle.timings      # per (method, N, K): {"reference": s, "packed": s, ...}
@@ -55,7 +55,7 @@ def supported(module: QuantLinear, route: str = "packed") -> bool:
     """Whether `route` ("packed" or "int8dot") takes this layer (its kind, its shape, this install)."""
     N, K = module.out_features, module.in_features
     if route == "int8dot":
-        return isinstance(module, Int8Linear) and K % 32 == 0 and int8dot.available()
+        return K % 32 == 0 and int8dot.available()
     if isinstance(module, Int8Linear):
         return K % 32 == 0
     return N % 16 == 0 and K % 32 == 0
@@ -93,15 +93,19 @@ def _int4_kernel(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: to
     return kernel
 
 
-def _int8dot_kernel(module: Int8Linear):
-    scales = module.scales.float()
-    product = int8dot.bind(module.qweight, scales)
+def _int8dot_kernel(module: QuantLinear):
+    if isinstance(module, Int8Linear):
+        tensors = (module.qweight, module.scales.float())
+        product, op = int8dot.bind(*tensors), int8dot.linear_op
+    else:
+        tensors = (module.qweight, module.scales, module.zeros)
+        product, op = int8dot.bind_int4(*tensors), int8dot.linear_int4_op
 
-    def kernel(module: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    def kernel(module: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in int8dot.DTYPES or x.device.type != "cpu":
             return module.reference(x)
         if torch.compiler.is_compiling():                  # one opaque operator in a compiled graph
-            return int8dot.linear_op(x, module.qweight, scales)
+            return op(x, *tensors)
         return product(x)                                                                  # (M, N)
     return kernel
 
