@@ -89,7 +89,12 @@ def test_int4_block_sums_and_product_equal_the_reference(isa, group_size):
     packed = ref.pack_int4(q)
     qx, _ = int8dot.quantize(x)
     want = (qx.view(M, 1, K // 32, 32).to(torch.int32) * q.view(1, N, K // 32, 32).to(torch.int32)).sum(-1)
-    assert torch.equal(int8dot.block_dots_int4(qx, packed, isa), want)
+    assert torch.equal(int8dot.block_dots_int4(qx, packed, group_size, isa), want)
+    if group_size == 32:                                          # an odd number of blocks a row
+        q3, s3, z3 = ref.quantize_int4(torch.randn(7, 96, generator=torch.Generator().manual_seed(7)), 32)
+        x3 = _x(M=3, K=96)
+        got3 = int8dot.linear_int4(x3, ref.pack_int4(q3), s3, z3, isa=isa)
+        assert torch.allclose(got3, ref.int4dot_linear(x3, ref.pack_int4(q3), s3, z3), rtol=1e-5, atol=1e-4)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
         got = int8dot.linear_int4(x.to(dtype), packed, s, z, isa=isa, threads=2)
         plain = ref.int4dot_linear(x.to(dtype), packed, s, z)

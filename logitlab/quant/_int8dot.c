@@ -20,10 +20,12 @@
  * int4 weights (Int4Linear): (N, K/2) bytes, column 2j in the low nibble and 2j+1 in the high one,
  * and per group of G columns a bf16 scale s and a uint8 zero point z, w = (q - z) * s:
  *   y_mn = sum_g s_ng * (sum_{b in g} d_mb * isum_mnb  -  z_ng * sum_{b in g} d_mb * sum_{k in b} qx_mk)
- * with isum the block sums of q (0..15) times qx. Each activation block is reordered [its 16 even
- * columns | its 16 odd ones] (interleave), so that the low and the high nibbles of the weight's 16
- * bytes, side by side, line up with it; AVX2 multiplies them unsigned by signed (maddubs, pairs at
- * most 2 * 15 * 127: no saturation) without the sign trick.
+ * with isum the block sums of q (0..15) times qx. AVX2 multiplies the nibbles as they are, unsigned
+ * by signed (maddubs, pairs at most 2 * 15 * 127: no saturation, no sign trick), against activations
+ * reordered to line up with them (interleave): with groups of 32, each block as [its 16 even columns
+ * | its 16 odd ones] beside the low and the high nibbles of its 16 bytes; with larger groups, two
+ * blocks b, b + 1 at a time as [b's even | b+1's even][b's odd | b+1's odd], beside the low and the
+ * high nibbles of their 32 bytes, one load for both.
  *
  * Threads: output rows split over `threads` OpenMP threads (torch's libgomp: the same soname, so
  * the same pool); the GIL is released during the work. Shapes: M rows of x, K columns (a multiple
@@ -56,7 +58,7 @@ enum { ISA_BEST = 0, ISA_SCALAR = 1, ISA_AVX2 = 2 };
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
 typedef struct {            /* M rows of activations, quantized */
-    const int8_t *q;        /* (M, K); for int4 weights each block interleaved */
+    const int8_t *q;        /* (M, K); for int4 weights on AVX2 reordered (interleave) */
     const float *d;         /* (M, B) the blocks' scales */
     const float *sum;       /* (M, B) d times the block's sum of q (int4's zero points), else NULL */
     Py_ssize_t M, K;
@@ -152,10 +154,10 @@ static void rows_scalar(const Act *a, const Weight *w, Py_ssize_t n0, Py_ssize_t
     }
 }
 
-/* int4: a is one interleaved block, w its 16 bytes. */
+/* int4: a is one block of x in its own order, w its 16 bytes (column 2j in byte j's low nibble). */
 static inline int32_t dot4_scalar(const int8_t *a, const uint8_t *w) {
     int32_t s = 0;
-    for (int j = 0; j < BLOCK / 2; j++) s += (int32_t)(w[j] & 15) * a[j] + (int32_t)(w[j] >> 4) * a[BLOCK / 2 + j];
+    for (int j = 0; j < BLOCK / 2; j++) s += (int32_t)(w[j] & 15) * a[2 * j] + (int32_t)(w[j] >> 4) * a[2 * j + 1];
     return s;
 }
 
@@ -254,6 +256,59 @@ static inline AVX2 __m256i nibbles_avx2(const uint8_t *p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
 
+/* 32 bytes of int4 (blocks b, b+1) -> their low nibbles and their high ones, 32 bytes each. */
+static inline AVX2 void nibbles2_avx2(const uint8_t *p, __m256i *lo, __m256i *hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_and_si256(raw, low);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+}
+
+/* Two blocks' products: 8 int32, lanes 0-3 summing block b, lanes 4-7 block b+1. */
+static inline AVX2 __m256i pair_avx2(__m256i lo, __m256i hi, __m256i xl, __m256i xh) {
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));   /* |.| <= 4 * 1905 */
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* int4 with groups of 64 or more (whole pairs of blocks): as tile4_avx2, two blocks a step. */
+static inline __attribute__((always_inline)) AVX2 void tile4_pairs_avx2(
+        const Act *a, Py_ssize_t m0, int mr, int nr, const Weight *w, const Py_ssize_t *n, float out[MR][NR]) {
+    Py_ssize_t K = a->K, B = K / BLOCK, per = w->G / BLOCK, groups = K / w->G;
+    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    float total[MR][NR];
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) total[m][r] = 0.0f;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        __m256 acc[MR][NR];
+        for (int m = 0; m < mr; m++)
+            for (int r = 0; r < nr; r++) acc[m][r] = _mm256_setzero_ps();
+        for (Py_ssize_t b = g * per; b < (g + 1) * per; b += 2) {
+            _mm_prefetch((const char *)(w->w4 + n[0] * (K / 2) + PREFETCH + b * nr * 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w->w4 + n[0] * (K / 2) + PREFETCH + b * nr * 16 + 64), _MM_HINT_T0);
+            __m256i lo[NR], hi[NR];
+            for (int r = 0; r < nr; r++) nibbles2_avx2(w->w4 + n[r] * (K / 2) + b * 16, &lo[r], &hi[r]);
+            for (int m = 0; m < mr; m++) {
+                const int8_t *x = a->q + (m0 + m) * K + b * BLOCK;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)x), xh = _mm256_loadu_si256((const __m256i *)(x + 32));
+                __m256 two = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(a->d + (m0 + m) * B + b)));
+                __m256 scale = _mm256_permutevar8x32_ps(two, lanes);          /* d_b x 4, d_b+1 x 4 */
+                for (int r = 0; r < nr; r++)
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_avx2(lo[r], hi[r], xl, xh)), scale, acc[m][r]);
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            float xs = 0.0f;
+            for (Py_ssize_t b = g * per; b < (g + 1) * per; b++) xs += a->sum[(m0 + m) * B + b];
+            for (int r = 0; r < nr; r++) {
+                float sg = bf16_to_f32(w->s4[n[r] * groups + g]);
+                total[m][r] += sg * (hsum_avx2(acc[m][r]) - (float)w->z4[n[r] * groups + g] * xs);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) out[m][r] = total[m][r];
+}
+
 /* int4: `nr` rows of w against `mr` rows of x, group by group: acc sums a group's blocks (times d),
  * total the groups (times s, less the zero point's part). */
 static inline __attribute__((always_inline)) AVX2 void tile4_avx2(
@@ -302,11 +357,20 @@ static AVX2 void rows4_avx2(const Act *a, const Weight *w, Py_ssize_t n0, Py_ssi
         for (Py_ssize_t n = n0; n < n1; n += nr) {
             Py_ssize_t rows[NR];
             for (int r = 0; r < NR; r++) rows[r] = n + r < n1 ? n + r : n;
-            switch (mr) {                                   /* each case inlines tile4_avx2 with mr fixed */
-                case 1: tile4_avx2(a, m0, 1, NR, w, rows, out); break;
-                case 2: tile4_avx2(a, m0, 2, 2, w, rows, out); break;
-                case 3: tile4_avx2(a, m0, 3, 2, w, rows, out); break;
-                default: tile4_avx2(a, m0, MR, 2, w, rows, out); break;
+            if (w->G > BLOCK) {
+                switch (mr) {                               /* each case inlines the tile with mr fixed */
+                    case 1: tile4_pairs_avx2(a, m0, 1, NR, w, rows, out); break;
+                    case 2: tile4_pairs_avx2(a, m0, 2, 2, w, rows, out); break;
+                    case 3: tile4_pairs_avx2(a, m0, 3, 2, w, rows, out); break;
+                    default: tile4_pairs_avx2(a, m0, MR, 2, w, rows, out); break;
+                }
+            } else {
+                switch (mr) {
+                    case 1: tile4_avx2(a, m0, 1, NR, w, rows, out); break;
+                    case 2: tile4_avx2(a, m0, 2, 2, w, rows, out); break;
+                    case 3: tile4_avx2(a, m0, 3, 2, w, rows, out); break;
+                    default: tile4_avx2(a, m0, MR, 2, w, rows, out); break;
+                }
             }
             for (int m = 0; m < mr; m++)
                 for (int r = 0; r < nr && n + r < n1; r++) y[(m0 + m) * w->N + n + r] = out[m][r];
@@ -368,13 +432,35 @@ static AVX2 void block_dots_avx2(const int8_t *qa, Py_ssize_t M, Py_ssize_t K, c
             }
 }
 
-static AVX2 int32_t dot4_avx2(const int8_t *a, const uint8_t *w) {      /* a: one interleaved block */
-    __m256i x = _mm256_loadu_si256((const __m256i *)a);
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles_avx2(w), x), _mm256_set1_epi16(1));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+static inline AVX2 int32_t hsum4_epi32(__m128i t) {
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
     return _mm_cvtsi128_si32(t);
+}
+
+/* block_dots4 on AVX2: the block sums of interleaved x (`pairs` as tile4_pairs_avx2 reads them). */
+static AVX2 void block_dots4_avx2(const int8_t *q, Py_ssize_t M, Py_ssize_t K, const uint8_t *w, Py_ssize_t N,
+                                  int pairs, int32_t *out) {
+    Py_ssize_t B = K / BLOCK;
+    for (Py_ssize_t m = 0; m < M; m++)
+        for (Py_ssize_t n = 0; n < N; n++)
+            for (Py_ssize_t b = 0; b < B; b += pairs ? 2 : 1) {
+                const int8_t *x = q + m * K + b * BLOCK;
+                const uint8_t *v = w + n * (K / 2) + b * 16;
+                int32_t *o = out + (m * N + n) * B + b;
+                if (pairs) {
+                    __m256i lo, hi;
+                    nibbles2_avx2(v, &lo, &hi);
+                    __m256i p = pair_avx2(lo, hi, _mm256_loadu_si256((const __m256i *)x),
+                                          _mm256_loadu_si256((const __m256i *)(x + 32)));
+                    o[0] = hsum4_epi32(_mm256_castsi256_si128(p));
+                    o[1] = hsum4_epi32(_mm256_extracti128_si256(p, 1));
+                } else {
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles_avx2(v), _mm256_loadu_si256((const __m256i *)x)),
+                                                  _mm256_set1_epi16(1));
+                    o[0] = hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+                }
+            }
 }
 #endif
 
@@ -402,19 +488,28 @@ static void quantize_rows(const void *x, int dtype, Py_ssize_t M, Py_ssize_t K, 
     }
 }
 
-/* int4's activations: each block reordered [even columns | odd columns] in place, and its d * sum. */
-static void interleave(int8_t *q, const float *d, Py_ssize_t blocks, float *sum) {
-    int8_t t[BLOCK];
-    for (Py_ssize_t b = 0; b < blocks; b++) {
+/* int4's activations: each block's d * its sum of q, and on AVX2 the blocks reordered in place as
+ * the tiles read them (the header: one block at a time, or two with `pairs`). */
+static void interleave(int8_t *q, const float *d, Py_ssize_t M, Py_ssize_t K, float *sum, int isa, int pairs) {
+    Py_ssize_t B = K / BLOCK, step = pairs ? 2 : 1;
+    int8_t t[2 * BLOCK];
+    for (Py_ssize_t i = 0; i < M * B; i++) {
         int32_t total = 0;
-        for (int j = 0; j < BLOCK / 2; j++) {
-            t[j] = q[b * BLOCK + 2 * j];
-            t[BLOCK / 2 + j] = q[b * BLOCK + 2 * j + 1];
-            total += t[j] + t[BLOCK / 2 + j];
-        }
-        memcpy(q + b * BLOCK, t, BLOCK);
-        sum[b] = d[b] * (float)total;
+        for (int j = 0; j < BLOCK; j++) total += q[i * BLOCK + j];
+        sum[i] = d[i] * (float)total;
     }
+    if (isa != ISA_AVX2) return;                            /* the scalar route reads x in its order */
+    for (Py_ssize_t m = 0; m < M; m++)
+        for (Py_ssize_t b = 0; b < B; b += step) {
+            int8_t *x = q + m * K + b * BLOCK;
+            int half = (int)step * BLOCK / 2;               /* even columns first, then odd ones */
+            for (int u = 0; u < step; u++)
+                for (int j = 0; j < BLOCK / 2; j++) {
+                    t[u * BLOCK / 2 + j] = x[u * BLOCK + 2 * j];
+                    t[half + u * BLOCK / 2 + j] = x[u * BLOCK + 2 * j + 1];
+                }
+            memcpy(x, t, (size_t)step * BLOCK);
+        }
 }
 
 typedef void (*rows_fn)(const Act *, const Weight *, Py_ssize_t, Py_ssize_t, float *);
@@ -482,7 +577,7 @@ static PyObject *run(Py_ssize_t x, int dtype, Py_ssize_t M, Py_ssize_t K, Weight
     Act a = {q, d, w->w4 ? d + M * B : NULL, M, K};
     Py_BEGIN_ALLOW_THREADS
     quantize_rows((const void *)x, dtype, M, K, q, d, isa);
-    if (w->w4) interleave(q, d, M * B, d + M * B);
+    if (w->w4) interleave(q, d, M, K, d + M * B, isa, w->G > BLOCK);
     gemm(&a, w, y, threads < 1 ? 1 : threads, isa);
     store(y, M * N, dtype, (void *)out);
     Py_END_ALLOW_THREADS
@@ -544,30 +639,31 @@ static PyObject *py_block_dots(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static int32_t dot4(const int8_t *a, const uint8_t *w, int isa) {
-#if HAVE_X86
-    if (isa == ISA_AVX2) return dot4_avx2(a, w);
-#endif
-    return dot4_scalar(a, w);
-}
-
 static PyObject *py_block_dots4(PyObject *self, PyObject *args) {
-    Py_ssize_t qa, w, out, M, K, N;
+    Py_ssize_t qa, w, out, M, K, N, G;
     int isa;
-    if (!PyArg_ParseTuple(args, "nnnnnni", &qa, &w, &out, &M, &K, &N, &isa)) return NULL;
+    if (!PyArg_ParseTuple(args, "nnnnnnni", &qa, &w, &out, &M, &K, &N, &G, &isa)) return NULL;
     isa = resolve_isa(isa);
     if (check(M, K, N, DT_F32, isa)) return NULL;
+    if (G <= 0 || G % BLOCK || K % G) {
+        PyErr_Format(PyExc_ValueError, "int8dot: the group size %zd must be a multiple of %d dividing K=%zd", G, BLOCK, K);
+        return NULL;
+    }
     Py_ssize_t B = K / BLOCK;
     int8_t *q = (int8_t *)malloc((size_t)(M * K) + 1);
     float *d = (float *)calloc((size_t)(2 * M * B) + 1, sizeof(float));
     if (!q || !d) { free(q); free(d); return PyErr_NoMemory(); }
     memcpy(q, (const void *)qa, (size_t)(M * K));
-    interleave(q, d, M * B, d + M * B);
-    for (Py_ssize_t m = 0; m < M; m++)
-        for (Py_ssize_t n = 0; n < N; n++)
-            for (Py_ssize_t b = 0; b < B; b++)
-                ((int32_t *)out)[(m * N + n) * B + b] =
-                    dot4(q + m * K + b * BLOCK, (const uint8_t *)w + n * (K / 2) + b * 16, isa);
+    interleave(q, d, M, K, d + M * B, isa, G > BLOCK);
+    int32_t *o = (int32_t *)out;
+#if HAVE_X86
+    if (isa == ISA_AVX2) block_dots4_avx2(q, M, K, (const uint8_t *)w, N, G > BLOCK, o);
+#endif
+    if (isa != ISA_AVX2)
+        for (Py_ssize_t m = 0; m < M; m++)
+            for (Py_ssize_t n = 0; n < N; n++)
+                for (Py_ssize_t b = 0; b < B; b++)
+                    o[(m * N + n) * B + b] = dot4_scalar(q + m * K + b * BLOCK, (const uint8_t *)w + n * (K / 2) + b * 16);
     free(q); free(d);
     Py_RETURN_NONE;
 }
@@ -586,7 +682,7 @@ static PyMethodDef methods[] = {
     {"linear4", py_linear4, METH_VARARGS,
      "linear4(x, w, s, z, out, M, K, N, G, dtype, threads, isa): the same with an int4 weight in groups of G"},
     {"block_dots4", py_block_dots4, METH_VARARGS,
-     "block_dots4(q, w, out, M, K, N, isa): out (M, N, K/32) int32 = the sums of q_mk * w_nk a block, w int4 (N, K/2)"},
+     "block_dots4(q, w, out, M, K, N, G, isa): out (M, N, K/32) int32 = the sums of q_mk * w_nk a block, w int4 (N, K/2)"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the instruction sets this CPU runs, as names"},
     {NULL, NULL, 0, NULL},
 };

@@ -190,9 +190,10 @@ def block_dots(q: torch.Tensor, w: torch.Tensor, isa: str = "best") -> torch.Ten
     return out
 
 
-def block_dots_int4(q: torch.Tensor, packed: torch.Tensor, isa: str = "best") -> torch.Tensor:
+def block_dots_int4(q: torch.Tensor, packed: torch.Tensor, group_size: int, isa: str = "best") -> torch.Tensor:
     """q (M, K) int8, packed (N, K/2) uint8 -> (M, N, K/32) int32: the sum over each block of 32
-    columns of q_mk * u_nk, u (0..15) unpacked from `packed`, by the instruction set `isa`."""
+    columns of q_mk * u_nk, u (0..15) unpacked from `packed`, by the instruction set `isa` as
+    linear_int4 runs it for groups of `group_size` (AVX2 reads blocks in pairs above 32)."""
     _need()
     if q.dim() != 2 or packed.dim() != 2 or packed.dtype != torch.uint8 or 2 * packed.shape[1] != q.shape[1]:
         raise ValueError(f"block_dots_int4 takes q (M, K) and packed (N, K/2) uint8, got {tuple(q.shape)} and "
@@ -201,5 +202,6 @@ def block_dots_int4(q: torch.Tensor, packed: torch.Tensor, isa: str = "best") ->
     _weight(q.contiguous(), K)
     packed = packed.contiguous()
     out = torch.empty(M, packed.shape[0], K // BLOCK, dtype=torch.int32)
-    _native.block_dots4(q.contiguous().data_ptr(), packed.data_ptr(), out.data_ptr(), M, K, packed.shape[0], _isa(isa))
+    _native.block_dots4(q.contiguous().data_ptr(), packed.data_ptr(), out.data_ptr(), M, K, packed.shape[0],
+                        group_size, _isa(isa))
     return out
