@@ -132,6 +132,27 @@ def test_token_differences_count_positions_and_first_divergence():
     assert got == {"tokens": 3, "of": 9, "continuations": 2, "first_median": 1.5}
 
 
+def test_kl_windows_start_each_document_at_end_of_text_and_stop_at_the_limit():
+    from bench.quant_quality import kl_windows
+
+    docs = [list(range(1, 6)), [7], list(range(10, 20))]
+    assert kl_windows(docs, 0, 4, 100) == [[0, 1, 2, 3], [4, 5], [0, 7], [0, 10, 11, 12], [13, 14, 15, 16],
+                                           [17, 18, 19]]
+    assert kl_windows(docs, 0, 4, 7) == [[0, 1, 2, 3], [4, 5], [0]]
+
+
+def test_mean_kl_is_zero_for_the_same_distribution_and_exact_for_two_coins():
+    import math
+
+    from bench.quant_quality import mean_kl
+
+    p = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    q = torch.log(torch.tensor([[0.9, 0.1], [0.9, 0.1]]))
+    assert mean_kl([p], [p]) == 0.0
+    want = (0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)) / 2
+    assert mean_kl([p], [q]) == pytest.approx(want, rel=1e-6)
+
+
 def test_speculative_counts_acceptance_and_equal_output():
     from bench.speculative import row, run_set
     from logitlab.model.config import ModelConfig

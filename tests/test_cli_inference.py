@@ -64,6 +64,21 @@ def test_a_model_saved_quantized_loads_quantized(tmp_path, capsys):
     assert out["ids"] == generate(model, out["prompt_ids"], SampleConfig(temperature=0, max_new_tokens=5)).tokens[0]
 
 
+def test_generate_runs_the_int8dot_products(tmp_path, capsys):
+    from logitlab.quant import QuantConfig, int8dot, quantize_model, routes
+
+    if not int8dot.available():
+        pytest.skip("logitlab.quant._int8dot was not built (no C compiler with OpenMP at install)")
+    d, _ = _model_dir(tmp_path)
+    out = _json(capsys, str(d), "abcabc", "--max-new-tokens", "6", "--temperature", "0", "--quantize", "int8",
+                "--quant-kernel", "int8dot")
+    assert "quantized matmuls: int8dot (8 layers on a fast kernel)" in out["stderr"]
+    want = _model_dir(tmp_path, "fresh")[1]
+    quantize_model(want, QuantConfig("int8"))
+    routes.install(want, "int8dot")
+    assert out["ids"] == generate(want, out["prompt_ids"], SampleConfig(temperature=0, max_new_tokens=6)).tokens[0]
+
+
 def test_generate_with_a_draft_reports_acceptance_and_keeps_the_greedy_text(tmp_path, capsys):
     d, model = _model_dir(tmp_path)
     small, _ = _model_dir(tmp_path, "small", seed=1, n_layers=1)

@@ -34,6 +34,7 @@ FEATURES: dict[str, tuple[dict[str, str], str]] = {
 NATIVE = {
     "logitlab.tokenizer._bpe_fast": "the tokenizer trainer's merge loop and GPT-2 pre-tokenizing",
     "logitlab.data._text_fast": "prepare's quality-rule counts and exact-dedup text",
+    "logitlab.quant._int8dot": "int8 x int8 products of quantized layers (--quant-kernel int8dot)",
 }
 
 

@@ -132,9 +132,11 @@ def add_inference_flags(p, draft: bool = True) -> None:
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
                    help="with --quantize int4: columns per group (default 64; smaller follows the weights more "
                    "closely and stores more scales)")
-    p.add_argument("--quant-kernel", choices=["auto", "reference", "packed"], default="auto",
-                   help="matrix products of the quantized layers: torch's packed CPU kernels (packed), the plain "
-                   "dequantize-then-matmul (reference), or whichever measured faster here (auto, the default)")
+    p.add_argument("--quant-kernel", choices=["auto", "reference", "packed", "int8dot"], default="auto",
+                   help="matrix products of the quantized layers: torch's packed CPU kernels (packed), the int8 or "
+                   "int4 weights times activations quantized to int8 per block of 32 (int8dot; changes the numbers "
+                   "slightly), the plain dequantize-then-matmul (reference), or whichever measured faster here "
+                   "(auto, the default; int8dot only for bf16 models)")
     p.add_argument("--steer", metavar="FILE", help="add a steering direction (inspect --save-direction writes "
                    "one) to the residual stream at every position of every forward")
     p.add_argument("--steer-layer", type=int, metavar="L", help="with --steer: the block after which it is added "
@@ -171,7 +173,7 @@ def prepare_model(args, model, target: bool = True) -> list[str]:
         handle = routes.install(model, getattr(args, "quant_kernel", "auto"))
         if not method:
             lines.append(f"weights quantized ({quantization.label}): {model_bytes(model) / 2**20:,.1f} MiB")
-        lines.append(f"quantized matmuls: {handle.route} ({handle.layers} layers on torch's packed kernels)")
+        lines.append(f"quantized matmuls: {handle.route} ({handle.layers} layers on a fast kernel)")
     return lines + (steer_model(args, model) if target else [])
 
 

@@ -1,6 +1,7 @@
 """Quantized weights: the plain quantize / dequantize / matmul math (reference.py), the layers
 that hold int8 and int4 weights (linear.py), quantizing a built model from outside (apply.py),
-the CPU kernels measured against the reference (routes.py) and GGUF files (gguf.py).
+the CPU kernels measured against the reference (routes.py; int8 x int8 products in int8dot.py and
+the optional C extension _int8dot.c) and GGUF files (gguf.py).
 
 Quantization changes the numbers, so it is not a kernel: it is applied to a built model from
 outside, like the kernels, and its fast paths must equal its own reference, not the unquantized

@@ -23,7 +23,13 @@ llama.cpp's block formats (GGUF), 32 weights per block along K with a float16 sc
     Q8_0: d = max |w| / 127, q = round(w / d) in -127..127,   w ~ q * d
     Q4_0: d = m / -8 where m is the block's weight of largest magnitude (sign kept),
           q = clamp(round(w / d) + 8, 0, 15),                  w ~ (q - 8) * d
-Shapes: N output features, K input features, G group size, B blocks per row = K // 32.
+
+int8 activations (the int8dot products, routes.py): a row of x is quantized as it arrives by Q8_0's
+rule, the scale kept in float32, and multiplied by int8 weights in integers:
+    qx_mk, d_mb = Q8_0 of x_m, block b          each x moves by at most d_mb / 2 (max |x| / 254)
+    y_mn = s_n * sum_b d_mb * sum_{k in b} qx_mk * q_nk         (the inner sums exact, int32)
+so y_mn is within sum_b d_mb / 2 * sum_{k in b} |q_nk * s_n| of the weight-only int8 product.
+Shapes: N output features, K input features, G group size, B blocks per row = K // 32, M rows of x.
 """
 
 from __future__ import annotations
@@ -138,13 +144,19 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
 
 
-def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (N, K) -> (q (N, K) int8, d (N, K/32) float16)."""
+def _q8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> (q (N, K) int8, d (N, K/32) float32): Q8_0's rule, the scale not yet rounded."""
     blocks = _blocks(w)
     d = blocks.abs().amax(dim=-1) / INT8_MAX                                   # (N, B) float32
     x = blocks * _inverse(d)[..., None]
     q = x.sign() * (x.abs() + 0.5).floor()                                    # round half away from 0
-    return q.clamp(-INT8_MAX, INT8_MAX).reshape(w.shape).to(torch.int8), d.to(torch.float16)
+    return q.clamp(-INT8_MAX, INT8_MAX).reshape(w.shape).to(torch.int8), d
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> (q (N, K) int8, d (N, K/32) float16)."""
+    q, d = _q8_blocks(w)
+    return q, d.to(torch.float16)
 
 
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -169,3 +181,39 @@ def dequantize_q4_0(q: torch.Tensor, d: torch.Tensor, dtype=torch.float32) -> to
     N, K = q.shape
     w = (q.float().reshape(N, K // GGUF_BLOCK, GGUF_BLOCK) - 8) * d.float()[..., None]
     return w.reshape(N, K).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# int8 activations (the int8dot products: int8 weights times int8 activations)
+# --------------------------------------------------------------------------------------------
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> (q (M, K) int8, d (M, K/32) float32): Q8_0's rule applied to a row of
+    activations as it arrives, the scale kept in float32. A block holding a NaN or an infinity gets
+    d = NaN and q = 0, so that every product it enters is NaN."""
+    q, d = _q8_blocks(x)
+    bad = ~_blocks(x).isfinite().all(dim=-1)                                   # (M, B)
+    q = q.masked_fill(bad.repeat_interleave(GGUF_BLOCK, dim=-1), 0)
+    return q, d.masked_fill(bad, float("nan"))
+
+
+def _int8_activations_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (..., K) quantized per block of 32 (quantize_activations), dequantized, @ w (N, K)^T in
+    float32 -> (..., N) in x's dtype."""
+    K = x.shape[-1]
+    qx, d = quantize_activations(x.reshape(-1, K))                             # (M, K), (M, K/32)
+    y = F.linear(dequantize_q8_0(qx, d), w)                                    # (M, N) float32
+    return y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
+
+
+def int8dot_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (..., K) @ (q * s)^T with x first quantized per block of 32 (quantize_activations) ->
+    (..., N) in x's dtype: both sides dequantized, then a float32 matmul. The fast route computes
+    y_mn = s_n * sum_b d_mb * (sum over block b of qx_mk * q_nk), the inner sums in int32."""
+    return _int8_activations_times(x, dequantize_int8(q, scales))
+
+
+def int4dot_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The same with an int4 weight (packed (N, K/2), scales and zeros (N, K/G)): x quantized per
+    block of 32, times ((q - z) * s)^T; the fast route sums q_nk * qx_mk per block in int32."""
+    return _int8_activations_times(x, dequantize_int4(unpack_int4(packed), scales, zeros))
