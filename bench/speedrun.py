@@ -15,7 +15,11 @@ validation set in bits per byte. The budget is the same for every recipe of a si
   evaluations);
 - --budget-tokens N: N training tokens for every recipe (the same batch and length);
 - --budget-flops F: F training FLOPs (3x the forward, accounting.flops_per_token; Muon's
-  Newton-Schulz products added per step).
+  Newton-Schulz products added per step);
+- --budget-steps-of RECIPE N (wall clock, scaled to a reference): the time RECIPE takes for N steps
+  here, each recipe's step timed first as for --budget-s; so "N steps of the baseline", the work
+  `logitlab demo` does in its 4 minutes on a quiet machine, keeps its meaning on a loaded one (every
+  recipe gets the same share of the load, and the steps that fit RECIPE's N steps' time).
 Runs alternate (round r starts with the r-th recipe), over --seeds (nanoGPT's train.py fixes its
 own seed, so its repeats differ only in time). Each size reports, per recipe, the validation bits
 per byte at the end of the budget (mean, min-max over seeds), and the time and the share of the
@@ -127,7 +131,11 @@ def planned_steps(args, names, size, paths, vocab) -> dict[str, int]:
             steps[n] = max(1, int(args.budget_flops // per_step))
         return steps
     seconds = step_seconds(args, names, size, paths, vocab)
-    return {n: max(1, int(args.budget_s / s)) for n, s in seconds.items()}
+    budget_s = args.budget_s
+    if args.budget_steps_of:
+        anchor, anchor_steps = args.budget_steps_of
+        budget_s = int(anchor_steps) * seconds[anchor]
+    return {n: max(1, int(budget_s / s)) for n, s in seconds.items()}
 
 
 def run_one(args, name: str, size: str, seed: int, steps: int, paths: dict, vocab: int, val: tuple) -> dict:
@@ -214,6 +222,8 @@ def budget_words(args) -> str:
         return f"{args.budget_tokens:,} training tokens"
     if args.budget_flops:
         return f"{args.budget_flops:.3g} training FLOPs"
+    if args.budget_steps_of:
+        return f"the training time of {int(args.budget_steps_of[1]):,} {args.budget_steps_of[0]} steps (wall clock)"
     return f"{args.budget_s:g} s of training steps (wall clock)"
 
 
@@ -287,6 +297,24 @@ def plot(result: dict, size: str, path: Path) -> Path:
     return path
 
 
+def _checked(parser, args):
+    """args, with 1 in --fractions; a folder without train.py or an unknown recipe is a usage error."""
+    if not (Path(args.nanogpt) / "train.py").is_file():
+        parser.error(f"--nanogpt {args.nanogpt}: no train.py there (give the folder of a nanoGPT clone)")
+    if 1.0 not in args.fractions:
+        args.fractions = [1.0, *args.fractions]
+    unknown = [r for r in args.recipes if r not in ("baseline", "speedrun")
+               and r.removeprefix("speedrun, ") not in ABLATIONS]
+    if unknown:
+        parser.error(f"unknown recipe(s) {unknown}; known: baseline, speedrun, " +
+                     ", ".join(f"'speedrun, {a}'" for a in ABLATIONS))
+    if args.budget_steps_of and (args.budget_steps_of[0] not in ["nanogpt", *args.recipes]
+                                 or not args.budget_steps_of[1].isdigit() or int(args.budget_steps_of[1]) < 1):
+        parser.error(f"--budget-steps-of {' '.join(args.budget_steps_of)}: give one of the recipes run "
+                     f"(nanogpt, {', '.join(args.recipes)}) and a step count >= 1")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -303,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     budget.add_argument("--budget-s", type=float, default=240.0, help="seconds of training steps (default 240)")
     budget.add_argument("--budget-tokens", type=int, help="training tokens per run")
     budget.add_argument("--budget-flops", type=float, help="training FLOPs per run")
+    budget.add_argument("--budget-steps-of", nargs=2, metavar=("RECIPE", "STEPS"),
+                        help="the time RECIPE's STEPS steps take here (its step timed first), for every recipe")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1])
     parser.add_argument("--fractions", nargs="+", type=float, default=[1.0],
                         help="also runs given these shares of the budget (their schedules end there)")
@@ -313,16 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default=None, help="PNG of the first size's curves (default: none)")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     add_section_option(parser, "Time to a target loss against nanoGPT")
-    args = parser.parse_args(argv)
-    if not (Path(args.nanogpt) / "train.py").is_file():
-        parser.error(f"--nanogpt {args.nanogpt}: no train.py there (give the folder of a nanoGPT clone)")
-    if 1.0 not in args.fractions:
-        args.fractions = [1.0, *args.fractions]
-    unknown = [r for r in args.recipes if r not in ("baseline", "speedrun")
-               and r.removeprefix("speedrun, ") not in ABLATIONS]
-    if unknown:
-        parser.error(f"unknown recipe(s) {unknown}; known: baseline, speedrun, " +
-                     ", ".join(f"'speedrun, {a}'" for a in ABLATIONS))
+    args = _checked(parser, parser.parse_args(argv))
     result = run(args)
     if args.plot:
         print(f"plot: {plot(result, args.sizes[0], Path(args.plot))}")

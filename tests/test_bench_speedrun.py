@@ -86,3 +86,24 @@ def test_bits_per_byte_and_nanogpt_command_line():
     assert args[1:3] == ["/peer/train.py", "/peer/config/train_shakespeare_char.py"]   # its small-model recipe
     assert {"--max_iters=300", "--lr_decay_iters=300", "--n_embd=128", "--block_size=128", "--dropout=0.0",
             "--compile=False", "--device=cpu", "--warmup_iters=30"} <= set(args)
+
+
+def test_a_budget_in_steps_of_one_recipe_gives_every_recipe_that_time(monkeypatch):
+    # baseline steps take 0.5 s here and speedrun's 0.625 s: 1,000 baseline steps' 500 s fit 800 of speedrun's
+    monkeypatch.setattr(speedrun, "step_seconds", lambda *a: {"nanogpt": 0.4, "baseline": 0.5, "speedrun": 0.625})
+    args = speedrun.argparse.Namespace(budget_tokens=None, budget_flops=None, budget_s=240.0,
+                                       budget_steps_of=["baseline", "1000"])
+    steps = speedrun.planned_steps(args, ["nanogpt", "baseline", "speedrun"], "demo", {}, 4097)
+    assert steps == {"nanogpt": 1250, "baseline": 1000, "speedrun": 800}
+    assert speedrun.budget_words(args) == "the training time of 1,000 baseline steps (wall clock)"
+    args.budget_steps_of = None
+    assert speedrun.planned_steps(args, ["baseline"], "demo", {}, 4097) == {"nanogpt": 600, "baseline": 480,
+                                                                          "speedrun": 384}   # 240 s each
+
+
+@pytest.mark.parametrize("anchor", [["gpt", "100"], ["baseline", "0"], ["speedrun", "ten"]])
+def test_a_budget_in_steps_of_a_recipe_not_run_is_a_usage_error(anchor, tmp_path, capsys):
+    (tmp_path / "train.py").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        speedrun.main(["--nanogpt", str(tmp_path), "--no-doc", "--budget-steps-of", *anchor])
+    assert exc.value.code == 2 and f"--budget-steps-of {' '.join(anchor)}" in capsys.readouterr().err

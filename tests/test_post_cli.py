@@ -62,6 +62,22 @@ def test_add_special_then_sft_with_lora_then_diff(base, capsys):
     assert report["total_l2"] == 0.0        # LoRA on attention only: the embedding did not move
 
 
+def test_add_special_resizes_value_embeddings_and_names_them(base, capsys):
+    # a model of the speedrun recipe (value embeddings) with no padded slot: every token table grows
+    root, tok = base, load_for_inference(base / "base")[1]
+    cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2, n_heads=2,
+                      positions="rope", norm="rmsnorm", mlp="relu2", bias=False, vocab_pad_multiple=1,
+                      value_embeddings="alternate")
+    save_model(Transformer(cfg), root / "ve")
+    tok.save(root / "ve" / TOKENIZER_FILE)
+    assert main(["tokenizer", "add-special", str(root / "ve"), "--out", str(root / "ve-chat")]) == 0
+    said = " ".join(capsys.readouterr().out.split())          # the console wraps at 80 columns
+    assert "resized the embedding, value embeddings and LM head to 292 rows" in said
+    model, tok = load_for_inference(root / "ve-chat")
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[tok.special_tokens["<|im_end|>"]]]))).all()
+
+
 def test_full_sft_from_the_command_line_moves_the_weights(base, capsys):
     root = base
     if not (root / "chat").exists():

@@ -91,6 +91,29 @@ def test_no_free_slots_resizes_with_mean_rows(tok, tie):
         grow_vocab(model, 5)
 
 
+@pytest.mark.parametrize("pad", [1, 64])
+def test_value_embedding_tables_grow_with_the_vocabulary(tok, pad):
+    # the speedrun recipe's value embeddings are token tables too: a new id must find a row in them
+    cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=32, d_model=16, n_layers=2, n_heads=2,
+                      n_kv_heads=1, vocab_pad_multiple=pad, positions="rope", norm="rmsnorm", mlp="relu2",
+                      value_embeddings="alternate")
+    model = Transformer(cfg).eval()
+    ids = torch.tensor([tok.encode(TEXT)[:20]])
+    with torch.no_grad():
+        before = model(ids)
+    report = grow_vocab(model, tok.vocab_size + 3)
+    assert report["resized"] == (pad == 1)
+    tables = [ve.embed.weight for ve in model.value_embeds.values()]
+    assert tables and all(t.shape == (report["padded_vocab_size"], cfg.n_kv_heads * cfg.head_dim) for t in tables)
+    with torch.no_grad():
+        after = model(ids)
+        new_id = model(torch.cat([ids, torch.tensor([[tok.vocab_size + 2]])], dim=1))
+    torch.testing.assert_close(after[..., :tok.vocab_size], before, rtol=0, atol=0)
+    assert new_id.shape[-1] == tok.vocab_size + 3 and torch.isfinite(new_id).all()
+    for t in tables:
+        torch.testing.assert_close(t[tok.vocab_size + 2], t[:tok.vocab_size].mean(0))
+
+
 def test_chat_template_survives_the_logitlab_file(tok, tmp_path):
     new, _ = add_special_tokens(tok, ["<|im_start|>", "<|im_end|>"])
     new.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -85,7 +85,8 @@ def cmd_add_special(args) -> int:
     with atomic_directory(args.out, MODEL_KIND, source=args.model) as tmp:
         write_model_files(model, tmp)
         new.save(Path(tmp) / TOKENIZER_FILE)
-    how = ("resized the embedding and LM head to " if report["resized"] else "used padded rows; tables stay at ")
+    tables = "the embedding, value embeddings and LM head" if model.value_embeds else "the embedding and LM head"
+    how = (f"resized {tables} to " if report["resized"] else "used padded rows; tables stay at ")
     con.print(f"added {_listed(added)}; vocab {report['old_vocab_size']} -> {report['vocab_size']} "
               f"({how}{report['padded_vocab_size']} rows, new rows: {report['init']}); model written to {args.out}")
     return 0

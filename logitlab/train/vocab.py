@@ -8,7 +8,8 @@ slots: `config.vocab_size` grows, no tensor changes shape, and the new rows are 
 rule. When there are not enough free slots the two tables are resized explicitly (to the new
 vocabulary rounded up to vocab_pad_multiple) and the report says so.
 
-Init rules for the new rows (embedding and, when untied, LM head):
+Init rules for the new rows (embedding, the value-embedding tables when the model has them, and,
+when untied, LM head):
 
 * "mean" (default): the mean of the existing visible rows, the common recipe (Hewitt 2021,
   "Initializing new word embeddings for pretrained language models"): a new token's logit is then
@@ -57,24 +58,39 @@ def grow_vocab(model, vocab_size: int, init: str = "mean") -> dict:
         _resize_tables(model, new_config.padded_vocab_size)
     model.config = new_config
     if init == "mean" and vocab_size > old:
-        tables = [model.tok_emb.weight]
+        tables = [model.tok_emb.weight, *_value_tables(model)]
         if not config.tie_embeddings:
             tables.append(model.lm_head.weight)
-        for weight in tables:                                  # (V_padded, D)
+        for weight in tables:                                  # (V_padded, D) or (V_padded, Hkv*Dh)
             weight[old:vocab_size] = weight[:old].float().mean(dim=0).to(weight.dtype)
     return {"old_vocab_size": old, "vocab_size": vocab_size, "padded_vocab_size": new_config.padded_vocab_size,
             "resized": resized, "init": init, "new_rows": list(range(old, vocab_size))}
 
 
+def _value_tables(model) -> list:
+    """The (V_padded, Hkv*Dh) tables of the value embeddings (ModelConfig.value_embeddings), if any:
+    token tables like the embedding, so they grow with it."""
+    return [ve.embed.weight for ve in (model.value_embeds or {}).values()]
+
+
+def _grown_embedding(old: nn.Embedding, rows: int) -> nn.Embedding:
+    """A (rows, width) table holding `old`'s rows; the rest zero until initialised."""
+    n, width = old.weight.shape
+    new = nn.Embedding(rows, width, device=old.weight.device, dtype=old.weight.dtype)
+    new.weight.zero_()
+    new.weight[:n] = old.weight
+    new.weight.requires_grad_(old.weight.requires_grad)
+    return new
+
+
 def _resize_tables(model, rows: int) -> None:
-    """New (rows, D) embedding and LM head holding the old rows; the rest zero until initialised."""
+    """New (rows, D) embedding and LM head, and (rows, Hkv*Dh) value-embedding tables, holding the
+    old rows; the rest zero until initialised."""
     old_emb = model.tok_emb.weight                             # (V_padded_old, D)
     n, D = old_emb.shape
-    emb = nn.Embedding(rows, D, device=old_emb.device, dtype=old_emb.dtype)
-    emb.weight.zero_()
-    emb.weight[:n] = old_emb
-    emb.weight.requires_grad_(old_emb.requires_grad)
-    model.tok_emb = emb
+    model.tok_emb = _grown_embedding(model.tok_emb, rows)
+    for ve in (model.value_embeds or {}).values():
+        ve.embed = _grown_embedding(ve.embed, rows)
     if model.config.tie_embeddings:
         model.lm_head = nn.Linear(D, rows, bias=False, device=old_emb.device, dtype=old_emb.dtype)
         model.lm_head.weight = model.tok_emb.weight
