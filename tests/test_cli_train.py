@@ -19,8 +19,10 @@ TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i i
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> Path:
+    # the plain recipe: the Llama layout, which the export test below loads in transformers
     out = tmp_path_factory.mktemp("demo") / "run"
-    assert cli.main(["demo", "--quick", "--out", str(out), "--progress", "false", "--workers", "1"]) == 0
+    assert cli.main(["demo", "--quick", "--out", str(out), "--progress", "false", "--workers", "1",
+                     "--recipe", "none"]) == 0
     return out
 
 
@@ -190,21 +192,42 @@ def test_demo_output_shows_sample_and_next_token_table(tmp_path, capsys):
     assert "sample" in text and "next-token probabilities" in text and "ln V" in text
     summary = json.loads((out / "demo.json").read_text())["result"]
     assert summary["val_loss_start"] > summary["val_loss"]
+    # the default is the speedrun recipe, which has no Hugging Face class: no export is suggested
+    state = json.loads((latest_checkpoint(out) / "state.json").read_text())
+    assert state["train_config"]["optimizer"] == "muon" and state["train_config"]["lr_schedule"] == "wsd"
+    model, _ = load_for_inference(out)
+    assert (model.config.mlp, model.config.value_embeddings, model.config.d_ff) == ("relu2", "alternate", 256)
     # the commands to copy are whole lines, however narrow the console (80 columns here)
     assert f"next: logitlab generate {out} 'def '" in text.splitlines()
-    assert f"      logitlab export {out} --out {out}/hf" in text.splitlines()
+    assert f"      logitlab inspect {out} 'import os' --position 0 --lens" in text.splitlines()
+    assert f"logitlab export {out}" not in text
+    assert cli.main(["inspect", str(out), "import os", "--position", "0", "--lens"]) == 0   # the suggestion works
+
+
+def test_the_plain_demo_suggests_export(demo_run, capsys):
+    from logitlab.cli.demo import _next_commands
+
+    assert _next_commands(demo_run, "none")[1] == f"      logitlab export {demo_run} --out {demo_run}/hf"
+    model, _ = load_for_inference(demo_run)
+    assert (model.config.mlp, model.config.value_embeddings) == ("swiglu", "none")
 
 
 def test_demo_compares_its_result_with_the_reference_run():
-    from logitlab.cli.demo import REFERENCE, _against_reference
+    from logitlab.cli.demo import REFERENCE, REFERENCES, _against_reference
 
-    line = _against_reference(1200, 3.71, fixed=False)
+    line = _against_reference(1200, 3.71, fixed=False, recipe="none")
     assert line == f"reference: {REFERENCE['steps']:,} steps -> 3.63 on an idle 2-core machine; this run fitted " \
                    "1,200 steps -> 3.71"
-    short = _against_reference(243, 4.97, fixed=False)
-    assert "Only 243 steps fitted the time budget" in short and "logitlab demo --steps 1016" in short
+    short = _against_reference(243, 4.97, fixed=False, recipe="none")
+    assert "Only 243 steps fitted the time budget" in short and "`logitlab demo --steps 1016 --recipe none`" in short
     assert "Only" not in _against_reference(100, 5.0, fixed=True) and "took 100 steps" in \
         _against_reference(100, 5.0, fixed=True)
+    # the default recipe's own reference: its steps in the same 240 s, and the loss they reach
+    ref = REFERENCES["speedrun"]
+    assert ref["steps"] < REFERENCE["steps"] and ref["val_loss"] < REFERENCE["val_loss"]
+    short = _against_reference(243, 4.97, fixed=False)
+    assert f"reference: {ref['steps']:,} steps -> {ref['val_loss']:.2f}" in short
+    assert f"`logitlab demo --steps {ref['steps']}` does" in short
 
 
 def test_train_on_one_file_says_how_validation_was_made(tmp_path, capsys):

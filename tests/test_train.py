@@ -637,3 +637,21 @@ def test_time_training_step_leaves_the_model_as_it_was():
     assert threads == torch.get_num_threads() and seconds > 0
     assert not model.training and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_muon_seconds_time_the_updates_of_the_hidden_matrices_only(monkeypatch):
+    from logitlab.train import budget, muon
+
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    real = muon.muon_update
+    monkeypatch.setattr(muon, "muon_update", lambda grad, buf, **kw: seen.append((tuple(grad.shape), kw["blocks"]))
+                        or real(grad, buf, **kw))
+    assert budget.muon_seconds(model, ns_steps=2, repeats=1) > 0
+    matrices = {n: tuple(p.shape) for n, p in model.named_parameters()
+                if p.ndim == 2 and not n.startswith(("tok_emb", "lm_head"))}
+    assert sorted(s for s, _ in seen) == sorted(matrices.values())          # no embedding, no vector
+    qkv = [b for s, b in seen if b is not None and len(b) == 3]
+    assert len(qkv) == model.config.n_layers                                # q | k | v apart, as the optimizer does
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

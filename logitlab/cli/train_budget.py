@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-# The demo's model measured on an idle 2-core machine from a fresh clone (docs/training.md): the
-# reference `logitlab demo` compares its run with, and a short run's warning names for scale.
+# The tiny preset with `logitlab train`'s own training (AdamW, the cosine), as `logitlab demo --recipe none`
+# trains it, measured on an idle 2-core machine from a fresh clone (docs/training.md): the reference a
+# short run's warning names for scale (the demo's speedrun recipe has its own, cli/demo.py).
 REFERENCE = {"steps": 1016, "val_loss": 3.63, "ln_v": 8.32, "machine": "an idle 2-core machine"}
 
 
@@ -55,8 +56,8 @@ def fit_time_budget(args, table: dict, train_cfg, model, con, hooks):
 def few_steps_warning(steps: int) -> str:
     """What a run of only `steps` steps can expect, against the reference run."""
     ref = REFERENCE
-    return (f"only {steps:,} steps: expect a validation loss far above a full run's. For scale, the demo's "
-            f"model (the tiny preset, 1.3 M parameters) went from ln V = {ref['ln_v']:.2f} to "
+    return (f"only {steps:,} steps: expect a validation loss far above a full run's. For scale, the tiny "
+            f"preset (1.3 M parameters, `logitlab demo --recipe none`) went from ln V = {ref['ln_v']:.2f} to "
             f"{ref['val_loss']:.2f} in {ref['steps']:,} steps on {ref['machine']}, and is still well above that "
             "after a few hundred. Give more time, or a fixed number of steps (--steps N without --time-limit-s), "
             "which run however long they take")

@@ -3,12 +3,14 @@ count so that the whole schedule (linear warmup, then the cosine decay to min_lr
 budget, instead of being cut off part-way with the learning rate still high.
 
 `time_training_step` times real forward + backward passes on random ids (the weights are not
-updated); `fit_steps_to_budget` turns that rate into a step count and an evaluation interval.
+updated); `muon_seconds` adds what Muon's Newton-Schulz products cost on top of AdamW's update;
+`fit_steps_to_budget` turns that rate into a step count and an evaluation interval.
 `logitlab train --time-limit-s` and `logitlab demo` both use them.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,27 @@ def time_training_step(model, batch_size: int, seq_len: int, *, device: torch.de
         model.zero_grad(set_to_none=True)
         model.train(was_training)
     return chosen, seconds * OPTIMIZER_SHARE
+
+
+def muon_seconds(model, ns_steps: int = 5, method: str = "quintic", repeats: int = 2) -> float:
+    """Seconds of Muon's updates of `model`'s hidden matrices (optim.param_roles' "matrix", each
+    block of rows apart, muon.row_blocks) from random gradients, the fastest of `repeats`: the part
+    of a Muon step that time_training_step's AdamW share does not hold. The model is untouched."""
+    from logitlab.train.muon import muon_update, row_blocks
+    from logitlab.train.optim import param_roles
+
+    blocks, params = row_blocks(model), dict(model.named_parameters())
+    matrices = [name for name, role in param_roles(model).items() if role == "matrix"]
+    g = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(params[n].shape, generator=g).to(params[n].device) for n in matrices}
+    buffers = {n: torch.zeros_like(grad) for n, grad in grads.items()}     # momentum, as the optimizer keeps it
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for n, grad in grads.items():
+            muon_update(grad, buffers[n], steps=ns_steps, method=method, blocks=blocks.get(n))
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 @dataclass(frozen=True)
