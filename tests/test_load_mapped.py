@@ -84,16 +84,23 @@ def test_a_mapped_load_equals_the_read_one_bit_for_bit(tmp_path, config, dtype):
     assert not mapped_files()                                   # each mapping went with its tensor
 
 
+def mapped_parameters(model: Transformer, name: str = hf.SAFETENSORS) -> set[str]:
+    """The parameters of `model` whose memory lies in this process's mappings of files called `name`."""
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(name)]
+    spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps]
+    return {n for n, p in model.named_parameters() if any(a <= p.data_ptr() < b for a, b in spans)}
+
+
 @linux
 def test_only_tensors_kept_as_stored_stay_mapped(tmp_path):
-    """q/k/v and gate/up are read into the fused projections; a cast reads every tensor."""
+    """q/k/v are read into their fused projection (a sorted file holds o_proj between k_proj and
+    q_proj); gate/up, back to back in the file, are one mapping; a cast reads every tensor."""
     d = hf_dir(tmp_path / "h")
     model = hf.load_pretrained(d, mmap=True)
-    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(hf.SAFETENSORS)]
-    spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps]
-    inside = {name for name, p in model.named_parameters() if any(a <= p.data_ptr() < b for a, b in spans)}
+    inside = mapped_parameters(model)
     assert "blocks.0.attn.o_proj.weight" in inside and "tok_emb.weight" in inside and "lm_head.weight" in inside
-    assert not any("qkv_proj" in name or "gate_up_proj" in name for name in inside)
+    assert {f"blocks.{i}.mlp.gate_up_proj.weight" for i in range(LLAMA["n_layers"])} <= inside
+    assert not any("qkv_proj" in name for name in inside)
     # checked for NaN, then let go: a page counts in the resident memory from its first use on
     assert resident_kib(hf.SAFETENSORS) == 0
     with torch.no_grad():
@@ -154,7 +161,8 @@ def test_the_default_load_does_not_depend_on_the_file(tmp_path):
 def test_nan_in_a_mapped_tensor_is_refused_by_tensor_and_file(tmp_path, bad):
     d = hf_dir(tmp_path / "h")
     state = load_file(str(d / hf.SAFETENSORS))
-    for key in ("lm_head.weight", HF_Q):                       # a mapped tensor, a fused one's rows
+    # a mapped tensor, a fused projection's rows read, and its rows mapped (gate_proj then up_proj)
+    for key in ("lm_head.weight", HF_Q, "model.layers.1.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"):
         broken = dict(state)
         broken[key] = broken[key].clone()
         broken[key][2, 3] = bad
@@ -177,6 +185,48 @@ def test_a_logitlab_directory_maps_too(tmp_path):
     torch.manual_seed(0)
     ck.save_model(Transformer(ModelConfig(**LLAMA)), tmp_path / "m")
     assert_same(hf.load_pretrained(tmp_path / "m"), hf.load_pretrained(tmp_path / "m", mmap=True))
+
+
+def write_in_order(path: Path, state: dict[str, torch.Tensor], order: list[str]) -> None:
+    """A safetensors file whose tensors lie in the file in `order` (safetensors' own writer sorts
+    them by name): what another tool may write."""
+    header, data, at = {"__metadata__": {"format": "pt"}}, [], 0
+    for key in order:
+        raw = state[key].contiguous().view(torch.uint8).numpy().tobytes()
+        dtype = {torch.float32: "F32", torch.bfloat16: "BF16"}[state[key].dtype]
+        header[key] = {"dtype": dtype, "shape": list(state[key].shape), "data_offsets": [at, at + len(raw)]}
+        data.append(raw)
+        at += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(data))
+
+
+@linux
+def test_fused_parts_not_back_to_back_are_read_into_their_projection(tmp_path):
+    """up_proj before gate_proj, or gate_proj and up_proj in two shards: the fused projection is
+    fresh memory, read part by part, and the model is the same."""
+    d = hf_dir(tmp_path / "h")
+    reference = hf.load_pretrained(d)
+    state = load_file(str(d / hf.SAFETENSORS))
+    write_in_order(tmp_path / "new", state, sorted(state, key=lambda k: k.replace("up_proj", "a_up_proj")))
+    (tmp_path / "new").replace(d / hf.SAFETENSORS)
+    model = hf.load_pretrained(d, mmap=True)
+    assert_same(reference, model)
+    inside = mapped_parameters(model)
+    assert "blocks.0.attn.o_proj.weight" in inside and not any("gate_up_proj" in name for name in inside)
+    del model
+    gc.collect()
+    (d / hf.SAFETENSORS).unlink()                 # two shards: layer 1's up_proj alone in the second
+    up = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in state.items() if k != up}, str(d / "a.safetensors"))
+    save_file({up: state[up]}, str(d / "b.safetensors"))
+    weight_map = {k: "b.safetensors" if k == up else "a.safetensors" for k in state}
+    (d / hf.SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model = hf.load_pretrained(d, mmap=True)
+    assert_same(reference, model)
+    inside = mapped_parameters(model, ".safetensors")
+    assert "blocks.0.mlp.gate_up_proj.weight" in inside and "blocks.1.mlp.gate_up_proj.weight" not in inside
 
 
 def test_a_tensor_that_cannot_be_mapped_is_read(tmp_path):
@@ -217,3 +267,56 @@ def test_the_mmap_flag_reaches_the_loader_and_gives_the_same_tokens(tmp_path, ca
         outputs.append(capsys.readouterr().out)
     assert asked == [False, True]
     assert outputs[0] == outputs[1] and outputs[0].strip()
+
+
+def test_finite_checks_report_the_first_bad_tensor_in_the_order_queued():
+    def job(name, bad):
+        def run():
+            if bad:
+                raise ValueError(f"tensor {name} holds NaN")
+        return run
+
+    with pytest.raises(ValueError, match="tensor b holds NaN"):
+        with tensor_files.FiniteChecks(workers=2) as finite:
+            for name, bad in (("a", False), ("b", True), ("c", True)):
+                finite.queue(job(name, bad))
+
+
+def test_finite_checks_hold_at_most_queue_bytes_of_tensors(monkeypatch):
+    """A job that holds a tensor the loader has done with waits for older ones first, so the
+    tensors held for checking stay under QUEUE_BYTES; a mapping's job (held 0) never waits."""
+    import threading
+
+    monkeypatch.setattr(tensor_files.FiniteChecks, "QUEUE_BYTES", 100)
+    release, done = threading.Event(), []
+    with tensor_files.FiniteChecks(workers=2) as finite:
+        finite.queue(lambda: (release.wait(), done.append("first")), held=60)
+        finite.queue(lambda: done.append("mapped"), held=0)
+        threading.Timer(0.05, release.set).start()
+        finite.queue(lambda: done.append("second"), held=60)      # 120 > 100: waits for the first
+        assert "first" in done
+    assert sorted(done) == ["first", "mapped", "second"]
+
+
+def test_finite_checks_on_one_worker_run_at_once_and_an_error_drops_the_queue():
+    ran = []
+    finite = tensor_files.FiniteChecks(workers=1)
+    finite.queue(lambda: ran.append(1))
+    assert ran == [1]
+    with pytest.raises(KeyError):                       # the loader's own error is the one raised
+        with tensor_files.FiniteChecks(workers=2) as finite:
+            finite.queue(lambda: (_ for _ in ()).throw(ValueError("not this one")))
+            raise KeyError("this one")
+
+
+def test_nan_in_two_tensors_names_the_first_the_loader_reads(tmp_path):
+    d = hf_dir(tmp_path / "h")
+    state = load_file(str(d / hf.SAFETENSORS))
+    broken = {k: v.clone() for k, v in state.items()}
+    for key in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        broken[key][0, 0] = float("nan")
+    save_file(broken, str(d / "new.safetensors"), metadata={"format": "pt"})
+    (d / "new.safetensors").replace(d / hf.SAFETENSORS)
+    for mmap in (False, True):
+        with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.self_attn\.o_proj\.weight holds 1"):
+            hf.load_pretrained(d, mmap=mmap)

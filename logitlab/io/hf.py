@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from logitlab.io import checkpoint, files, hub, model_dir
+from logitlab.io.hf_stream import check_hf_state, stream_model  # noqa: F401  (importable from here)
 from logitlab.io.weights import (  # noqa: F401  (the layouts' file names, importable from here)
     SAFETENSORS,
     SAFETENSORS_INDEX,
@@ -103,86 +104,6 @@ def load_tokenizer(directory: str | os.PathLike, revision: str | None = None):
     return None
 
 
-def _name_first(keys: list[str]) -> str:
-    more = f" (and {len(keys) - 1} more: {keys[1:4]})" if len(keys) > 1 else ""
-    return f"{keys[0]!r}{more}"
-
-
-def check_hf_state(hf_state: dict, config: ModelConfig, source: str = "checkpoint", model=None) -> None:
-    """Refuse a checkpoint whose tensor names or shapes disagree with `config`, naming the key.
-    Only names and shapes are read: meta tensors stand in for a checkpoint not yet loaded.
-    `model`: the Transformer of `config` already built on the meta device, if there is one."""
-    got = families.clean_hf_state(hf_state, config)
-    if model is None:
-        with torch.device("meta"):
-            model = Transformer(config)
-    # an MoE's experts: stored one per expert or stacked, as this checkpoint has them
-    expected = families.state_dict_to_hf(model.state_dict(), config, expert_layout=families.expert_layout_of(got))
-    missing = sorted(set(expected) - set(got))
-    unexpected = sorted(set(got) - set(expected))
-    if missing:
-        raise ValueError(f"{source}: missing tensor {_name_first(missing)} that config.json requires")
-    if unexpected:
-        raise ValueError(f"{source}: unexpected tensor {_name_first(unexpected)} for this config.json")
-    for key, ref in expected.items():
-        if tuple(got[key].shape) != tuple(ref.shape):
-            raise ValueError(f"{source}: tensor {key!r} has shape {tuple(got[key].shape)}, "
-                             f"config.json implies {tuple(ref.shape)}")
-
-
-def _stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=None, device=None,
-                  mapped: bool = False) -> Transformer:
-    """A Transformer from a checkpoint's tensors, each read once, so that at no moment is more than
-    the model held (in its final dtype and device) plus the tensors in flight.
-
-    Names and shapes are checked (check_hf_state) before anything is read. The q/k/v and gate/up
-    tensors of a llama-layout checkpoint are read straight into the rows of the fused projection
-    that holds them (keymap.hf_fused_rows), allocated once in the final dtype; every other tensor is
-    read, cast to `dtype`, moved to `device` (a cast commutes with the transposes and concatenations
-    of the conversion, so the result is the same bit for bit) and converted by
-    families.hf_tensors_to_logitlab. The tensors are assigned into a model built on the meta device.
-    A floating tensor that holds NaN or inf is refused as it is read, naming its file and key.
-    mapped=True: the tensors that need no cast are private mappings of the files (WeightFiles.tensors);
-    those the conversion keeps as they are (not transposed, split or stacked) stay so in the model."""
-    from logitlab.model.keymap import hf_fused_rows
-
-    with torch.device("meta"):
-        model = Transformer(config)
-    check_hf_state({k: torch.empty(s, device="meta") for k, s in weights.shapes.items()}, config, source, model)
-    # clean_hf_state decides on names alone: run over {name: name}, it maps each full HF name to
-    # the name the file stores it under (buffers and a tied head's copy dropped, base-model prefix)
-    names = families.clean_hf_state({k: k for k in weights.shapes}, config)
-    state, places = {}, {}
-    for key, name in names.items():
-        spot = hf_fused_rows(key, config)
-        if spot is not None:
-            fused, start, end, rows = spot
-            shape = weights.shapes[name]
-            if fused not in state:
-                state[fused] = torch.empty((rows, *shape[1:]), dtype=dtype or weights.dtypes[name], device=device)
-            places[name] = state[fused][start:end]
-    weights.fill(places, finite=True)
-    del places
-
-    def cast(items):
-        for key, tensor in items:  # rebound, so the uncast tensor is dropped before the next read
-            tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-            yield key, tensor
-
-    # the converted tensors are the model's own (final dtype and device): holding them until one
-    # assignment costs nothing extra, and one load_state_dict walks the modules once
-    rest = {key: name for key, name in names.items() if hf_fused_rows(key, config) is None}
-    state.update(families.hf_tensors_to_logitlab(cast(weights.tensors(rest, True, dtype, mapped)), config))
-    model.load_state_dict(state, strict=False, assign=True)
-    del state
-    model.tie_weights()
-    unread = [name for name, p in model.named_parameters() if p.is_meta]
-    if unread:  # check_hf_state makes this unreachable; a conversion bug must not pass silently
-        raise ValueError(f"{source}: no tensor was loaded into {_name_first(unread)}")
-    model.rebuild_buffers()   # RoPE tables: float32, on the parameters' device
-    return model
-
-
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
                     device: str | torch.device = "cpu", revision: str | None = None,
                     max_memory=None, mmap: bool = False) -> Transformer:
@@ -245,14 +166,14 @@ def _load_hf(directory: Path, dtype, device, max_memory, mapped: bool = False) -
     extra = range(config.n_layers, config.n_layers + int(raw.get("num_nextn_predict_layers") or 0))
     layers = {i for i in hf_layer_indices(weights.shapes) if i not in extra}   # DeepSeek's MTP layers: not loaded
     check_layers(layers, config.n_layers, names["n_layers"], path, weights.describe())
-    if config.is_moe:     # before one name per expert and layer is made (check_hf_state)
+    if config.is_moe:     # before one name per expert and layer is made (hf_stream.check_hf_state)
         held = hf_expert_indices(weights.shapes, SIZE_LIMITS["n_experts"] + 1)
         check_layers(held, config.n_experts, names["n_experts"], path, weights.describe(), kind="experts")
     target = dtype or weights.stored_dtype()
     memory.check_fits(config, target.itemsize, dtype=str(target).removeprefix("torch."), source=str(path),
                       names=names, max_memory=max_memory, device=device)
 
-    return _stream_model(weights, config, str(directory), dtype, device, mapped)
+    return stream_model(weights, config, str(directory), dtype, device, mapped)
 
 
 def _unwrap(model):

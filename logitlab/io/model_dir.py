@@ -19,6 +19,7 @@ from pathlib import Path
 
 from logitlab.io.files import atomic_directory
 from logitlab.io.tensors import (  # noqa: F401  (importable from here, as before)
+    FiniteChecks,
     SafetensorsFile,
     cast_read,
     open_safetensors,
@@ -178,7 +179,7 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
     header = read_header(path)
     model, expected, kept = _build_checked(directory, config, header, dtype, device, max_memory)
     state = {}
-    with open_safetensors(path) as f:
+    with open_safetensors(path) as f, FiniteChecks() as finite:
         shapes, legacy = {key: shape for key, (shape, _) in header.items()}, None
         if any(_LEGACY_KEY.search(key) for key in shapes):  # written before the fused projections
             legacy = upgrade_legacy_state({key: f.get_tensor(key) for key in shapes})
@@ -187,7 +188,7 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
         for key in expected:  # each tensor cast as it arrives: only the final model is kept
             cast = dtype if key not in kept else None    # quantized tensors keep their stored dtypes
             tensor = (cast_read(path, key, legacy.pop(key), True, cast) if legacy is not None
-                      else read_tensor(f, path, key, *header[key], finite=True, dtype=cast, mapped=mmap))
+                      else read_tensor(f, path, key, *header[key], finite=finite, dtype=cast, mapped=mmap))
             state[key] = tensor.to(device=device)
             del tensor
     model.load_state_dict(state, strict=False, assign=True)

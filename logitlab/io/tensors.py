@@ -117,37 +117,54 @@ class SafetensorsFile:
         mapping of its bytes in the file (mmap(2) MAP_PRIVATE): writes to it stay in this process.
         The mapping is unmapped when the last tensor over it is freed. None where it cannot be
         mapped: no mmap(2), a big-endian machine, or data not aligned to its element size.
-        check(tensor), when given, reads it (a NaN check, which may raise); its pages are then let
-        go from this process (madvise MADV_DONTNEED: they stay in the page cache, and nothing was
-        written that could be lost), so that, as for a tensor never read, a page counts in the
-        resident memory from its first use on (an embedding's rows no token looks up never do)."""
+        check(tensor, release), when given, reads it (a NaN check, which may raise, now or queued)
+        and then calls release(), which lets its pages go from this process (madvise MADV_DONTNEED:
+        they stay in the page cache, and nothing was written that could be lost), so that, as for a
+        tensor never read, a page counts in the resident memory from its first use on (an
+        embedding's rows no token looks up never do)."""
+        return self.map_run([key], shape, dtype, check)
+
+    def map_run(self, keys: list[str], shape: tuple, dtype, check=None):
+        """Tensors `keys`, stored back to back in this order in `dtype`, as one tensor of `shape`
+        (their rows one after another) over one mapping, as map_tensor maps one: the parts of a fused
+        projection that a file holds next to each other (gate_proj then up_proj, in a file whose
+        names are sorted) so become that projection with no fresh memory and no copy. None where
+        they are not back to back, their bytes are not shape's, or they cannot be mapped."""
         import ctypes
         import mmap
 
         import torch
 
-        start, nbytes = self._offset(key), dtype.itemsize * torch.Size(shape).numel()
+        spans = [self._span(key) for key in keys]
+        start, nbytes = spans[0][0], dtype.itemsize * torch.Size(shape).numel()
+        if any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or spans[-1][1] - start != nbytes:
+            return None
         if sys.byteorder != "little" or start % dtype.itemsize or nbytes == 0:
             return None
         if os.fstat(self._raw.fileno()).st_size < start + nbytes:   # a page past the end would be SIGBUS
-            raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
+            raise ValueError(f"{self.path}: tensor {keys[-1]} ends before its data does; the file may be truncated")
         base = start - start % mmap.ALLOCATIONGRANULARITY
         buffer = _map_private(self._raw.fileno(), base, start + nbytes - base)
         if buffer is None:
             return None
         tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start - base).view(shape)
         if check is not None:
-            check(tensor)
-            _libc().madvise(ctypes.addressof(buffer), len(buffer), mmap.MADV_DONTNEED)
+            check(tensor, lambda: _libc().madvise(ctypes.addressof(buffer), len(buffer), mmap.MADV_DONTNEED))
         return tensor
 
     def _offset(self, key: str) -> int:
-        """Where tensor `key`'s data starts in the file (the header is read once, on first use)."""
+        """Where tensor `key`'s data starts in the file."""
+        return self._span(key)[0]
+
+    def _span(self, key: str) -> tuple[int, int]:
+        """(first byte, end byte) of tensor `key`'s data in the file (the header is read once, on
+        first use; it was validated when the file was opened)."""
         if self._offsets is None:
             self._raw = open(self.path, "rb")
             size = int.from_bytes(self._raw.read(8), "little")
             header = json.loads(self._raw.read(size))
-            self._offsets = {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+            self._offsets = {k: (8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
+                             for k, v in header.items() if k != "__metadata__"}
         return self._offsets[key]
 
     def _read(self, fn, *args):
@@ -234,17 +251,86 @@ def require_finite(path: str | os.PathLike, key: str, tensor) -> None:
         raise ValueError(f"{path}: tensor {key} holds {int((~torch.isfinite(values)).sum())} NaN / inf values")
 
 
-def cast_read(path, name: str, tensor, finite: bool, dtype):
-    """A tensor just read from `path`: checked for NaN / inf when `finite`, then cast to `dtype`
-    when it is floating (dtype None: as stored)."""
+class FiniteChecks:
+    """The NaN / inf checks of a load (require_finite), run on a few threads while the loader goes
+    on reading and mapping: checking reads every byte of the weights (about 10 GB/s on one core,
+    the largest cost of a mapped load), and the loader's own work is mostly waiting on the kernel
+    (pread, page faults), so the two overlap. A loader's thread pool, as file loaders have one,
+    separate from torch's compute threads: at most `workers` (default: the CPUs this process may
+    use, up to 4), none on a one-CPU machine (each check then runs at once).
+
+    queue(job, held) queues one check (a function of no arguments, which raises ValueError on a
+    bad tensor); wait() raises the error of the first failing job in the order they were queued.
+    A queued job holds its tensor: `held` is the bytes that would otherwise have been freed by now
+    (0 for a mapping, whose pages are the file's), and the queue keeps them under QUEUE_BYTES (a
+    job waits for older ones first), so a load's peak grows by at most that much. As a context
+    manager it waits on a clean exit and drops the queue on an error."""
+
+    QUEUE_BYTES = 256 * 2**20
+
+    def __init__(self, workers: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = min(4, cpus) if workers is None else workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="finite") if workers > 1 else None
+        self._queue: list = []          # (future, bytes held) in the order queued
+
+    def queue(self, job, held: int = 0) -> None:
+        if self._pool is None:
+            job()
+            return
+        while self._queue and sum(b for _, b in self._queue) + held > self.QUEUE_BYTES:
+            self._queue.pop(0)[0].result()
+        self._queue.append((self._pool.submit(job), held))
+
+    def wait(self) -> None:
+        while self._queue:
+            self._queue.pop(0)[0].result()
+
+    def __enter__(self) -> "FiniteChecks":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            if kind is None:
+                self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+            self._queue.clear()
+
+
+def check_finite(finite, path, name: str, tensor, release=None) -> None:
+    """The NaN / inf check (require_finite) a reader asked for: `finite` False (none), True (now),
+    or a FiniteChecks (queued there). release: `tensor` is a mapping of the file, whose pages
+    release() lets go once it is checked (at once when no check is asked for)."""
+    def job():
+        try:
+            require_finite(path, name, tensor)
+        finally:
+            if release is not None:
+                release()
+
+    if isinstance(finite, FiniteChecks):
+        finite.queue(job, 0 if release is not None else tensor.numel() * tensor.element_size())
+    elif finite:
+        job()
+    elif release is not None:
+        release()
+
+
+def cast_read(path, name: str, tensor, finite, dtype):
+    """A tensor just read from `path`: checked for NaN / inf when `finite` (True or a FiniteChecks),
+    then cast to `dtype` when it is floating (dtype None: as stored)."""
     if finite:
-        require_finite(path, name, tensor)
+        require_finite(path, name, tensor)      # now: the uncast tensor is dropped after the cast
     if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     return tensor
 
 
-def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finite: bool = False, dtype=None,
+def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finite=False, dtype=None,
                 mapped: bool = False):
     """Tensor `name` of the open file `f` (of `shape` and `stored` dtype), as `dtype` (None: as
     stored; integer tensors stay as stored): read_into a tensor allocated for it, or with
@@ -254,19 +340,20 @@ def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finit
 
     target = dtype if stored.is_floating_point and dtype is not None else stored
     if mapped and target == stored and stored.itemsize * torch.Size(shape).numel() >= MAP_MIN_BYTES:
-        check = (lambda t: require_finite(path, name, t)) if finite else None
+        check = (lambda t, release: check_finite(finite, path, name, t, release)) if finite else None
         tensor = f.map_tensor(name, shape, stored, check)
         if tensor is not None:
             return tensor
     return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=target), finite)
 
 
-def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, finite: bool = False):
+def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, finite=False):
     """Fill `out` (a tensor of `shape`: a new tensor, or the rows of a fused projection) with tensor
     `name` of the open file `f` -> out. In the stored dtype the bytes go straight into out's memory
     (pread(2), no copy); in another dtype a slice of rows at a time (SLICE_BYTES) goes through the
     file's scratch buffer and is cast by the copy into out, so the stored-dtype copy of the whole
-    never exists. finite=True: NaN or inf is a ValueError naming the file and the tensor."""
+    never exists. finite=True: NaN or inf is a ValueError naming the file and the tensor (a
+    FiniteChecks: the check of a tensor read whole is queued there)."""
     import torch
 
     if tuple(out.shape) != tuple(shape):
@@ -277,13 +364,12 @@ def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, fi
         return out
     if direct:
         f.read_rows(name, 0, shape[0], shape, stored, out)
-        if finite:
-            require_finite(path, name, out)
+        check_finite(finite, path, name, out)
         return out
     rows = max(1, SLICE_BYTES // max(1, stored.itemsize * torch.Size(shape[1:]).numel()))
     for start in range(0, shape[0], rows):
         part = f.read_rows(name, start, min(start + rows, shape[0]), shape, stored)  # (rows, ...) stored dtype
-        if finite:
+        if finite:                      # now: the scratch buffer is read into again next
             require_finite(path, name, part)
         out[start:start + rows].copy_(part)
     return out

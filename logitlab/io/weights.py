@@ -96,12 +96,13 @@ class WeightFiles:
         held = sorted(set(self.files.values()))
         return str(held[0]) if len(held) == 1 else f"the {len(held)} shards in {held[0].parent}" if held else "no file"
 
-    def tensors(self, names: dict[str, str], finite: bool = False, dtype: torch.dtype | None = None,
+    def tensors(self, names: dict[str, str], finite=False, dtype: torch.dtype | None = None,
                 mapped: bool = False):
         """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
         dtype: floating tensors come cast to it (tensors.read_tensor). A .bin file's memory map (and
         its unread tensors) is released after its last tensor. finite=True: a floating tensor that
-        holds NaN or inf is a ValueError naming file and name. mapped=True: a safetensors tensor
+        holds NaN or inf is a ValueError naming file and name (a tensors.FiniteChecks: raised by its
+        wait(), the checks running beside the reads). mapped=True: a safetensors tensor
         that needs no cast comes as a private, copy-on-write mapping of the file's bytes."""
         for path, wanted in self._by_file(names):
             if path in self._bin:
@@ -115,7 +116,7 @@ class WeightFiles:
                     yield key, tensors.read_tensor(f, path, name, self.shapes[name], self.dtypes[name], finite, dtype,
                                                    mapped)
 
-    def fill(self, places: dict[str, torch.Tensor], finite: bool = False) -> None:
+    def fill(self, places: dict[str, torch.Tensor], finite=False) -> None:
         """Read each file name in `places` straight into its tensor (tensors.read_into: the rows of a
         fused projection, say), file by file, casting to that tensor's dtype."""
         for path, wanted in self._by_file({name: name for name in places}):
@@ -126,6 +127,31 @@ class WeightFiles:
             with tensors.open_safetensors(path) as f:
                 for _, name in wanted:
                     tensors.read_into(f, path, name, self.shapes[name], self.dtypes[name], places[name], finite)
+
+    def map_run(self, names: list[str], shape: tuple, finite=False) -> torch.Tensor | None:
+        """Tensors `names` (the parts of a fused projection, in its row order) as one tensor of
+        `shape` over a private mapping of the file that holds them all back to back in that order
+        and in one dtype (tensors.SafetensorsFile.map_run): no fresh memory, no copy. finite=True
+        checks each part for NaN / inf, naming it. None where they cannot be one mapping (a .bin,
+        two files or dtypes, another order in the file, under tensors.MAP_MIN_BYTES). `finite` as
+        for tensors()."""
+        path, dtype = self.files[names[0]], self.dtypes[names[0]]
+        if (path.suffix != ".safetensors" or any(self.files[n] != path or self.dtypes[n] != dtype for n in names)
+                or dtype.itemsize * torch.Size(shape).numel() < tensors.MAP_MIN_BYTES):
+            return None
+        rows = [self.shapes[n][0] for n in names]
+
+        def check(joined: torch.Tensor, release) -> None:
+            def job():                  # one check of every part, then the mapping's pages let go
+                try:
+                    for name, part in zip(names, joined.split(rows)):
+                        tensors.require_finite(path, name, part)
+                finally:
+                    release()
+            finite.queue(job) if isinstance(finite, tensors.FiniteChecks) else job()
+
+        with tensors.open_safetensors(path) as f:
+            return f.map_run(names, shape, dtype, check if finite else None)
 
     def _by_file(self, names: dict[str, str]):
         """(file, [(key, name), ...] sorted by name) for the files that hold `names`, in file order."""
