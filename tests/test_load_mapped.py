@@ -1,6 +1,7 @@
-"""Loading with mmap=True: tensors kept as stored are private, copy-on-write mappings of the
-file. The model equals the one read the default way bit for bit, writes to it never reach the
-file, NaN is still refused by tensor and file, and the default load holds no mapping at all."""
+"""Loading with mmap=True (the default): tensors kept as stored are private, copy-on-write
+mappings of the file. The model equals the one read into its own memory (mmap=False) bit for bit,
+writes to it never reach the file, NaN is still refused by tensor and file, and mmap=False holds
+no mapping at all."""
 
 from __future__ import annotations
 
@@ -71,9 +72,9 @@ def assert_same(a: Transformer, b: Transformer) -> None:
                          ids=["llama-fp32", "llama-bf16", "gpt2"])
 def test_a_mapped_load_equals_the_read_one_bit_for_bit(tmp_path, config, dtype):
     d = hf_dir(tmp_path / "h", config, dtype)
-    read = hf.load_pretrained(d)
-    assert not mapped_files()                                   # the default holds no mapping
-    mapped = hf.load_pretrained(d, mmap=True)
+    read = hf.load_pretrained(d, mmap=False)
+    assert not mapped_files()                                   # mmap=False holds no mapping
+    mapped = hf.load_pretrained(d)                              # the default maps
     assert_same(read, mapped)
     assert mapped_files() and set(mapped_files()) == {str(d / hf.SAFETENSORS)}
     ids = torch.randint(0, config["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
@@ -119,7 +120,7 @@ def test_writes_to_a_mapped_model_never_reach_the_file(tmp_path):
     model = hf.load_pretrained(d, mmap=True).train()
     with torch.no_grad():
         model.tok_emb.weight.add_(1.0)                          # in place, on a mapped tensor
-    original = hf.load_pretrained(d)
+    original = hf.load_pretrained(d, mmap=False)
     assert torch.equal(model.tok_emb.weight, original.tok_emb.weight + 1.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
@@ -146,11 +147,11 @@ def test_a_replaced_file_leaves_a_mapped_model_as_it_was(tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
 
-def test_the_default_load_does_not_depend_on_the_file(tmp_path):
-    """Truncating a file under a mapped model would kill the process (SIGBUS); under a default
-    one it changes nothing, since the default copies every tensor."""
+def test_a_load_without_mmap_does_not_depend_on_the_file(tmp_path):
+    """Truncating a file under a mapped model would kill the process (SIGBUS); under one loaded
+    with mmap=False it changes nothing, since every tensor was copied."""
     d = hf_dir(tmp_path / "h")
-    model = hf.load_pretrained(d)
+    model = hf.load_pretrained(d, mmap=False)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     with open(d / hf.SAFETENSORS, "r+b") as f:
         f.truncate(0)
@@ -175,7 +176,7 @@ def test_a_sharded_checkpoint_maps_each_shard(tmp_path):
     d = hf_dir(tmp_path / "h")
     shard(d)
     assert (d / hf.SAFETENSORS_INDEX).is_file() and len(list(d.glob("model-*.safetensors"))) == 2
-    assert_same(hf.load_pretrained(d), hf.load_pretrained(d, mmap=True))
+    assert_same(hf.load_pretrained(d, mmap=False), hf.load_pretrained(d))
     if sys.platform.startswith("linux"):
         model = hf.load_pretrained(d, mmap=True)                # noqa: F841  (held while the maps are read)
         assert {Path(p).name for p in mapped_files()} == {p.name for p in d.glob("model-*.safetensors")}
@@ -184,7 +185,7 @@ def test_a_sharded_checkpoint_maps_each_shard(tmp_path):
 def test_a_logitlab_directory_maps_too(tmp_path):
     torch.manual_seed(0)
     ck.save_model(Transformer(ModelConfig(**LLAMA)), tmp_path / "m")
-    assert_same(hf.load_pretrained(tmp_path / "m"), hf.load_pretrained(tmp_path / "m", mmap=True))
+    assert_same(hf.load_pretrained(tmp_path / "m", mmap=False), hf.load_pretrained(tmp_path / "m"))
 
 
 def write_in_order(path: Path, state: dict[str, torch.Tensor], order: list[str]) -> None:
@@ -207,7 +208,7 @@ def test_fused_parts_not_back_to_back_are_read_into_their_projection(tmp_path):
     """up_proj before gate_proj, or gate_proj and up_proj in two shards: the fused projection is
     fresh memory, read part by part, and the model is the same."""
     d = hf_dir(tmp_path / "h")
-    reference = hf.load_pretrained(d)
+    reference = hf.load_pretrained(d, mmap=False)
     state = load_file(str(d / hf.SAFETENSORS))
     write_in_order(tmp_path / "new", state, sorted(state, key=lambda k: k.replace("up_proj", "a_up_proj")))
     (tmp_path / "new").replace(d / hf.SAFETENSORS)
@@ -255,17 +256,18 @@ def test_the_mmap_flag_reaches_the_loader_and_gives_the_same_tokens(tmp_path, ca
     assert any(f.endswith(hf.SAFETENSORS) for f in mapped_files())
     ids = torch.tensor([[5, 9, 2]])
     with torch.no_grad():
-        assert torch.equal(loaded.model(ids), load_model_and_tokenizer(d).model(ids))
+        assert torch.equal(loaded.model(ids), load_model_and_tokenizer(d, mmap=False).model(ids))
     del loaded
     gc.collect()
     asked = []
     monkeypatch.setattr(loading, "load_model_and_tokenizer",
                         lambda *a, **k: asked.append(k.get("mmap")) or load_model_and_tokenizer(*a, **k))
     outputs = []
-    for flags in ([], ["--mmap"]):
+    for flags in ([], ["--mmap"], ["--no-mmap"]):
         assert main(["generate", str(d), "ab", "--max-new-tokens", "4", "--temperature", "0", *flags]) == 0
         outputs.append(capsys.readouterr().out)
-    assert asked == [False, True]
+    assert asked == [True, True, False]
+    assert outputs[0] == outputs[2]
     assert outputs[0] == outputs[1] and outputs[0].strip()
 
 

@@ -154,7 +154,7 @@ def _to_quantized(args, resolved, out) -> int:
 
     config = QuantConfig(args.quantize, args.group_size)          # a bad combination is refused first
     files.check_output_dir(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite, source=resolved.directory)
-    m = load_model(args.model, args.revision, args.dtype, args.max_memory, getattr(args, "mmap", False))
+    m = load_model(args.model, args.revision, args.dtype, args.max_memory, getattr(args, "mmap", True))
     report = quantize_model(m.model, config)
     with files.atomic_directory(args.out, checkpoint.MODEL_KIND, overwrite=args.overwrite,
                                 source=resolved.directory) as tmp:
@@ -179,7 +179,7 @@ def _to_gguf(args, out) -> int:
         raise FileExistsError(f"{path} exists (--overwrite replaces it)")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"no directory {path.parent} to write {path.name} into")
-    m = load_model(args.model, args.revision, args.dtype, args.max_memory, getattr(args, "mmap", False))
+    m = load_model(args.model, args.revision, args.dtype, args.max_memory, getattr(args, "mmap", True))
     save_gguf(m.model, path, args.gguf, overwrite=args.overwrite)
     note = ""
     if hf.load_tokenizer(path.parent) is None:

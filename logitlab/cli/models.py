@@ -14,6 +14,7 @@ the flags override, and `--verbose` shows where each setting came from (`sample_
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -42,10 +43,11 @@ def add_model_argument(p, *, dtype: bool = True, memory: bool = True) -> None:
         add_dtype_flag(p)
     if memory:
         add_memory_flag(p)
-        p.add_argument("--mmap", action="store_true",
+        p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=True,
                        help="leave the safetensors tensors that need no conversion as private mappings of the "
-                       "files (faster loading, pages read on first use); the files must not be truncated or "
-                       "rewritten in place while the model runs")
+                       "files (the default: faster loading, pages read on first use and shared with the page "
+                       "cache); --no-mmap reads every tensor into memory the model owns, for files that may "
+                       "be truncated or rewritten in place while the model runs, or on a network filesystem")
 
 
 def rewrite_legacy(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -75,10 +77,10 @@ def rewrite_legacy(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def load_model(spec: str, revision: str | None = None, dtype: str | None = None, max_memory: str | None = None,
-               mmap: bool = False):
+               mmap: bool = True):
     """Any MODEL with its tokenizer and settings: io.loading.Loaded. max_memory (--max-memory): the
     most its weights may take (default: what the machine has available), checked before loading;
-    mmap (--mmap): tensors kept as stored stay mapped from the files."""
+    mmap (--no-mmap: False): tensors kept as stored stay mapped from the files."""
     from logitlab.io.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(spec, revision, dtype, max_memory=max_memory, mmap=mmap)
@@ -87,7 +89,7 @@ def load_model(spec: str, revision: str | None = None, dtype: str | None = None,
 def load(args):
     """load_model for a parsed command line (MODEL, --revision, --dtype, --max-memory)."""
     return load_model(args.model, getattr(args, "revision", None), getattr(args, "dtype", None),
-                      getattr(args, "max_memory", None), getattr(args, "mmap", False))
+                      getattr(args, "max_memory", None), getattr(args, "mmap", True))
 
 
 def generation_defaults(generation: dict) -> dict:

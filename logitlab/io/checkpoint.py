@@ -327,7 +327,7 @@ def resolve_model_dir(path: str | os.PathLike, which: str = "latest") -> Path:
 
 
 def load_for_inference(path: str | os.PathLike, which: str = "latest", device: str = "cpu", dtype=None,
-                       max_memory=None, mmap: bool = False):
+                       max_memory=None, mmap: bool = True):
     """(model in eval mode, tokenizer or None) from a run dir, checkpoint dir or model dir;
     dtype None keeps the stored dtype, else each tensor is cast as it is read. A model whose weights
     need more than max_memory (default: what the machine has available) is refused before it is

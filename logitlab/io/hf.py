@@ -106,7 +106,7 @@ def load_tokenizer(directory: str | os.PathLike, revision: str | None = None):
 
 def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=None,
                     device: str | torch.device = "cpu", revision: str | None = None,
-                    max_memory=None, mmap: bool = False) -> Transformer:
+                    max_memory=None, mmap: bool = True) -> Transformer:
     """Load a Hugging Face directory (families.SUPPORTED_ARCHITECTURES), a logitlab one, or a hub id
     (`load_pretrained("gpt2")`, `"Qwen/Qwen3-0.6B@main"`, or revision=...), which hub.resolve_model
     fetches into the hub cache first.
@@ -120,18 +120,21 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     each tensor is read once, cast to `dtype` as it arrives (a large one in slices of rows, into its
     final storage), moved to `device`, converted and placed, so the peak is about the loaded model
     plus the tensors in flight (never the file and a converted copy together). A floating tensor
-    that holds NaN or inf is refused as it is read, naming its file and key.
+    that holds NaN or inf is refused before the model is returned, naming its file and key.
 
-    mmap=True: a safetensors tensor kept as stored (same dtype, not fused, transposed or split: the
-    embeddings, o_proj, down_proj, the head) is not copied but left as a private, copy-on-write
-    mapping of the file's bytes, as transformers leaves its weights: loading skips zeroing and
-    filling fresh memory for it, and the pages are the page cache's, shared with the file. Writes
-    to the model (training) copy the pages they touch and never reach the file. The file must then
-    stay as it is while the model lives: replacing it by a rename (how logitlab, huggingface_hub
-    and most tools write) or deleting it is safe, but truncating it kills the process with SIGBUS on
-    the next touch of a page past the new end (even a page the model had written), and rewriting it
-    in place changes the weights that no write had copied yet. So it is not the default: the default
-    model owns all of its memory and never depends on the files again. verify=True runs
+    mmap=True (the default): a safetensors tensor kept as stored (same dtype, not transposed or
+    split: the embeddings, o_proj, down_proj, the head, and gate_proj with up_proj where the file
+    holds them back to back, as a file with sorted names does) is not copied but left as a private,
+    copy-on-write mapping of the file's bytes, as transformers and llama.cpp leave their weights:
+    loading skips zeroing and filling fresh memory for it, and the pages are the page cache's,
+    shared with the file and with every process that maps it. Writes to the model (training) copy
+    the pages they touch and never reach the file. The file must then stay as it is while the model
+    lives: replacing it by a rename (how logitlab, huggingface_hub and most tools write) or deleting
+    it is safe, but truncating it in place kills the process with SIGBUS on the next touch of a page
+    past the new end (even a page the model had written), rewriting it in place changes the weights
+    that no write had copied yet, and a network filesystem that fails a read does the same as a
+    truncation. mmap=False (`--no-mmap`) reads every tensor into memory the model owns, which never
+    depends on the files again. verify=True runs
     `verify_against_transformers` on the directory and raises ValueError when any hidden state or
     the logits differ beyond TOLERANCE."""
     directory = resolve_checked(directory, revision, dtype, device, max_memory).directory

@@ -44,7 +44,7 @@ def is_hf_dir(path) -> bool:
 
 
 def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = None, dtype=None,
-                             device: str = "cpu", max_memory=None, mmap: bool = False) -> Loaded:
+                             device: str = "cpu", max_memory=None, mmap: bool = True) -> Loaded:
     """Any model (see the module docstring) with its tokenizer, in eval mode, cast to `dtype`
     (None keeps the stored dtype). A model whose weights need more than `max_memory` ("8GB",
     "512MiB" or bytes; default: what the machine has available) is refused before it is built,

@@ -158,7 +158,7 @@ def read_quantization(directory: str | os.PathLike):
         raise ValueError(f"{path}: \"quantization\": {exc}") from exc
 
 
-def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, max_memory=None, mmap: bool = False):
+def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, max_memory=None, mmap: bool = True):
     """Load a logitlab model directory written by save_model. Before anything is built, the
     config's layer count is checked against the blocks the weights hold and the weights' memory in
     the dtype asked for against `max_memory` (default: what the machine has available; see
