@@ -92,16 +92,25 @@ def mapped_parameters(model: Transformer, name: str = hf.SAFETENSORS) -> set[str
     return {n for n, p in model.named_parameters() if any(a <= p.data_ptr() < b for a, b in spans)}
 
 
+def file_bytes(tensor: torch.Tensor, name: str = hf.SAFETENSORS) -> int:
+    """How many of `tensor`'s bytes lie on pages this process maps from files called `name`."""
+    lo, hi, total = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size(), 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(name):
+            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+            total += max(0, min(b, hi) - max(a, lo))
+    return total
+
+
 @linux
 def test_only_tensors_kept_as_stored_stay_mapped(tmp_path):
-    """q/k/v are read into their fused projection (a sorted file holds o_proj between k_proj and
-    q_proj); gate/up, back to back in the file, are one mapping; a cast reads every tensor."""
+    """Tensors kept as stored and the fused projections' parts are pages of the file (gate/up, back
+    to back in a sorted file, entirely); a cast reads every tensor."""
     d = hf_dir(tmp_path / "h")
     model = hf.load_pretrained(d, mmap=True)
     inside = mapped_parameters(model)
     assert "blocks.0.attn.o_proj.weight" in inside and "tok_emb.weight" in inside and "lm_head.weight" in inside
-    assert {f"blocks.{i}.mlp.gate_up_proj.weight" for i in range(LLAMA["n_layers"])} <= inside
-    assert not any("qkv_proj" in name for name in inside)
+    assert all(file_bytes(b.mlp.gate_up_proj.weight) == b.mlp.gate_up_proj.weight.nbytes for b in model.blocks)
     # checked for NaN, then let go: a page counts in the resident memory from its first use on
     assert resident_kib(hf.SAFETENSORS) == 0
     with torch.no_grad():
@@ -188,6 +197,27 @@ def test_a_logitlab_directory_maps_too(tmp_path):
     assert_same(hf.load_pretrained(tmp_path / "m", mmap=False), hf.load_pretrained(tmp_path / "m"))
 
 
+@linux
+def test_q_k_v_apart_in_the_file_are_mapped_but_where_they_meet(tmp_path):
+    """With o_proj between k_proj and q_proj, each of q, k, v whose rows fill whole pages is mapped
+    over the pages it alone covers; at most the pages where two parts meet are read. NaN in any of
+    them (a read page or a mapped one) is still refused by tensor and file."""
+    config = {**LLAMA, "d_model": 64, "d_ff": 128}                # q 16 KiB, k and v 8 KiB each in fp32
+    d = hf_dir(tmp_path / "h", config)
+    model = hf.load_pretrained(d)
+    assert_same(hf.load_pretrained(d, mmap=False), model)
+    for block in model.blocks:
+        assert block.attn.qkv_proj.weight.nbytes - file_bytes(block.attn.qkv_proj.weight) <= 2 * 4096
+    state = load_file(str(d / hf.SAFETENSORS))
+    for key, row in (("model.layers.1.self_attn.k_proj.weight", 0), ("model.layers.0.self_attn.q_proj.weight", 9)):
+        broken = {k: v.clone() for k, v in state.items()}
+        broken[key][row, 1] = float("nan")
+        save_file(broken, str(tmp_path / "new"), metadata={"format": "pt"})
+        (tmp_path / "new").replace(d / hf.SAFETENSORS)
+        with pytest.raises(ValueError, match=rf"tensor {key} holds 1 NaN / inf values"):
+            hf.load_pretrained(d)
+
+
 def write_in_order(path: Path, state: dict[str, torch.Tensor], order: list[str]) -> None:
     """A safetensors file whose tensors lie in the file in `order` (safetensors' own writer sorts
     them by name): what another tool may write."""
@@ -204,9 +234,9 @@ def write_in_order(path: Path, state: dict[str, torch.Tensor], order: list[str])
 
 
 @linux
-def test_fused_parts_not_back_to_back_are_read_into_their_projection(tmp_path):
-    """up_proj before gate_proj, or gate_proj and up_proj in two shards: the fused projection is
-    fresh memory, read part by part, and the model is the same."""
+def test_fused_parts_in_another_order_or_in_two_shards_load_the_same_model(tmp_path):
+    """up_proj before gate_proj (laid out from the pages of each), or gate_proj and up_proj in two
+    shards (read into fresh memory part by part): the model is the same."""
     d = hf_dir(tmp_path / "h")
     reference = hf.load_pretrained(d, mmap=False)
     state = load_file(str(d / hf.SAFETENSORS))
@@ -214,8 +244,6 @@ def test_fused_parts_not_back_to_back_are_read_into_their_projection(tmp_path):
     (tmp_path / "new").replace(d / hf.SAFETENSORS)
     model = hf.load_pretrained(d, mmap=True)
     assert_same(reference, model)
-    inside = mapped_parameters(model)
-    assert "blocks.0.attn.o_proj.weight" in inside and not any("gate_up_proj" in name for name in inside)
     del model
     gc.collect()
     (d / hf.SAFETENSORS).unlink()                 # two shards: layer 1's up_proj alone in the second
@@ -228,6 +256,7 @@ def test_fused_parts_not_back_to_back_are_read_into_their_projection(tmp_path):
     assert_same(reference, model)
     inside = mapped_parameters(model, ".safetensors")
     assert "blocks.0.mlp.gate_up_proj.weight" in inside and "blocks.1.mlp.gate_up_proj.weight" not in inside
+    assert file_bytes(model.blocks[1].mlp.gate_up_proj.weight, ".safetensors") == 0
 
 
 def test_a_tensor_that_cannot_be_mapped_is_read(tmp_path):

@@ -123,8 +123,8 @@ def load_pretrained(directory: str | os.PathLike, verify: bool = False, dtype=No
     that holds NaN or inf is refused before the model is returned, naming its file and key.
 
     mmap=True (the default): a safetensors tensor kept as stored (same dtype, not transposed or
-    split: the embeddings, o_proj, down_proj, the head, and gate_proj with up_proj where the file
-    holds them back to back, as a file with sorted names does) is not copied but left as a private,
+    split: the embeddings, o_proj, down_proj, the head, and the parts of the fused q/k/v and gate/up
+    projections, laid out side by side from mappings of their pages) is not copied but left as a private,
     copy-on-write mapping of the file's bytes, as transformers and llama.cpp leave their weights:
     loading skips zeroing and filling fresh memory for it, and the pages are the page cache's,
     shared with the file and with every process that maps it. Writes to the model (training) copy

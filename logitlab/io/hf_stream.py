@@ -60,7 +60,7 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
     file and key (the checks run on a few threads beside the reads: tensors.FiniteChecks).
     mapped=True: the tensors that need no cast are private mappings of the files (WeightFiles.tensors);
     those the conversion keeps as they are (not transposed, split or stacked) stay so in the model,
-    and so do fused projections whose parts the file holds back to back (_fused_projections)."""
+    and the fused projections are laid out from mappings of their parts (_fused_projections)."""
     from logitlab.model.keymap import hf_fused_rows
 
     with torch.device("meta"):
@@ -95,9 +95,10 @@ def _fused_projections(weights: WeightFiles, names: dict[str, str], config: Mode
                        mapped: bool, finite) -> dict[str, torch.Tensor]:
     """The fused q/k/v and gate/up projections of a llama-layout checkpoint (keymap.hf_fused_rows),
     logitlab name -> tensor. Each is allocated once in its final dtype and device and its parts are
-    read straight into its rows; with `mapped`, parts that need no cast and lie back to back in one
-    file in the fused order (gate_proj then up_proj, as a file with sorted names holds them) are
-    instead one private mapping of the file (WeightFiles.map_run): no fresh memory, no copy."""
+    read straight into its rows; with `mapped`, parts that need no cast and lie in one file are
+    instead laid out from private mappings of it (WeightFiles.map_run): the pages each part alone
+    covers are the file's, so gate_proj then up_proj, back to back in a file with sorted names,
+    take no fresh memory, and q_proj, k_proj, v_proj (o_proj lies between) a page or two each."""
     from logitlab.model.keymap import hf_fused_rows
 
     state, places, parts = {}, {}, {}

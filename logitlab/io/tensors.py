@@ -16,17 +16,19 @@ zeroed and filled, the pages are the page cache's, shared with every other reade
 and a write to the tensor (a training step) copies the page it touches into this process, so the
 file never changes. The mapping lives as long as the tensor and goes with it. The price: the file
 must stay as it is while the tensor lives (load_pretrained's `mmap` explains what happens
-otherwise). It imports nothing of logitlab; which files make a model directory is model_dir.py's
-and weights.py's.
+otherwise). The parts of a fused projection are laid out as one tensor the same way
+(SafetensorsFile.map_run; the pages are mapping.py's). It imports only io.mapping of logitlab;
+which files make a model directory is model_dir.py's and weights.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
 from pathlib import Path
+
+from logitlab.io import mapping
 
 # A cast tensor is read in slices of rows of at most this many bytes (in the stored dtype): the
 # size of the scratch buffer, the most a load holds beyond the model itself for a cast.
@@ -125,31 +127,32 @@ class SafetensorsFile:
         return self.map_run([key], shape, dtype, check)
 
     def map_run(self, keys: list[str], shape: tuple, dtype, check=None):
-        """Tensors `keys`, stored back to back in this order in `dtype`, as one tensor of `shape`
-        (their rows one after another) over one mapping, as map_tensor maps one: the parts of a fused
-        projection that a file holds next to each other (gate_proj then up_proj, in a file whose
-        names are sorted) so become that projection with no fresh memory and no copy. None where
-        they are not back to back, their bytes are not shape's, or they cannot be mapped."""
-        import ctypes
-        import mmap
-
+        """Tensors `keys`, stored in `dtype`, as one tensor of `shape` (their rows one after another)
+        laid out in one private range of memory (mapping.map_parts): the pages each part alone
+        covers are pages of the file where its place in the file and in the tensor agree within a
+        page, the rest is read. So a fused projection's parts take no fresh memory: none at all when
+        the file holds them back to back (gate_proj then up_proj, in a file whose names are sorted),
+        a page or two per part where they lie apart (q_proj, k_proj, v_proj, with o_proj between).
+        None where their bytes are not shape's, a part is not aligned to its element size, or
+        nothing could be mapped (no mmap(2), a big-endian machine, a call that fails)."""
         import torch
 
         spans = [self._span(key) for key in keys]
-        start, nbytes = spans[0][0], dtype.itemsize * torch.Size(shape).numel()
-        if any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or spans[-1][1] - start != nbytes:
+        nbytes = dtype.itemsize * torch.Size(shape).numel()
+        if (sum(end - first for first, end in spans) != nbytes or nbytes == 0 or sys.byteorder != "little"
+                or any(first % dtype.itemsize for first, _ in spans)):
             return None
-        if sys.byteorder != "little" or start % dtype.itemsize or nbytes == 0:
+        size = os.fstat(self._raw.fileno()).st_size
+        for key, (_, end) in zip(keys, spans):       # a page past the end would be SIGBUS
+            if size < end:
+                raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
+        mapped = mapping.map_parts(self._raw.fileno(), spans)
+        if mapped is None:
             return None
-        if os.fstat(self._raw.fileno()).st_size < start + nbytes:   # a page past the end would be SIGBUS
-            raise ValueError(f"{self.path}: tensor {keys[-1]} ends before its data does; the file may be truncated")
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        buffer = _map_private(self._raw.fileno(), base, start + nbytes - base)
-        if buffer is None:
-            return None
-        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start - base).view(shape)
+        buffer, start, release = mapped
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).view(shape)
         if check is not None:
-            check(tensor, lambda: _libc().madvise(ctypes.addressof(buffer), len(buffer), mmap.MADV_DONTNEED))
+            check(tensor, release)
         return tensor
 
     def _offset(self, key: str) -> int:
@@ -174,49 +177,6 @@ class SafetensorsFile:
             return fn(*args)
         except SafetensorError as exc:
             raise _invalid_safetensors(self.path, exc) from exc
-
-
-@functools.cache
-def _libc():
-    """The C library's mmap(2), munmap(2) and madvise(2) with their argument types, or None where
-    there is none to call (not POSIX, or not 64-bit: off_t is then not the 64-bit integer declared
-    here)."""
-    import ctypes
-
-    if os.name != "posix" or ctypes.sizeof(ctypes.c_void_p) != 8:
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int64]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def _map_private(fd: int, offset: int, length: int):
-    """Bytes [offset, offset + length) of the open file `fd` (offset a multiple of the page size)
-    mapped readable, writable and private (copy-on-write), as a ctypes array a tensor can be made
-    over (torch.frombuffer keeps it alive); unmapped when the array is freed. The mapping holds no
-    file descriptor (Python's mmap.mmap keeps one per mapping until 3.13). None when it fails."""
-    import ctypes
-    import mmap
-    import weakref
-
-    libc = _libc()
-    if libc is None:
-        return None
-    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
-    if address is None or address == ctypes.c_void_p(-1).value:        # MAP_FAILED: read it instead
-        return None
-    buffer = (ctypes.c_char * length).from_address(address)
-    # at exit the process's memory goes anyway: unmapping then could pull pages from under a tensor
-    # that some other exit handler still reads
-    weakref.finalize(buffer, libc.munmap, address, length).atexit = False
-    return buffer
 
 
 def _invalid_safetensors(path: Path, exc: Exception) -> ValueError:

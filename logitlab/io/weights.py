@@ -130,11 +130,11 @@ class WeightFiles:
 
     def map_run(self, names: list[str], shape: tuple, finite=False) -> torch.Tensor | None:
         """Tensors `names` (the parts of a fused projection, in its row order) as one tensor of
-        `shape` over a private mapping of the file that holds them all back to back in that order
-        and in one dtype (tensors.SafetensorsFile.map_run): no fresh memory, no copy. finite=True
-        checks each part for NaN / inf, naming it. None where they cannot be one mapping (a .bin,
-        two files or dtypes, another order in the file, under tensors.MAP_MIN_BYTES). `finite` as
-        for tensors()."""
+        `shape` laid out from private mappings of the file that holds them all in one dtype
+        (tensors.SafetensorsFile.map_run): no copy where the file holds them back to back in that
+        order, a page or two per part read where they lie apart. finite=True checks each part for
+        NaN / inf, naming it. None where they cannot be mapped (a .bin, two files or dtypes, under
+        tensors.MAP_MIN_BYTES). `finite` as for tensors()."""
         path, dtype = self.files[names[0]], self.dtypes[names[0]]
         if (path.suffix != ".safetensors" or any(self.files[n] != path or self.dtypes[n] != dtype for n in names)
                 or dtype.itemsize * torch.Size(shape).numel() < tensors.MAP_MIN_BYTES):
