@@ -1,7 +1,8 @@
 """`python3 -m bench.load [--quick] [--full] [--no-doc]`: loading a checkpoint, logitlab against
 transformers' AutoModelForCausalLM.from_pretrained, on the same directories: logitlab's default
-load (every tensor read into memory the model owns) and, where no tensor is cast, its
-load_pretrained(mmap=True) (tensors kept as stored left as private mappings of the files).
+load (tensors kept as stored, and the fused projections' parts, left as private mappings of the
+files) and, where no tensor is cast, load_pretrained(mmap=False) (every tensor read into memory
+the model owns).
 
 Synthetic, randomly initialised checkpoints are written to a temporary directory in Hugging Face's
 layout, sharded with model.safetensors.index.json: small Llama and Qwen3.5 shapes by default (in
@@ -123,7 +124,7 @@ def _child(spec: dict) -> int:
     base = reset_peak_rss()
     start = time.perf_counter()
     if spec["side"] != "transformers":
-        model = hf.load_pretrained(spec["directory"], dtype=dtype, mmap=spec["side"] == "logitlab-mmap")
+        model = hf.load_pretrained(spec["directory"], dtype=dtype, mmap=spec["side"] != "logitlab-read")
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(spec["directory"], dtype=dtype or "auto")
     seconds = time.perf_counter() - start
@@ -151,7 +152,7 @@ def _read_through(directory: Path) -> None:
 
 
 def measure(name: str, root: Path, repeats: int, threads: int) -> list[dict] | None:
-    """The rows of one checkpoint: logitlab's default load and (where nothing is cast) mmap=True,
+    """The rows of one checkpoint: logitlab's default load and (where nothing is cast) mmap=False,
     each against the same transformers runs; None when it does not fit the memory available."""
     from logitlab.model.memory import available_memory, format_bytes, parameter_count
 
@@ -165,7 +166,7 @@ def measure(name: str, root: Path, repeats: int, threads: int) -> list[dict] | N
     directory = root / name
     file_bytes = write_checkpoint(config, directory, stored, shard_bytes)
     _read_through(directory)
-    modes = ["logitlab"] + (["logitlab-mmap"] if asked in (None, stored) else [])   # a cast maps nothing
+    modes = ["logitlab"] + (["logitlab-read"] if asked in (None, stored) else [])   # a cast maps nothing
     runs = {side: [] for side in (*modes, "transformers")}
     for _ in range(repeats):
         for side in runs:
@@ -173,7 +174,7 @@ def measure(name: str, root: Path, repeats: int, threads: int) -> list[dict] | N
             runs[side].append(json.loads(run_child("bench.load", "--child", spec)[-1]))
     base = dict(stored=stored, dtype=asked or stored, file_gb=file_bytes / GB,
                 shards=len(list(directory.glob("*.safetensors"))), params=parameter_count(config))
-    rows = [_row(name if mode == "logitlab" else f"{name}, mmap=True", base, runs[mode], runs["transformers"])
+    rows = [_row(name if mode == "logitlab" else f"{name}, mmap=False", base, runs[mode], runs["transformers"])
             for mode in modes]
     for path in directory.iterdir():
         path.unlink()
@@ -224,14 +225,14 @@ def render(result: dict) -> str:
               "read\" is the same after a maximum over every parameter, when both sides hold every page of every "
               "weight. Right after loading transformers' resident memory is small because its weights are still "
               "pages of the mapped files, read on first use (and an untied embedding's rows that no token looks "
-              "up are never read). logitlab's default load reads every tensor into memory the model owns (q, k, "
-              "v and gate, up straight into their fused projections) and checks it for NaN / inf: most of its "
-              "time is the kernel handing out fresh pages (zeroed, then filled). With mmap=True the tensors kept "
-              "as stored (embeddings, o_proj, down_proj, the head) stay pages of private mappings of the files, "
-              "as transformers' do, and only the fused projections take fresh memory; the NaN / inf check still "
-              "reads every tensor once, then lets the mapped pages go, so they count again from their first use "
-              "on (its load MiB is the fused projections and the largest tensor checked while they are held). "
-              "transformers pays for its pages on first use, in the forward pass, which is why the load + "
+              "up are never read). logitlab's default load leaves the tensors kept as stored (embeddings, "
+              "o_proj, down_proj, the head) as private mappings of the files, as transformers does, and lays "
+              "out each fused projection (q, k, v; gate, up) from mapped pages of its parts, reading only the "
+              "page or two where two parts meet; it checks every tensor for NaN / inf (on a few threads beside "
+              "the reads), then lets the mapped pages go, so they count again from their first use on. With "
+              "mmap=False every tensor is read into memory the model owns: most of its time is the kernel "
+              "handing out fresh pages (zeroed, then filled). transformers pays for its pages on first use, "
+              "in the forward pass, which is why the load + "
               "forward speed is closer to even than the load speed.")
 
 

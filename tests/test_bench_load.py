@@ -33,13 +33,13 @@ def test_the_synthetic_checkpoint_is_sharded_and_loads_alike(tmp_path):
 @pytest.mark.slow
 def test_a_measured_round_reports_both_sides(tmp_path, monkeypatch):
     monkeypatch.setitem(load_bench.SHAPES, "micro", (MICRO, "fp32", "bf16", 40_000))
-    (out,) = load_bench.measure("micro", tmp_path, repeats=1, threads=1)    # a cast: no mmap=True row
+    (out,) = load_bench.measure("micro", tmp_path, repeats=1, threads=1)    # a cast: no mmap=False row
     assert out["dtype"] == "bf16" and out["shards"] > 2 and out["speed"] > 0 and out["memory"] > 0
     monkeypatch.setitem(load_bench.SHAPES, "micro-bf16", (MICRO, "bf16", None, 40_000))
     rows = load_bench.measure("micro-bf16", tmp_path, repeats=1, threads=1)
-    assert [r["shape"] for r in rows] == ["micro-bf16", "micro-bf16, mmap=True"]
+    assert [r["shape"] for r in rows] == ["micro-bf16", "micro-bf16, mmap=False"]
     assert all(r["speed"] > 0 and r["memory"] > 0 for r in rows)
     text = load_bench.render(dict(machine=dict(nproc=2, cpu="c", torch="t", transformers="x", commit="c"),
                                   command="python3 -m bench.load", repeats=1, threads=1, results=[out, *rows],
                                   skipped=["qwen3.5-2b"]))
-    assert "micro" in text and "micro-bf16, mmap=True" in text
+    assert "micro" in text and "micro-bf16, mmap=False" in text
