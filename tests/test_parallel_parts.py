@@ -236,3 +236,22 @@ def test_sharded_checkpoint_exports_to_a_hugging_face_directory(tmp_path, kind):
     torch.testing.assert_close(loaded(x), par.model(x), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError):
         export_sharded_to_hf(tmp_path / "c", tmp_path / "hf")          # not over a non-empty output
+
+
+def test_a_sharded_checkpoint_of_the_speedrun_recipes_model_is_refused_before_any_read_or_write(tmp_path,
+                                                                                               monkeypatch):
+    import re
+
+    from logitlab.train.parallel_run import export_sharded_to_hf
+    from logitlab.train.recipes import SPEEDRUN
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**SPEEDRUN.model, "vocab_size": 64, "context_length": 16, "d_model": 32,
+                                       "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}))
+    par = parallelize(model, ParallelPlan(), parallel.init_distributed())
+    sharded.save_sharded(tmp_path / "c", par, step=1)
+    monkeypatch.setattr(sharded, "read_model_state", None)                 # the weights are never read
+    with pytest.raises(ValueError, match=f"cannot export {re.escape(str(tmp_path / 'c'))} to Hugging Face: its "
+                                         f"model has value embeddings .*--recipe none"):
+        export_sharded_to_hf(tmp_path / "c", tmp_path / "out" / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]

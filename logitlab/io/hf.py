@@ -225,6 +225,24 @@ def write_hf_files(model, directory: str | os.PathLike, tokenizer=None) -> None:
 HF_KIND = "Hugging Face model"
 
 
+def check_exportable(config: ModelConfig, source: str | os.PathLike | None = None) -> None:
+    """ValueError, before anything is read or written, when no Hugging Face class holds `config`.
+    The training recipe's options (keymap.features_without_hf_class: value embeddings, ReLU² MLPs,
+    soft-capped logits...) are named together in one line with what to do instead; any other
+    refusal is families.config_to_hf's, naming its field. source: the run or model directory the
+    config came from, named in the message."""
+    found = families.features_without_hf_class(config)
+    if found:
+        has = found[0] if len(found) == 1 else f"{', '.join(found[:-1])} and {found[-1]}"
+        what, keep = ((f"{source}", f"keep using {source} as it is (generate, chat, serve, eval and inspect all "
+                       "load it)") if source is not None else
+                      ("this model", "save it with logitlab.save_model (every logitlab command loads that directory)"))
+        raise ValueError(f"cannot export {what} to Hugging Face: its model has {has}, which no Hugging Face class "
+                         f"that logitlab writes has a place for; {keep}, or train with --recipe none "
+                         f"(`logitlab train --recipe none`, `logitlab demo --recipe none`) for a model that exports")
+    families.config_to_hf(config)
+
+
 def save_pretrained(model, directory: str | os.PathLike, tokenizer=None, *, overwrite: bool = False,
                     source: str | os.PathLike | None = None) -> Path:
     """Atomically write config.json + model.safetensors that transformers.AutoModelForCausalLM
@@ -234,7 +252,9 @@ def save_pretrained(model, directory: str | os.PathLike, tokenizer=None, *, over
 
     `directory` must be new or empty, or (overwrite=True) a Hugging Face directory that logitlab
     wrote: then only logitlab's files are replaced and every other file there is kept. It may not
-    be `source` (the directory the model came from) or contain it."""
+    be `source` (the directory the model came from) or contain it. A model no Hugging Face class
+    holds is refused before anything is written (check_exportable)."""
+    check_exportable(_unwrap(model).config, source)
     with files.atomic_directory(directory, HF_KIND, overwrite=overwrite, source=source) as tmp:
         write_hf_files(model, tmp, tokenizer)
     return Path(directory)
@@ -245,6 +265,7 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, which: str
     """Model + tokenizer.json, tokenizer_config.json, special_tokens_map.json (save_pretrained),
     so transformers' AutoModelForCausalLM and AutoTokenizer load the directory. `out_dir` must be
     new or empty (it may lie inside the run), or with overwrite=True an export logitlab wrote."""
+    check_exportable(model_dir.read_model_config(checkpoint.resolve_model_dir(run_dir, which)), run_dir)
     files.check_output_dir(out_dir, HF_KIND, overwrite=overwrite, source=run_dir)  # before loading anything
     model, tokenizer = checkpoint.load_for_inference(run_dir, which)
     return save_pretrained(model, out_dir, tokenizer, overwrite=overwrite, source=run_dir)

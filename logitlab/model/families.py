@@ -29,6 +29,7 @@ from logitlab.model.hf_config_moe import (  # noqa: F401  (importable from here 
 from logitlab.model.keymap import (  # noqa: F401  (the key maps, importable from here as before)
     clean_hf_state,
     expert_layout_of,
+    features_without_hf_class,
     hf_architecture,
     hf_key_to_logitlab,
     hf_tensors_to_logitlab,

@@ -42,11 +42,10 @@ def hf_architecture(config: ModelConfig) -> str:
         return _moe(c, bad)
     if c.attn_sinks:
         bad("attn_sinks", True, "causal-LM")
-    # the small-model training recipe's switches that change the function (zero_init_output does not)
-    for name, on in (("value_embeddings", c.value_embeddings != "none"), ("logit_softcap", c.logit_softcap is not None),
-                     ("norm_affine", not c.norm_affine), ("mlp", c.mlp == "relu2")):
-        if on:
-            bad(name, getattr(c, name), "supported")
+    found = features_without_hf_class(c)
+    if found:
+        raise ValueError(f"the model has {_listed(found)}, which no Hugging Face class that logitlab writes has "
+                         f"a place for")
     if c.norm_zero_centered or c.attn_gate != "none" or "linear_attention" in c.layer_kinds:
         return _qwen3_5(c, bad)
     if c.partial_rotary_factor != 1.0:
@@ -74,6 +73,27 @@ def hf_architecture(config: ModelConfig) -> str:
     if kinds != {"full_attention"}:  # a mix of full and sliding layers: Qwen2's per-layer types
         bad("layer_types", sorted(kinds), "Llama or Mistral (every layer alike)")
     return "LlamaForCausalLM"
+
+
+# The small-model training recipe's switches that change the function (zero_init_output, only an
+# initialisation, does not): in words, with the field that sets each.
+_RECIPE_FEATURES = (("value embeddings", "value_embeddings", lambda c: c.value_embeddings != "none"),
+                    ("ReLU² MLPs", "mlp", lambda c: c.mlp == "relu2"),
+                    ("soft-capped logits", "logit_softcap", lambda c: c.logit_softcap is not None),
+                    ("parameter-free RMSNorm", "norm_affine", lambda c: not c.norm_affine))
+
+
+def features_without_hf_class(config: ModelConfig) -> list[str]:
+    """What `config` computes that no Hugging Face class logitlab writes can hold, one phrase per
+    feature naming its field, e.g. "value embeddings (value_embeddings='alternate')" (a value
+    embedding is a token table added to attention's values, for which Llama and Qwen have no
+    weight); [] when there is none."""
+    return [f"{words} ({name}={getattr(config, name)!r})" for words, name, on in _RECIPE_FEATURES if on(config)]
+
+
+def _listed(phrases: list[str]) -> str:
+    """["a"] -> "a"; ["a", "b", "c"] -> "a, b and c"."""
+    return phrases[0] if len(phrases) == 1 else f"{', '.join(phrases[:-1])} and {phrases[-1]}"
 
 
 def _qwen3_5(c: ModelConfig, bad) -> str:

@@ -62,7 +62,7 @@ def export_sharded_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.Pa
     reading the weights only (the optimizer state's shards are never loaded). The tokenizer
     defaults to the run's (RUN/tokenizer.logitlab.json beside RUN/dcp-STEP), when it has one."""
     from logitlab.io.checkpoint import TOKENIZER_FILE
-    from logitlab.io.hf import HF_KIND, load_tokenizer, save_pretrained
+    from logitlab.io.hf import HF_KIND, check_exportable, load_tokenizer, save_pretrained
     from logitlab.model.config import ModelConfig
     from logitlab.model.transformer import Transformer
 
@@ -70,9 +70,10 @@ def export_sharded_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.Pa
     if tokenizer is None and (run_dir / TOKENIZER_FILE).is_file():
         tokenizer = load_tokenizer(run_dir)
 
+    config = ModelConfig.from_dict(sharded.read_meta(checkpoint_dir)["model_config"])
+    check_exportable(config, checkpoint_dir)                     # before anything is read or written
     files.check_output_dir(out_dir, HF_KIND, overwrite=overwrite, source=checkpoint_dir)
-    meta, state = sharded.read_model_state(checkpoint_dir)
-    config = ModelConfig.from_dict(meta["model_config"])
+    _, state = sharded.read_model_state(checkpoint_dir)
     with torch.device("meta"):
         model = Transformer(config)
     if config.tie_embeddings:
