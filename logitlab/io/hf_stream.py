@@ -52,7 +52,7 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
 
     Names and shapes are checked (check_hf_state) before anything is read. The q/k/v and gate/up
     tensors of a llama-layout checkpoint are read straight into the rows of the fused projection
-    that holds them (keymap.hf_fused_rows), allocated once in the final dtype; every other tensor is
+    that holds them (keymap.hf_fused_pieces), allocated once in the final dtype; every other tensor is
     read, cast to `dtype`, moved to `device` (a cast commutes with the transposes and concatenations
     of the conversion, so the result is the same bit for bit) and converted by
     families.hf_tensors_to_logitlab. The tensors are assigned into a model built on the meta device.
@@ -61,7 +61,7 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
     mapped=True: the tensors that need no cast are private mappings of the files (WeightFiles.tensors);
     those the conversion keeps as they are (not transposed, split or stacked) stay so in the model,
     and the fused projections are laid out from mappings of their parts (_fused_projections)."""
-    from logitlab.model.keymap import hf_fused_rows
+    from logitlab.model.keymap import hf_fused_pieces, hf_token_table
 
     with torch.device("meta"):
         model = Transformer(config)
@@ -79,8 +79,12 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
 
         # the converted tensors are the model's own (final dtype and device): holding them until one
         # assignment costs nothing extra, and one load_state_dict walks the modules once
-        rest = {key: name for key, name in names.items() if hf_fused_rows(key, config) is None}
-        state.update(families.hf_tensors_to_logitlab(cast(weights.tensors(rest, finite, dtype, mapped)), config))
+        rest = {key: name for key, name in names.items() if hf_fused_pieces(key, config) is None}
+        # an untied token table: a forward pass reads only its tokens' rows, so the pages the check
+        # read go again (a tied one is the head too, read whole by every forward pass)
+        table = frozenset() if config.tie_embeddings else frozenset({names.get(hf_token_table(config))})
+        state.update(families.hf_tensors_to_logitlab(cast(weights.tensors(rest, finite, dtype, mapped, table)),
+                                                     config))
     model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()
@@ -93,28 +97,29 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
 
 def _fused_projections(weights: WeightFiles, names: dict[str, str], config: ModelConfig, dtype, device,
                        mapped: bool, finite) -> dict[str, torch.Tensor]:
-    """The fused q/k/v and gate/up projections of a llama-layout checkpoint (keymap.hf_fused_rows),
-    logitlab name -> tensor. Each is allocated once in its final dtype and device and its parts are
-    read straight into its rows; with `mapped`, parts that need no cast and lie in one file are
-    instead laid out from private mappings of it (WeightFiles.map_run): the pages each part alone
-    covers are the file's, so gate_proj then up_proj, back to back in a file with sorted names,
-    take no fresh memory, and q_proj, k_proj, v_proj (o_proj lies between) a page or two each."""
-    from logitlab.model.keymap import hf_fused_rows
+    """The fused q/k/v and gate/up projections of a llama-layout checkpoint (and Qwen3.5's output
+    gate, whose rows its q_proj holds), logitlab name -> tensor, from the pieces of rows that
+    keymap.hf_fused_pieces places. Each is allocated once in its final dtype and device and its
+    pieces are read straight into its rows; with `mapped`, pieces that need no cast and lie in one
+    file are instead laid out from private mappings of it (WeightFiles.map_run): the pages each
+    piece alone covers are the file's, so gate_proj then up_proj, back to back in a file with
+    sorted names, take no fresh memory, and q_proj, k_proj, v_proj (o_proj lies between) a page or
+    two each."""
+    from logitlab.model.keymap import hf_fused_pieces
 
-    state, places, parts = {}, {}, {}
+    groups: dict[str, list] = {}
     for key, name in names.items():
-        spot = hf_fused_rows(key, config)
-        if spot is not None:
-            fused, start, _, rows = spot
-            parts.setdefault(fused, []).append((start, name, rows))
-    for fused, group in parts.items():
+        for fused, start, first, end, rows in hf_fused_pieces(key, config) or ():
+            groups.setdefault(fused, []).append((start, name, first, end, rows))
+    state, places = {}, []
+    for fused, group in groups.items():
         group.sort()
-        rows, shape, stored = group[0][2], weights.shapes[group[0][1]], weights.dtypes[group[0][1]]
+        shape, stored = (group[0][4], *weights.shapes[group[0][1]][1:]), weights.dtypes[group[0][1]]
         if mapped and dtype in (None, stored) and torch.device(device or "cpu").type == "cpu":
-            state[fused] = weights.map_run([name for _, name, _ in group], (rows, *shape[1:]), finite)
-        if state.get(fused) is None:      # read into fresh memory: each part into its rows
-            state[fused] = torch.empty((rows, *shape[1:]), dtype=dtype or stored, device=device)
-            for start, name, _ in group:
-                places[name] = state[fused][start:start + weights.shapes[name][0]]
+            state[fused] = weights.map_run([(name, first, end) for _, name, first, end, _ in group], shape, finite)
+        if state.get(fused) is None:      # read into fresh memory: each piece into its rows
+            state[fused] = torch.empty(shape, dtype=dtype or stored, device=device)
+            places += [(name, first, end, state[fused][start:start + end - first])
+                       for start, name, first, end, _ in group]
     weights.fill(places, finite)
     return state

@@ -171,6 +171,8 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
     (read_quantization) is built with its quantized layers, whose tensors keep their stored dtypes.
     mmap=True: a tensor that needs no cast stays a private mapping of the file (hf.load_pretrained's
     `mmap` says what that means and costs)."""
+    import torch
+
     directory = Path(directory)
     config = read_model_config(directory)
     path = directory / WEIGHTS_FILE
@@ -179,6 +181,10 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
     header = read_header(path)
     model, expected, kept = _build_checked(directory, config, header, dtype, device, max_memory)
     state = {}
+    # a forward pass reads only some rows of a lookup table (not of a tied one, the head too): the
+    # pages its NaN check read go again
+    tables = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    tables -= {"tok_emb.weight"} if config.tie_embeddings else set()
     with open_safetensors(path) as f, FiniteChecks() as finite:
         shapes, legacy = {key: shape for key, (shape, _) in header.items()}, None
         if any(_LEGACY_KEY.search(key) for key in shapes):  # written before the fused projections
@@ -188,7 +194,8 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
         for key in expected:  # each tensor cast as it arrives: only the final model is kept
             cast = dtype if key not in kept else None    # quantized tensors keep their stored dtypes
             tensor = (cast_read(path, key, legacy.pop(key), True, cast) if legacy is not None
-                      else read_tensor(f, path, key, *header[key], finite=finite, dtype=cast, mapped=mmap))
+                      else read_tensor(f, path, key, *header[key], finite=finite, dtype=cast, mapped=mmap,
+                                       let_go=key in tables))
             state[key] = tensor.to(device=device)
             del tensor
     model.load_state_dict(state, strict=False, assign=True)

@@ -23,6 +23,7 @@ which files make a model directory is model_dir.py's and weights.py's.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -124,26 +125,29 @@ class SafetensorsFile:
         they stay in the page cache, and nothing was written that could be lost), so that, as for a
         tensor never read, a page counts in the resident memory from its first use on (an
         embedding's rows no token looks up never do)."""
-        return self.map_run([key], shape, dtype, check)
+        return self.map_run([(key, 0, shape[0] if shape else 1)], shape, dtype, check)
 
-    def map_run(self, keys: list[str], shape: tuple, dtype, check=None):
-        """Tensors `keys`, stored in `dtype`, as one tensor of `shape` (their rows one after another)
-        laid out in one private range of memory (mapping.map_parts): the pages each part alone
-        covers are pages of the file where its place in the file and in the tensor agree within a
-        page, the rest is read. So a fused projection's parts take no fresh memory: none at all when
-        the file holds them back to back (gate_proj then up_proj, in a file whose names are sorted),
-        a page or two per part where they lie apart (q_proj, k_proj, v_proj, with o_proj between).
-        None where their bytes are not shape's, a part is not aligned to its element size, or
-        nothing could be mapped (no mmap(2), a big-endian machine, a call that fails)."""
+    def map_run(self, pieces: list[tuple[str, int, int]], shape: tuple, dtype, check=None):
+        """Rows of tensors, `pieces` ((key, first row, end row) each, stored in `dtype`, rows of
+        shape[1:]), as one tensor of `shape` (the pieces one after another) laid out in one private
+        range of memory (mapping.map_parts): the pages each piece alone covers are pages of the file
+        where its place in the file and in the tensor agree within a page, the rest is read. So a
+        fused projection's parts take no fresh memory: none at all when the file holds them back to
+        back (gate_proj then up_proj, in a file whose names are sorted), a page or two per part where
+        they lie apart (q_proj, k_proj, v_proj, with o_proj between). None where their bytes are not
+        shape's, a piece is not aligned to its element size, or nothing could be mapped (no mmap(2),
+        a big-endian machine, a call that fails)."""
         import torch
 
-        spans = [self._span(key) for key in keys]
+        row = dtype.itemsize * torch.Size(shape[1:]).numel()
+        spans = [(self._span(key)[0] + first * row, self._span(key)[0] + end * row) for key, first, end in pieces]
         nbytes = dtype.itemsize * torch.Size(shape).numel()
         if (sum(end - first for first, end in spans) != nbytes or nbytes == 0 or sys.byteorder != "little"
-                or any(first % dtype.itemsize for first, _ in spans)):
+                or any(first % dtype.itemsize for first, _ in spans)
+                or any(end > self._span(key)[1] for (key, _, _), (_, end) in zip(pieces, spans))):
             return None
         size = os.fstat(self._raw.fileno()).st_size
-        for key, (_, end) in zip(keys, spans):       # a page past the end would be SIGBUS
+        for (key, _, _), (_, end) in zip(pieces, spans):       # a page past the end would be SIGBUS
             if size < end:
                 raise ValueError(f"{self.path}: tensor {key} ends before its data does; the file may be truncated")
         mapped = mapping.map_parts(self._raw.fileno(), spans)
@@ -234,19 +238,27 @@ class FiniteChecks:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         workers = min(4, cpus) if workers is None else workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="finite") if workers > 1 else None
-        self._queue: list = []          # (future, bytes held) in the order queued
+        self._queue: collections.deque = collections.deque()    # (future, bytes held) in the order queued
+        self._held = 0
 
     def queue(self, job, held: int = 0) -> None:
         if self._pool is None:
             job()
             return
-        while self._queue and sum(b for _, b in self._queue) + held > self.QUEUE_BYTES:
-            self._queue.pop(0)[0].result()
+        while self._queue and self._held + held > self.QUEUE_BYTES:
+            self._next()
         self._queue.append((self._pool.submit(job), held))
+        self._held += held
 
     def wait(self) -> None:
         while self._queue:
-            self._queue.pop(0)[0].result()
+            self._next()
+
+    def _next(self) -> None:
+        """Wait for the oldest job (raising its error) and let go of what it held."""
+        future, held = self._queue.popleft()
+        self._held -= held
+        future.result()
 
     def __enter__(self) -> "FiniteChecks":
         return self
@@ -261,10 +273,11 @@ class FiniteChecks:
             self._queue.clear()
 
 
-def check_finite(finite, path, name: str, tensor, release=None) -> None:
+def check_finite(finite, path, name: str, tensor, release=None, mapped: bool = False) -> None:
     """The NaN / inf check (require_finite) a reader asked for: `finite` False (none), True (now),
-    or a FiniteChecks (queued there). release: `tensor` is a mapping of the file, whose pages
-    release() lets go once it is checked (at once when no check is asked for)."""
+    or a FiniteChecks (queued there). mapped: `tensor` is a mapping of the file (queuing it holds
+    no memory); release, when given, lets its pages go once it is checked (at once when no check
+    is asked for)."""
     def job():
         try:
             require_finite(path, name, tensor)
@@ -273,7 +286,7 @@ def check_finite(finite, path, name: str, tensor, release=None) -> None:
                 release()
 
     if isinstance(finite, FiniteChecks):
-        finite.queue(job, 0 if release is not None else tensor.numel() * tensor.element_size())
+        finite.queue(job, 0 if mapped else tensor.numel() * tensor.element_size())
     elif finite:
         job()
     elif release is not None:
@@ -291,45 +304,53 @@ def cast_read(path, name: str, tensor, finite, dtype):
 
 
 def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finite=False, dtype=None,
-                mapped: bool = False):
+                mapped: bool = False, let_go: bool = False):
     """Tensor `name` of the open file `f` (of `shape` and `stored` dtype), as `dtype` (None: as
     stored; integer tensors stay as stored): read_into a tensor allocated for it, or with
     `mapped`, when it stays in its stored dtype and holds at least MAP_MIN_BYTES, a view of a
-    private mapping of the file (f.map_tensor; read as usual where it cannot be mapped)."""
+    private mapping of the file (f.map_tensor; read as usual where it cannot be mapped). let_go: the
+    mapped pages the NaN / inf check read are let go after it (a token table, of which a forward
+    pass reads only the rows of its tokens); every other tensor is read whole by the first forward
+    pass, so its pages stay."""
     import torch
 
     target = dtype if stored.is_floating_point and dtype is not None else stored
     if mapped and target == stored and stored.itemsize * torch.Size(shape).numel() >= MAP_MIN_BYTES:
-        check = (lambda t, release: check_finite(finite, path, name, t, release)) if finite else None
-        tensor = f.map_tensor(name, shape, stored, check)
+        def check(t, release):
+            check_finite(finite, path, name, t, release if let_go else None, mapped=True)
+
+        tensor = f.map_tensor(name, shape, stored, check if finite else None)
         if tensor is not None:
             return tensor
     return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=target), finite)
 
 
-def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, finite=False):
+def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, finite=False, rows=None):
     """Fill `out` (a tensor of `shape`: a new tensor, or the rows of a fused projection) with tensor
-    `name` of the open file `f` -> out. In the stored dtype the bytes go straight into out's memory
-    (pread(2), no copy); in another dtype a slice of rows at a time (SLICE_BYTES) goes through the
-    file's scratch buffer and is cast by the copy into out, so the stored-dtype copy of the whole
-    never exists. finite=True: NaN or inf is a ValueError naming the file and the tensor (a
-    FiniteChecks: the check of a tensor read whole is queued there)."""
+    `name` of the open file `f` -> out; rows=(first, end): only those rows of it, out being their
+    shape. In the stored dtype the bytes go straight into out's memory (pread(2), no copy); in
+    another dtype a slice of rows at a time (SLICE_BYTES) goes through the file's scratch buffer and
+    is cast by the copy into out, so the stored-dtype copy of the whole never exists. finite=True:
+    NaN or inf is a ValueError naming the file and the tensor (a FiniteChecks: the check of rows
+    read straight into out is queued there)."""
     import torch
 
-    if tuple(out.shape) != tuple(shape):
+    first, end = rows if rows is not None else (0, shape[0] if shape else 0)
+    if tuple(out.shape) != ((end - first, *shape[1:]) if rows is not None else tuple(shape)):
         raise ValueError(f"{path}: tensor {name} has shape {tuple(shape)}, its place {tuple(out.shape)}")
     direct = out.dtype == stored and out.is_contiguous() and out.device.type == "cpu"
     if sys.byteorder != "little" or not hasattr(os, "preadv") or not shape or (out.dtype == stored and not direct):
-        out.copy_(cast_read(path, name, f.get_tensor(name), finite, None))    # the general (slower) way
+        whole = f.get_tensor(name) if rows is None else f.get_slice(name)[first:end]
+        out.copy_(cast_read(path, name, whole, finite, None))               # the general (slower) way
         return out
     if direct:
-        f.read_rows(name, 0, shape[0], shape, stored, out)
+        f.read_rows(name, first, end, shape, stored, out)
         check_finite(finite, path, name, out)
         return out
-    rows = max(1, SLICE_BYTES // max(1, stored.itemsize * torch.Size(shape[1:]).numel()))
-    for start in range(0, shape[0], rows):
-        part = f.read_rows(name, start, min(start + rows, shape[0]), shape, stored)  # (rows, ...) stored dtype
+    step = max(1, SLICE_BYTES // max(1, stored.itemsize * torch.Size(shape[1:]).numel()))
+    for start in range(first, end, step):
+        part = f.read_rows(name, start, min(start + step, end), shape, stored)  # (rows, ...) stored dtype
         if finite:                      # now: the scratch buffer is read into again next
             require_finite(path, name, part)
-        out[start:start + rows].copy_(part)
+        out[start - first:start - first + step].copy_(part)
     return out

@@ -97,13 +97,14 @@ class WeightFiles:
         return str(held[0]) if len(held) == 1 else f"the {len(held)} shards in {held[0].parent}" if held else "no file"
 
     def tensors(self, names: dict[str, str], finite=False, dtype: torch.dtype | None = None,
-                mapped: bool = False):
+                mapped: bool = False, let_go: frozenset = frozenset()):
         """(key, tensor) for each key -> file name in `names`, in file order, read one at a time.
         dtype: floating tensors come cast to it (tensors.read_tensor). A .bin file's memory map (and
         its unread tensors) is released after its last tensor. finite=True: a floating tensor that
         holds NaN or inf is a ValueError naming file and name (a tensors.FiniteChecks: raised by its
         wait(), the checks running beside the reads). mapped=True: a safetensors tensor
-        that needs no cast comes as a private, copy-on-write mapping of the file's bytes."""
+        that needs no cast comes as a private, copy-on-write mapping of the file's bytes; those named
+        in let_go have the pages the check read let go again (tensors.read_tensor)."""
         for path, wanted in self._by_file(names):
             if path in self._bin:
                 state = self._bin.pop(path)
@@ -114,44 +115,48 @@ class WeightFiles:
             with tensors.open_safetensors(path) as f:
                 for key, name in wanted:
                     yield key, tensors.read_tensor(f, path, name, self.shapes[name], self.dtypes[name], finite, dtype,
-                                                   mapped)
+                                                   mapped, name in let_go)
 
-    def fill(self, places: dict[str, torch.Tensor], finite=False) -> None:
-        """Read each file name in `places` straight into its tensor (tensors.read_into: the rows of a
-        fused projection, say), file by file, casting to that tensor's dtype."""
-        for path, wanted in self._by_file({name: name for name in places}):
+    def fill(self, places: list[tuple[str, int, int, torch.Tensor]], finite=False) -> None:
+        """Read rows [first, end) of each file name in `places` ((name, first, end, out) each)
+        straight into out (tensors.read_into: the rows of a fused projection, say), file by file,
+        casting to out's dtype."""
+        by_file: dict[Path, list] = {}
+        for place in places:
+            by_file.setdefault(self.files[place[0]], []).append(place)
+        for path in sorted(by_file):
+            wanted = sorted(by_file[path], key=lambda place: place[:3])
             if path in self._bin:
-                for _, name in wanted:
-                    places[name].copy_(tensors.cast_read(path, name, self._bin[path][name], finite, None))
+                for name, first, end, out in wanted:
+                    out.copy_(tensors.cast_read(path, name, self._bin[path][name][first:end], finite, None))
                 continue
             with tensors.open_safetensors(path) as f:
-                for _, name in wanted:
-                    tensors.read_into(f, path, name, self.shapes[name], self.dtypes[name], places[name], finite)
+                for name, first, end, out in wanted:
+                    tensors.read_into(f, path, name, self.shapes[name], self.dtypes[name], out, finite, (first, end))
 
-    def map_run(self, names: list[str], shape: tuple, finite=False) -> torch.Tensor | None:
-        """Tensors `names` (the parts of a fused projection, in its row order) as one tensor of
-        `shape` laid out from private mappings of the file that holds them all in one dtype
-        (tensors.SafetensorsFile.map_run): no copy where the file holds them back to back in that
-        order, a page or two per part read where they lie apart. finite=True checks each part for
-        NaN / inf, naming it. None where they cannot be mapped (a .bin, two files or dtypes, under
+    def map_run(self, pieces: list[tuple[str, int, int]], shape: tuple, finite=False) -> torch.Tensor | None:
+        """Rows of tensors, `pieces` ((name, first row, end row) each: the parts of a fused
+        projection, in its row order), as one tensor of `shape` laid out from private mappings of
+        the file that holds them all in one dtype (tensors.SafetensorsFile.map_run): no copy where
+        the file holds them back to back in that order, a page or two per part read where they lie
+        apart. finite=True checks every piece for NaN / inf, naming the tensor it comes from. None
+        where they cannot be mapped (a .bin, two files or dtypes, under
         tensors.MAP_MIN_BYTES). `finite` as for tensors()."""
+        names = list(dict.fromkeys(name for name, _, _ in pieces))
         path, dtype = self.files[names[0]], self.dtypes[names[0]]
         if (path.suffix != ".safetensors" or any(self.files[n] != path or self.dtypes[n] != dtype for n in names)
                 or dtype.itemsize * torch.Size(shape).numel() < tensors.MAP_MIN_BYTES):
             return None
-        rows = [self.shapes[n][0] for n in names]
+        starts = [sum(end - first for _, first, end in pieces[:i]) for i in range(len(pieces))]
 
         def check(joined: torch.Tensor, release) -> None:
-            def job():                  # one check of every part, then the mapping's pages let go
-                try:
-                    for name, part in zip(names, joined.split(rows)):
-                        tensors.require_finite(path, name, part)
-                finally:
-                    release()
+            def job():                  # one check of every piece (its pages stay: a forward reads them all)
+                for (name, first, end), at in zip(pieces, starts):
+                    tensors.require_finite(path, name, joined[at:at + end - first])
             finite.queue(job) if isinstance(finite, tensors.FiniteChecks) else job()
 
         with tensors.open_safetensors(path) as f:
-            return f.map_run(names, shape, dtype, check if finite else None)
+            return f.map_run(pieces, shape, dtype, check if finite else None)
 
     def _by_file(self, names: dict[str, str]):
         """(file, [(key, name), ...] sorted by name) for the files that hold `names`, in file order."""

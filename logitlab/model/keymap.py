@@ -144,6 +144,13 @@ _GPT2_BLOCK = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv
 _GPT2_CONV1D = ("c_attn", "c_proj", "c_fc")  # Conv1D weights are stored (in, out): transposed here
 
 
+def hf_token_table(config: ModelConfig) -> str:
+    """The cleaned Hugging Face name of the token embedding's table (model.embed_tokens.weight,
+    transformer.wte.weight): the one tensor a forward pass reads only some rows of."""
+    top = {v: k for k, v in (_GPT2_TOP if key_layout(config) == "gpt2" else _LLAMA_TOP).items()}
+    return f"{top['tok_emb']}.weight"
+
+
 def key_layout(config: ModelConfig) -> str:
     """"gpt2" or "llama": which Hugging Face naming scheme `config` uses (Qwen3.5 is llama's, with
     linear_attn.* tensors and the output gate's rows inside q_proj)."""
@@ -226,21 +233,27 @@ def clean_hf_state(hf_state: dict, config: ModelConfig) -> dict:
     return state
 
 
-def hf_fused_rows(key: str, config: ModelConfig) -> tuple[str, int, int, int] | None:
-    """Where a cleaned llama-layout q/k/v or gate/up tensor goes: (logitlab name of the fused
-    projection, first row, end row, the fused tensor's rows), so a loader can read it straight into
-    its rows; None for any other tensor, for q/k/v under Qwen3.5's output gate (its q_proj rows
-    interleave the gate's, which hf_tensors_to_logitlab splits) and for latent attention's q_proj."""
+def hf_fused_pieces(key: str, config: ModelConfig) -> list[tuple[str, int, int, int, int]] | None:
+    """Where the rows of a cleaned llama-layout q/k/v or gate/up tensor go: (logitlab name of a
+    fused projection, its first row there, first and end row of the tensor, the projection's
+    rows), one piece per run of rows, so a loader can read (or map) each straight into place; None
+    for any other tensor and for latent attention's own q_proj. One piece per tensor but for
+    Qwen3.5's gated q_proj, whose rows hold, head by head, Dh query rows then Dh gate rows: H
+    pieces into qkv_proj's query rows and H into the output gate's gate_proj."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", key)
     if m is None or m.group(2) not in _LLAMA_PART or key_layout(config) != "llama":
         return None
     fused, j, _ = _LLAMA_PART[m.group(2)]
-    if fused == "attn.qkv_proj" and (config.attn_gate == "elementwise" or config.is_mla):
-        return None                              # Qwen3.5's gated q_proj; latent attention's own q_proj
+    if fused == "attn.qkv_proj" and config.is_mla:
+        return None                              # latent attention's own q_proj
     H, Hkv, Dh, F = config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
     sizes = (H * Dh, Hkv * Dh, Hkv * Dh) if fused == "attn.qkv_proj" else (F, F)
-    start = sum(sizes[:j])
-    return f"blocks.{m.group(1)}.{fused}.{m.group(3)}", start, start + sizes[j], sum(sizes)
+    name, start = f"blocks.{m.group(1)}.{fused}.{m.group(3)}", sum(sizes[:j])
+    if fused == "attn.qkv_proj" and j == 0 and config.attn_gate == "elementwise":
+        gate = f"blocks.{m.group(1)}.attn.gate_proj.{m.group(3)}"
+        return ([(name, h * Dh, 2 * h * Dh, (2 * h + 1) * Dh, sum(sizes)) for h in range(H)]
+                + [(gate, h * Dh, (2 * h + 1) * Dh, (2 * h + 2) * Dh, H * Dh) for h in range(H)])
+    return [(name, start, 0, sizes[j], sum(sizes))]
 
 
 def hf_tensors_to_logitlab(items, config: ModelConfig):
