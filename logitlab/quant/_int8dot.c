@@ -270,6 +270,22 @@ static inline AVX2 __m256i pair_avx2(__m256i lo, __m256i hi, __m256i xl, __m256i
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
+/* The end of int4 group g for a tile: each row's block sums (acc, times d) times the group's scale
+ * s, less the zero point's part (z times the sum of x over the group's blocks), added to total. */
+static inline __attribute__((always_inline)) AVX2 void close_group4(
+        const Act *a, Py_ssize_t m0, int mr, int nr, const Weight *w, const Py_ssize_t *n, Py_ssize_t g,
+        __m256 acc[MR][NR], float total[MR][NR]) {
+    Py_ssize_t B = a->K / BLOCK, per = w->G / BLOCK, groups = a->K / w->G;
+    for (int m = 0; m < mr; m++) {
+        float xs = 0.0f;
+        for (Py_ssize_t b = g * per; b < (g + 1) * per; b++) xs += a->sum[(m0 + m) * B + b];
+        for (int r = 0; r < nr; r++) {
+            float sg = bf16_to_f32(w->s4[n[r] * groups + g]);
+            total[m][r] += sg * (hsum_avx2(acc[m][r]) - (float)w->z4[n[r] * groups + g] * xs);
+        }
+    }
+}
+
 /* int4 with groups of 64 or more (whole pairs of blocks): as tile4_avx2, two blocks a step. */
 static inline __attribute__((always_inline)) AVX2 void tile4_pairs_avx2(
         const Act *a, Py_ssize_t m0, int mr, int nr, const Weight *w, const Py_ssize_t *n, float out[MR][NR]) {
@@ -296,14 +312,7 @@ static inline __attribute__((always_inline)) AVX2 void tile4_pairs_avx2(
                     acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_avx2(lo[r], hi[r], xl, xh)), scale, acc[m][r]);
             }
         }
-        for (int m = 0; m < mr; m++) {
-            float xs = 0.0f;
-            for (Py_ssize_t b = g * per; b < (g + 1) * per; b++) xs += a->sum[(m0 + m) * B + b];
-            for (int r = 0; r < nr; r++) {
-                float sg = bf16_to_f32(w->s4[n[r] * groups + g]);
-                total[m][r] += sg * (hsum_avx2(acc[m][r]) - (float)w->z4[n[r] * groups + g] * xs);
-            }
-        }
+        close_group4(a, m0, mr, nr, w, n, g, acc, total);
     }
     for (int m = 0; m < mr; m++)
         for (int r = 0; r < nr; r++) out[m][r] = total[m][r];
@@ -336,14 +345,7 @@ static inline __attribute__((always_inline)) AVX2 void tile4_avx2(
                 }
             }
         }
-        for (int m = 0; m < mr; m++) {
-            float xs = 0.0f;
-            for (Py_ssize_t b = g * per; b < (g + 1) * per; b++) xs += a->sum[(m0 + m) * B + b];
-            for (int r = 0; r < nr; r++) {
-                float sg = bf16_to_f32(w->s4[n[r] * groups + g]);
-                total[m][r] += sg * (hsum_avx2(acc[m][r]) - (float)w->z4[n[r] * groups + g] * xs);
-            }
-        }
+        close_group4(a, m0, mr, nr, w, n, g, acc, total);
     }
     for (int m = 0; m < mr; m++)
         for (int r = 0; r < nr; r++) out[m][r] = total[m][r];
