@@ -386,6 +386,9 @@ def test_a_gated_q_proj_is_laid_out_head_by_head_into_q_and_the_gate(tmp_path):
         for key in ("blocks.3.attn.qkv_proj.weight", "blocks.3.attn.gate_proj.weight"):
             assert torch.equal(got[key], expected[key]), (mmap, key)
         assert_same(model, hf.load_pretrained(d, mmap=not mmap))
+    cast = hf.load_pretrained(d, dtype="bf16").state_dict()            # read a slice of rows at a time, cast
+    for key in ("blocks.3.attn.qkv_proj.weight", "blocks.3.attn.gate_proj.weight"):
+        assert torch.equal(cast[key], expected[key].to(torch.bfloat16)), key
     model = hf.load_pretrained(d)
     qkv, gate, k_bytes = model.blocks[3].attn.qkv_proj.weight, model.blocks[3].attn.gate_proj.weight, 64 * 256 * 4
     assert qkv.nbytes - file_bytes(qkv) <= k_bytes + 6 * 4096 and gate.nbytes - file_bytes(gate) <= 4 * 4096

@@ -120,11 +120,11 @@ class SafetensorsFile:
         mapping of its bytes in the file (mmap(2) MAP_PRIVATE): writes to it stay in this process.
         The mapping is unmapped when the last tensor over it is freed. None where it cannot be
         mapped: no mmap(2), a big-endian machine, or data not aligned to its element size.
-        check(tensor, release), when given, reads it (a NaN check, which may raise, now or queued)
-        and then calls release(), which lets its pages go from this process (madvise MADV_DONTNEED:
-        they stay in the page cache, and nothing was written that could be lost), so that, as for a
-        tensor never read, a page counts in the resident memory from its first use on (an
-        embedding's rows no token looks up never do)."""
+        check(tensor, release), when given, reads it (a NaN check, which may raise, now or queued);
+        release(), which it may call once it is done, lets the pages go from this process (madvise
+        MADV_DONTNEED: they stay in the page cache, and nothing was written that could be lost), so
+        that, as for a tensor never read, a page counts in the resident memory from its first use on
+        (read_tensor's let_go: a token table's rows no token looks up never do)."""
         return self.map_run([(key, 0, shape[0] if shape else 1)], shape, dtype, check)
 
     def map_run(self, pieces: list[tuple[str, int, int]], shape: tuple, dtype, check=None):
