@@ -182,9 +182,11 @@ def test_nan_in_a_mapped_tensor_is_refused_by_tensor_and_file(tmp_path, bad):
         broken = dict(state)
         broken[key] = broken[key].clone()
         broken[key][2, 3] = bad
-        save_file(broken, str(d / hf.SAFETENSORS), metadata={"format": "pt"})
-        with pytest.raises(ValueError, match=rf"{d / hf.SAFETENSORS}: tensor {key} holds 1 NaN / inf values"):
-            hf.load_pretrained(d, mmap=True)
+        save_file(broken, str(tmp_path / "new"), metadata={"format": "pt"})
+        (tmp_path / "new").replace(d / hf.SAFETENSORS)
+        for dtype in (None, "bf16"):                           # kept mapped, or cast from the mapping
+            with pytest.raises(ValueError, match=rf"{d / hf.SAFETENSORS}: tensor {key} holds 1 NaN / inf values"):
+                hf.load_pretrained(d, dtype=dtype, mmap=True)
 
 
 def test_a_sharded_checkpoint_maps_each_shard(tmp_path):

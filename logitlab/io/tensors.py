@@ -275,9 +275,9 @@ class FiniteChecks:
 
 def check_finite(finite, path, name: str, tensor, release=None, mapped: bool = False) -> None:
     """The NaN / inf check (require_finite) a reader asked for: `finite` False (none), True (now),
-    or a FiniteChecks (queued there). mapped: `tensor` is a mapping of the file (queuing it holds
-    no memory); release, when given, lets its pages go once it is checked (at once when no check
-    is asked for)."""
+    or a FiniteChecks (queued there). mapped: `tensor` is a mapping of the file the model keeps
+    (queuing it holds nothing more); release, when given, lets its pages go once it is checked (at
+    once when no check is asked for)."""
     def job():
         try:
             require_finite(path, name, tensor)
@@ -307,21 +307,23 @@ def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finit
                 mapped: bool = False, let_go: bool = False):
     """Tensor `name` of the open file `f` (of `shape` and `stored` dtype), as `dtype` (None: as
     stored; integer tensors stay as stored): read_into a tensor allocated for it, or with
-    `mapped`, when it stays in its stored dtype and holds at least MAP_MIN_BYTES, a view of a
-    private mapping of the file (f.map_tensor; read as usual where it cannot be mapped). let_go: the
-    mapped pages the NaN / inf check read are let go after it (a token table, of which a forward
-    pass reads only the rows of its tokens); every other tensor is read whole by the first forward
-    pass, so its pages stay."""
+    `mapped`, where it holds at least MAP_MIN_BYTES, from a private mapping of the file
+    (f.map_tensor; read as usual where it cannot be mapped): in its stored dtype the mapping itself,
+    cast to another the mapping's values cast, straight from the page cache (no pread copy; its
+    NaN / inf check, queued beside, holds the mapping until it is done). let_go: the mapped pages
+    the check read are let go after it (a token table, of which a forward pass reads only the rows
+    of its tokens); every other tensor is read whole by the first forward pass, so its pages stay."""
     import torch
 
     target = dtype if stored.is_floating_point and dtype is not None else stored
-    if mapped and target == stored and stored.itemsize * torch.Size(shape).numel() >= MAP_MIN_BYTES:
+    if mapped and stored.itemsize * torch.Size(shape).numel() >= MAP_MIN_BYTES:
         def check(t, release):
-            check_finite(finite, path, name, t, release if let_go else None, mapped=True)
+            kept = target == stored               # else the mapping lives only for its check
+            check_finite(finite, path, name, t, release if let_go and kept else None, mapped=kept)
 
         tensor = f.map_tensor(name, shape, stored, check if finite else None)
         if tensor is not None:
-            return tensor
+            return tensor if target == stored else tensor.to(target)
     return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=target), finite)
 
 
