@@ -25,6 +25,10 @@ from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+# How long a wait may take: it ends as soon as the page shows what it waits for, so a long bound only
+# matters on a loaded machine, where one generation has taken over 30 s.
+WAIT_S = 180
+
 from logitlab.generate import SampleConfig, process_logits  # noqa: E402
 from logitlab.model import ModelConfig, Transformer  # noqa: E402
 from logitlab.serve.app import create_app  # noqa: E402
@@ -100,7 +104,7 @@ def test_the_page_shows_tokens_and_reshapes_the_distribution_as_the_sampler_does
     box.clear()
     box.send_keys(TEXT)
     driver.find_element(By.ID, "look").click()
-    wait = WebDriverWait(driver, 30)
+    wait = WebDriverWait(driver, WAIT_S)
     ids = tok.encode(TEXT)
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tokens span")) == len(ids))
     assert driver.find_element(By.ID, "summary").text.startswith(f"{len(ids)} tokens")
@@ -133,7 +137,7 @@ def test_the_page_shows_tokens_and_reshapes_the_distribution_as_the_sampler_does
 
 def test_the_page_sends_the_api_key_from_the_address_or_its_field(site, tmp_path):
     driver, tok = site["driver"], site["tok"]
-    wait = WebDriverWait(driver, 30)
+    wait = WebDriverWait(driver, WAIT_S)
     driver.get(site["keyed_url"])
     driver.find_element(By.ID, "look").click()
     wait.until(lambda d: "API key" in d.find_element(By.ID, "summary").text)
@@ -161,7 +165,7 @@ def test_the_page_shows_attention_weights_attribution_bars_and_the_patching_heat
     from logitlab.inspect.patching import activation_patching, logit_difference
 
     driver, model, tok = site["driver"], site["model"], site["tok"]
-    wait = WebDriverWait(driver, 30)
+    wait = WebDriverWait(driver, WAIT_S)
     driver.get(site["url"])
     box = driver.find_element(By.ID, "text")
     box.clear()
@@ -214,7 +218,7 @@ def test_the_page_shows_each_tokens_first_expert_and_the_load_of_an_moe(site, tm
                                     n_experts_per_token=2, moe_d_ff=16)).eval()
     server, thread, url = _start(model, tok)
     try:
-        wait = WebDriverWait(driver, 30)
+        wait = WebDriverWait(driver, WAIT_S)
         driver.get(url)
         box = driver.find_element(By.ID, "text")
         box.clear()
@@ -238,5 +242,5 @@ def test_the_page_shows_each_tokens_first_expert_and_the_load_of_an_moe(site, tm
     box.clear()
     box.send_keys(TEXT)
     driver.find_element(By.ID, "look").click()
-    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "experts-none").text)
+    WebDriverWait(driver, WAIT_S).until(lambda d: d.find_element(By.ID, "experts-none").text)
     assert "no mixture-of-experts layer" in driver.find_element(By.ID, "experts-none").text
