@@ -100,11 +100,11 @@ def _fused_projections(weights: WeightFiles, names: dict[str, str], config: Mode
     """The fused q/k/v and gate/up projections of a llama-layout checkpoint (and Qwen3.5's output
     gate, whose rows its q_proj holds), logitlab name -> tensor, from the pieces of rows that
     keymap.hf_fused_pieces places. Each is allocated once in its final dtype and device and its
-    pieces are read straight into its rows; with `mapped`, pieces that lie in one file are instead
+    pieces are read straight into its rows; with `mapped`, pieces that need no cast and lie in one
+    file are instead
     laid out from private mappings of it (WeightFiles.map_run): the pages each piece alone covers
     are the file's, so gate_proj then up_proj, back to back in a file with sorted names, take no
-    fresh memory, and q_proj, k_proj, v_proj (o_proj lies between) a page or two each; cast to
-    another dtype, the mapping's values are cast into the projection (no pread copy)."""
+    fresh memory, and q_proj, k_proj, v_proj (o_proj lies between) a page or two each."""
     from logitlab.model.keymap import hf_fused_pieces
 
     groups: dict[str, list] = {}
@@ -115,10 +115,8 @@ def _fused_projections(weights: WeightFiles, names: dict[str, str], config: Mode
     for fused, group in groups.items():
         group.sort()
         shape, stored = (group[0][4], *weights.shapes[group[0][1]][1:]), weights.dtypes[group[0][1]]
-        if mapped and torch.device(device or "cpu").type == "cpu":
-            kept = dtype in (None, stored)            # else cast from the mapping, straight from the page cache
-            joined = weights.map_run([(name, first, end) for _, name, first, end, _ in group], shape, finite, kept)
-            state[fused] = joined if kept or joined is None else joined.to(dtype)
+        if mapped and dtype in (None, stored) and torch.device(device or "cpu").type == "cpu":
+            state[fused] = weights.map_run([(name, first, end) for _, name, first, end, _ in group], shape, finite)
         if state.get(fused) is None:      # read into fresh memory: each piece into its rows
             state[fused] = torch.empty(shape, dtype=dtype or stored, device=device)
             places += [(name, first, end, state[fused][start:start + end - first])

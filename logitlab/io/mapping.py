@@ -126,3 +126,14 @@ def map_parts(fd: int, spans: list[tuple[int, int]]):
             lib.madvise(address + page * PAGE, pages * PAGE, mmap.MADV_DONTNEED)
 
     return buffer, start, release
+
+
+def let_go(address: int, nbytes: int) -> None:
+    """Let the pages that lie wholly inside [address, address + nbytes) go from this process
+    (madvise MADV_DONTNEED), for a range of a mapping that nothing will read again or that refills
+    from the file: a page of the file comes back on the next touch; a page that was read into (a
+    hole) or written comes back zero, so only for bytes already used and done with."""
+    lib = libc()
+    first, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    if lib is not None and end > first:
+        lib.madvise(first, end - first, mmap.MADV_DONTNEED)

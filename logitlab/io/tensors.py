@@ -309,22 +309,39 @@ def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finit
     stored; integer tensors stay as stored): read_into a tensor allocated for it, or with
     `mapped`, where it holds at least MAP_MIN_BYTES, from a private mapping of the file
     (f.map_tensor; read as usual where it cannot be mapped): in its stored dtype the mapping itself,
-    cast to another the mapping's values cast, straight from the page cache (no pread copy; its
-    NaN / inf check, queued beside, holds the mapping until it is done). let_go: the mapped pages
+    cast to another the mapping's values cast a slice at a time (cast_mapped: no pread copy, and
+    no more of the stored dtype resident than a slice). let_go: the mapped pages
     the check read are let go after it (a token table, of which a forward pass reads only the rows
     of its tokens); every other tensor is read whole by the first forward pass, so its pages stay."""
     import torch
 
     target = dtype if stored.is_floating_point and dtype is not None else stored
     if mapped and stored.itemsize * torch.Size(shape).numel() >= MAP_MIN_BYTES:
-        def check(t, release):
-            kept = target == stored               # else the mapping lives only for its check
-            check_finite(finite, path, name, t, release if let_go and kept else None, mapped=kept)
+        def check(t, release):                    # the check queued; the pages are the model's
+            check_finite(finite, path, name, t, release if let_go else None, mapped=True)
 
-        tensor = f.map_tensor(name, shape, stored, check if finite else None)
+        kept = target == stored
+        tensor = f.map_tensor(name, shape, stored, check if finite and kept else None)
         if tensor is not None:
-            return tensor if target == stored else tensor.to(target)
+            return tensor if kept else cast_mapped(path, name, tensor, torch.empty(shape, dtype=target), finite)
     return read_into(f, path, name, shape, stored, torch.empty(shape, dtype=target), finite)
+
+
+def cast_mapped(path, name: str, mapped, out, finite=False):
+    """`out` (of another dtype) filled from `mapped` (a mapping of tensor `name`'s bytes in the
+    file, nothing written to it) a slice of rows (SLICE_BYTES) at a time: each slice checked for
+    NaN / inf when finite, cast into out, and its pages let go (mapping.let_go), so that no more
+    than a slice of the stored dtype is ever resident, as when reading through a scratch buffer,
+    without the copy into it. -> out."""
+    rows = out.shape[0] if out.dim() else 1
+    step = max(1, SLICE_BYTES // max(1, mapped.nbytes // max(1, rows)))
+    for start in range(0, rows, step):
+        part = mapped[start:start + step] if out.dim() else mapped
+        if finite:
+            require_finite(path, name, part)
+        (out[start:start + step] if out.dim() else out).copy_(part)
+        mapping.let_go(part.data_ptr(), part.nbytes)
+    return out
 
 
 def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, finite=False, rows=None):

@@ -134,16 +134,14 @@ class WeightFiles:
                 for name, first, end, out in wanted:
                     tensors.read_into(f, path, name, self.shapes[name], self.dtypes[name], out, finite, (first, end))
 
-    def map_run(self, pieces: list[tuple[str, int, int]], shape: tuple, finite=False,
-                kept: bool = True) -> torch.Tensor | None:
+    def map_run(self, pieces: list[tuple[str, int, int]], shape: tuple, finite=False) -> torch.Tensor | None:
         """Rows of tensors, `pieces` ((name, first row, end row) each: the parts of a fused
         projection, in its row order), as one tensor of `shape` laid out from private mappings of
         the file that holds them all in one dtype (tensors.SafetensorsFile.map_run): no copy where
         the file holds them back to back in that order, a page or two per part read where they lie
         apart. finite=True checks every piece for NaN / inf, naming the tensor it comes from. None
         where they cannot be mapped (a .bin, two files or dtypes, under
-        tensors.MAP_MIN_BYTES). `finite` as for tensors(); kept=False: the caller casts the mapping
-        and drops it, so its queued check holds it (and counts its bytes against the queue's bound)."""
+        tensors.MAP_MIN_BYTES). `finite` as for tensors()."""
         names = list(dict.fromkeys(name for name, _, _ in pieces))
         path, dtype = self.files[names[0]], self.dtypes[names[0]]
         if (path.suffix != ".safetensors" or any(self.files[n] != path or self.dtypes[n] != dtype for n in names)
@@ -155,10 +153,7 @@ class WeightFiles:
             def job():                  # one check of every piece (its pages stay: a forward reads them all)
                 for (name, first, end), at in zip(pieces, starts):
                     tensors.require_finite(path, name, joined[at:at + end - first])
-            if isinstance(finite, tensors.FiniteChecks):
-                finite.queue(job, 0 if kept else joined.nbytes)
-            else:
-                job()
+            finite.queue(job) if isinstance(finite, tensors.FiniteChecks) else job()
 
         with tensors.open_safetensors(path) as f:
             return f.map_run(pieces, shape, dtype, check if finite else None)
