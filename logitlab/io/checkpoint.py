@@ -331,8 +331,8 @@ def load_for_inference(path: str | os.PathLike, which: str = "latest", device: s
     """(model in eval mode, tokenizer or None) from a run dir, checkpoint dir or model dir;
     dtype None keeps the stored dtype, else each tensor is cast as it is read. A model whose weights
     need more than max_memory (default: what the machine has available) is refused before it is
-    built (model_dir.load_model). mmap: tensors kept as stored stay mapped from the file
-    (hf.load_pretrained's mmap)."""
+    built (model_dir.load_model). mmap (default True): tensors kept as stored stay mapped from the
+    file (hf.load_pretrained's mmap)."""
     directory = resolve_model_dir(path, which)
     model = load_model(directory, device=device, dtype=dtype, max_memory=max_memory, mmap=mmap).eval()
     tokenizer = None

@@ -49,8 +49,9 @@ def load_model_and_tokenizer(spec: str | os.PathLike, revision: str | None = Non
     (None keeps the stored dtype). A model whose weights need more than `max_memory` ("8GB",
     "512MiB" or bytes; default: what the machine has available) is refused before it is built,
     naming the field that drives the size (a hub id's before its weights are downloaded). A model
-    without a tokenizer is a FileNotFoundError naming it. mmap: the safetensors tensors kept as
-    stored stay private mappings of the files (hf.load_pretrained's mmap; not for GGUF files)."""
+    without a tokenizer is a FileNotFoundError naming it. mmap (default True): the safetensors
+    tensors kept as stored stay private mappings of the files (hf.load_pretrained's mmap; not for
+    GGUF files)."""
     if str(spec).endswith(".gguf"):
         return load_gguf_and_tokenizer(spec, dtype, device, max_memory)
     resolved = hf.resolve_checked(spec, revision, dtype, device, max_memory)   # a hub id: its config first

@@ -169,8 +169,9 @@ def load_model(directory: str | os.PathLike, device: str = "cpu", dtype=None, ma
     gate/up became one projection each is read whole and upgraded first (upgrade_legacy_state).
     A floating tensor that holds NaN or inf is refused, naming its key. A quantized directory
     (read_quantization) is built with its quantized layers, whose tensors keep their stored dtypes.
-    mmap=True: a tensor that needs no cast stays a private mapping of the file (hf.load_pretrained's
-    `mmap` says what that means and costs)."""
+    mmap=True (the default): a tensor that needs no cast stays a private mapping of the file, and one
+    cast is cast from a mapping a slice at a time (hf.load_pretrained's `mmap` says what that means
+    and costs); mmap=False reads every tensor into memory the model owns."""
     import torch
 
     directory = Path(directory)
