@@ -233,7 +233,7 @@ def check_exportable(config: ModelConfig, source: str | os.PathLike | None = Non
     config came from, named in the message."""
     found = families.features_without_hf_class(config)
     if found:
-        has = found[0] if len(found) == 1 else f"{', '.join(found[:-1])} and {found[-1]}"
+        has = families.listed(found)
         what, keep = ((f"{source}", f"keep using {source} as it is (generate, chat, serve, eval and inspect all "
                        "load it)") if source is not None else
                       ("this model", "save it with logitlab.save_model (every logitlab command loads that directory)"))

@@ -69,8 +69,9 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
     # clean_hf_state decides on names alone: run over {name: name}, it maps each full HF name to
     # the name the file stores it under (buffers and a tied head's copy dropped, base-model prefix)
     names = families.clean_hf_state({k: k for k in weights.shapes}, config)
+    pieces = {name: hf_fused_pieces(key, config) for key, name in names.items()}   # None: not fused
     with FiniteChecks() as finite:        # NaN / inf checks on a few threads beside the reads
-        state = _fused_projections(weights, names, config, dtype, device, mapped, finite)
+        state = _fused_projections(weights, {n: p for n, p in pieces.items() if p}, mapped, dtype, device, finite)
 
         def cast(items):
             for key, tensor in items:  # rebound, so the uncast tensor is dropped before the next read
@@ -79,7 +80,7 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
 
         # the converted tensors are the model's own (final dtype and device): holding them until one
         # assignment costs nothing extra, and one load_state_dict walks the modules once
-        rest = {key: name for key, name in names.items() if hf_fused_pieces(key, config) is None}
+        rest = {key: name for key, name in names.items() if pieces[name] is None}
         # an untied token table: a forward pass reads only its tokens' rows, so the pages the check
         # read go again (a tied one is the head too, read whole by every forward pass)
         table = frozenset() if config.tie_embeddings else frozenset({names.get(hf_token_table(config))})
@@ -95,30 +96,32 @@ def stream_model(weights: WeightFiles, config: ModelConfig, source: str, dtype=N
     return model
 
 
-def _fused_projections(weights: WeightFiles, names: dict[str, str], config: ModelConfig, dtype, device,
-                       mapped: bool, finite) -> dict[str, torch.Tensor]:
+def _fused_projections(weights: WeightFiles, pieces: dict[str, list], mapped: bool, dtype, device,
+                       finite) -> dict[str, torch.Tensor]:
     """The fused q/k/v and gate/up projections of a llama-layout checkpoint (and Qwen3.5's output
-    gate, whose rows its q_proj holds), logitlab name -> tensor, from the pieces of rows that
-    keymap.hf_fused_pieces places. Each is allocated once in its final dtype and device and its
-    pieces are read straight into its rows; with `mapped`, pieces that need no cast and lie in one
-    file are instead
-    laid out from private mappings of it (WeightFiles.map_run): the pages each piece alone covers
-    are the file's, so gate_proj then up_proj, back to back in a file with sorted names, take no
-    fresh memory, and q_proj, k_proj, v_proj (o_proj lies between) a page or two each."""
-    from logitlab.model.keymap import hf_fused_pieces
-
+    gate, whose rows its q_proj holds), logitlab name -> tensor, from `pieces` (file name -> where
+    its rows go: keymap.hf_fused_pieces). Each is allocated once in its final dtype and device and
+    its pieces are read straight into its rows; with `mapped`, pieces that need no cast and lie in
+    one file are instead laid out from private mappings of it (WeightFiles.map_runs): the pages each
+    piece alone covers are the file's, so gate_proj then up_proj, back to back in a file with
+    sorted names, take no fresh memory, and q_proj, k_proj, v_proj (o_proj lies between) a page or
+    two each."""
     groups: dict[str, list] = {}
-    for key, name in names.items():
-        for fused, start, first, end, rows in hf_fused_pieces(key, config) or ():
+    for name, places in pieces.items():
+        for fused, start, first, end, rows in places:
             groups.setdefault(fused, []).append((start, name, first, end, rows))
-    state, places = {}, []
+    shapes, stored = {}, {}
     for fused, group in groups.items():
         group.sort()
-        shape, stored = (group[0][4], *weights.shapes[group[0][1]][1:]), weights.dtypes[group[0][1]]
-        if mapped and dtype in (None, stored) and torch.device(device or "cpu").type == "cpu":
-            state[fused] = weights.map_run([(name, first, end) for _, name, first, end, _ in group], shape, finite)
+        shapes[fused], stored[fused] = (group[0][4], *weights.shapes[group[0][1]][1:]), weights.dtypes[group[0][1]]
+    mappable = mapped and torch.device(device or "cpu").type == "cpu"
+    state = weights.map_runs({fused: ([(name, first, end) for _, name, first, end, _ in group], shapes[fused])
+                              for fused, group in groups.items() if mappable and dtype in (None, stored[fused])},
+                             finite)
+    places = []
+    for fused, group in groups.items():
         if state.get(fused) is None:      # read into fresh memory: each piece into its rows
-            state[fused] = torch.empty(shape, dtype=dtype or stored, device=device)
+            state[fused] = torch.empty(shapes[fused], dtype=dtype or stored[fused], device=device)
             places += [(name, first, end, state[fused][start:start + end - first])
                        for start, name, first, end, _ in group]
     weights.fill(places, finite)

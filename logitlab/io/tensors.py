@@ -329,18 +329,12 @@ def read_tensor(f: SafetensorsFile, path, name: str, shape: tuple, stored, finit
 
 def cast_mapped(path, name: str, mapped, out, finite=False):
     """`out` (of another dtype) filled from `mapped` (a mapping of tensor `name`'s bytes in the
-    file, nothing written to it) a slice of rows (SLICE_BYTES) at a time: each slice checked for
-    NaN / inf when finite, cast into out, and its pages let go (mapping.let_go), so that no more
-    than a slice of the stored dtype is ever resident, as when reading through a scratch buffer,
-    without the copy into it. -> out."""
-    rows = out.shape[0] if out.dim() else 1
-    step = max(1, SLICE_BYTES // max(1, mapped.nbytes // max(1, rows)))
-    for start in range(0, rows, step):
-        part = mapped[start:start + step] if out.dim() else mapped
-        if finite:
-            require_finite(path, name, part)
-        (out[start:start + step] if out.dim() else out).copy_(part)
-        mapping.let_go(part.data_ptr(), part.nbytes)
+    file, nothing written to it) a slice of rows at a time (cast_slices): each slice checked, cast,
+    and its pages let go (mapping.let_go), so that no more than a slice of the stored dtype is ever
+    resident, as when reading through a scratch buffer, without the copy into it. -> out."""
+    rows_out, rows_in = (out, mapped) if out.dim() else (out.view(1), mapped.view(1))   # a 0-d tensor: one row
+    cast_slices(path, name, rows_out, 0, rows_in.shape[0], rows_in[0].nbytes, lambda a, b: rows_in[a:b], finite,
+                lambda part: mapping.let_go(part.data_ptr(), part.nbytes))
     return out
 
 
@@ -366,10 +360,22 @@ def read_into(f: SafetensorsFile, path, name: str, shape: tuple, stored, out, fi
         f.read_rows(name, first, end, shape, stored, out)
         check_finite(finite, path, name, out)
         return out
-    step = max(1, SLICE_BYTES // max(1, stored.itemsize * torch.Size(shape[1:]).numel()))
+    # (rows, ...) in the stored dtype, in the scratch buffer: checked now, since it is read into again next
+    return cast_slices(path, name, out, first, end, stored.itemsize * torch.Size(shape[1:]).numel(),
+                       lambda start, stop: f.read_rows(name, start, stop, shape, stored), finite)
+
+
+def cast_slices(path, name: str, out, first: int, end: int, row_bytes: int, rows, finite=False, done=None):
+    """Fill `out` (another dtype) with rows [first, end) of tensor `name`, SLICE_BYTES of the stored
+    dtype at a time: rows(start, stop) gives a slice (read into a scratch buffer, or a view of a
+    mapping), which is checked for NaN / inf when finite, cast into its place, then handed to
+    done(slice) when given (a mapping lets its pages go). -> out."""
+    step = max(1, SLICE_BYTES // max(1, row_bytes))
     for start in range(first, end, step):
-        part = f.read_rows(name, start, min(start + step, end), shape, stored)  # (rows, ...) stored dtype
-        if finite:                      # now: the scratch buffer is read into again next
+        part = rows(start, min(start + step, end))
+        if finite:
             require_finite(path, name, part)
         out[start - first:start - first + step].copy_(part)
+        if done is not None:
+            done(part)
     return out

@@ -134,29 +134,27 @@ class WeightFiles:
                 for name, first, end, out in wanted:
                     tensors.read_into(f, path, name, self.shapes[name], self.dtypes[name], out, finite, (first, end))
 
-    def map_run(self, pieces: list[tuple[str, int, int]], shape: tuple, finite=False) -> torch.Tensor | None:
-        """Rows of tensors, `pieces` ((name, first row, end row) each: the parts of a fused
-        projection, in its row order), as one tensor of `shape` laid out from private mappings of
-        the file that holds them all in one dtype (tensors.SafetensorsFile.map_run): no copy where
-        the file holds them back to back in that order, a page or two per part read where they lie
-        apart. finite=True checks every piece for NaN / inf, naming the tensor it comes from. None
-        where they cannot be mapped (a .bin, two files or dtypes, under
-        tensors.MAP_MIN_BYTES). `finite` as for tensors()."""
-        names = list(dict.fromkeys(name for name, _, _ in pieces))
-        path, dtype = self.files[names[0]], self.dtypes[names[0]]
-        if (path.suffix != ".safetensors" or any(self.files[n] != path or self.dtypes[n] != dtype for n in names)
-                or dtype.itemsize * torch.Size(shape).numel() < tensors.MAP_MIN_BYTES):
-            return None
-        starts = [sum(end - first for _, first, end in pieces[:i]) for i in range(len(pieces))]
-
-        def check(joined: torch.Tensor, release) -> None:
-            def job():                  # one check of every piece (its pages stay: a forward reads them all)
-                for (name, first, end), at in zip(pieces, starts):
-                    tensors.require_finite(path, name, joined[at:at + end - first])
-            finite.queue(job) if isinstance(finite, tensors.FiniteChecks) else job()
-
-        with tensors.open_safetensors(path) as f:
-            return f.map_run(pieces, shape, dtype, check if finite else None)
+    def map_runs(self, runs: dict[str, tuple[list, tuple]], finite=False) -> dict[str, torch.Tensor | None]:
+        """key -> (pieces, shape) -> key -> one tensor of `shape` made of the rows `pieces` name
+        ((name, first row, end row) each: the parts of a fused projection, in its row order), laid
+        out from private mappings of the file that holds them all in one dtype
+        (tensors.SafetensorsFile.map_run): no copy where the file holds them back to back in that
+        order, a page or two per part read where they lie apart; None where they cannot be mapped
+        (a .bin, two files or dtypes, under tensors.MAP_MIN_BYTES). Each file is opened once.
+        finite (as for tensors()): every piece is checked for NaN / inf, naming its tensor."""
+        out: dict[str, torch.Tensor | None] = dict.fromkeys(runs)
+        by_file: dict[Path, list] = {}
+        for key, (pieces, shape) in runs.items():
+            names = list(dict.fromkeys(name for name, _, _ in pieces))
+            path, dtype = self.files[names[0]], self.dtypes[names[0]]
+            if (path.suffix == ".safetensors" and all(self.files[n] == path and self.dtypes[n] == dtype for n in names)
+                    and dtype.itemsize * torch.Size(shape).numel() >= tensors.MAP_MIN_BYTES):
+                by_file.setdefault(path, []).append((key, pieces, shape, dtype))
+        for path in sorted(by_file):
+            with tensors.open_safetensors(path) as f:
+                for key, pieces, shape, dtype in by_file[path]:
+                    out[key] = f.map_run(pieces, shape, dtype, _check_pieces(path, pieces, finite) if finite else None)
+        return out
 
     def _by_file(self, names: dict[str, str]):
         """(file, [(key, name), ...] sorted by name) for the files that hold `names`, in file order."""
@@ -164,3 +162,18 @@ class WeightFiles:
         for key, name in names.items():
             by_file.setdefault(self.files[name], []).append((key, name))
         return [(path, sorted(by_file[path], key=lambda kn: kn[1])) for path in sorted(by_file)]
+
+
+def _check_pieces(path: Path, pieces: list, finite):
+    """The check a mapped run of `pieces` gets (SafetensorsFile.map_run's check): every piece checked
+    for NaN / inf, naming its tensor, at once or queued on `finite` (a tensors.FiniteChecks); the
+    pages stay (a forward pass reads them all)."""
+    starts = [sum(end - first for _, first, end in pieces[:i]) for i in range(len(pieces))]
+
+    def check(joined: torch.Tensor, release) -> None:
+        def job():
+            for (name, first, end), at in zip(pieces, starts):
+                tensors.require_finite(path, name, joined[at:at + end - first])
+        finite.queue(job) if isinstance(finite, tensors.FiniteChecks) else job()
+
+    return check

@@ -34,6 +34,7 @@ from logitlab.model.keymap import (  # noqa: F401  (the key maps, importable fro
     hf_key_to_logitlab,
     hf_tensors_to_logitlab,
     key_layout,
+    listed,
     state_dict_from_hf,
     state_dict_to_hf,
 )

@@ -44,7 +44,7 @@ def hf_architecture(config: ModelConfig) -> str:
         bad("attn_sinks", True, "causal-LM")
     found = features_without_hf_class(c)
     if found:
-        raise ValueError(f"the model has {_listed(found)}, which no Hugging Face class that logitlab writes has "
+        raise ValueError(f"the model has {listed(found)}, which no Hugging Face class that logitlab writes has "
                          f"a place for")
     if c.norm_zero_centered or c.attn_gate != "none" or "linear_attention" in c.layer_kinds:
         return _qwen3_5(c, bad)
@@ -91,7 +91,7 @@ def features_without_hf_class(config: ModelConfig) -> list[str]:
     return [f"{words} ({name}={getattr(config, name)!r})" for words, name, on in _RECIPE_FEATURES if on(config)]
 
 
-def _listed(phrases: list[str]) -> str:
+def listed(phrases: list[str]) -> str:
     """["a"] -> "a"; ["a", "b", "c"] -> "a, b and c"."""
     return phrases[0] if len(phrases) == 1 else f"{', '.join(phrases[:-1])} and {phrases[-1]}"
 
